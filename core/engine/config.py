@@ -1,0 +1,38 @@
+"""Engine configuration: one pydantic model, validated once, shown in ``--help``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="Checkpoint directory (config.json + safetensors) or a built-in model name.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to the model directory.")
+    plugins: list[str] | None = Field(None, description="Plugins to load; None autoloads all installed.")
+    device: str | None = Field(None, description="Platform name; default: the only available accelerator, else cpu.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype; auto uses the checkpoint's when the platform supports it."
+    )
+    attention_backend: str | None = Field(None, description="Attention backend name or module.path:Class.")
+    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output; default from config.json.")
+    block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
+    max_num_seqs: int = Field(256, ge=1, description="Most requests running at once.")
+    max_num_batched_tokens: int = Field(16384, ge=1, description="Token budget of one step.")
+    kv_cache_memory: float | None = Field(
+        None, gt=0, description="KV-cache size in GiB; default: kv_cache_memory_fraction of free memory."
+    )
+    kv_cache_memory_fraction: float = Field(0.5, gt=0, le=1, description="Share of free memory for the KV cache.")
+    seed: int = Field(0, description="Seed for unseeded sampling.")
+
+    @field_validator("plugins", mode="before")
+    @classmethod
+    def _split_plugins(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value

@@ -1,0 +1,152 @@
+"""The AttentionBackend interface and the per-step data it receives."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+# Attention kinds. A model declares one per layer; platforms list backends per kind.
+MHA = "mha"  # multi-head, grouped-query and multi-query attention
+SLIDING_WINDOW = "sliding_window"  # MHA/GQA restricted to the last `sliding_window` keys
+MLA = "mla"  # multi-head latent attention (DeepSeek)
+SPARSE_MLA = "sparse_mla"  # MLA with top-k token selection
+LINEAR = "linear"  # linear / recurrent attention with a fixed-size per-request state
+ATTENTION_KINDS = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, LINEAR)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention layer needs; equal specs share a KV-cache group and backend.
+
+    ``scale`` multiplies ``q·k``; ``sliding_window`` is the number of most recent
+    keys (including the query's own position) a query may attend to.
+    """
+
+    kind: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None = None
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        return 2 * self.num_kv_heads * self.head_size * element_size
+
+
+@dataclass(frozen=True)
+class AttentionCapabilities:
+    """What a backend supports; read by selection and by the conformance kit.
+
+    ``None`` for ``head_sizes`` / ``block_sizes`` means any. ``kv_cache_dtypes``
+    uses ``"auto"`` for "same as the compute dtype".
+    """
+
+    kinds: frozenset[str]
+    platforms: frozenset[str]
+    dtypes: frozenset[str]
+    kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
+    head_sizes: frozenset[int] | None = None
+    block_sizes: frozenset[int] | None = None
+
+
+@dataclass
+class CommonAttentionMetadata:
+    """One step's flattened varlen batch, built once by the model runner.
+
+    All tensors are int64 on the device. ``B`` sequences, ``T`` tokens; sequence
+    ``i`` owns tokens ``query_start_loc[i]:query_start_loc[i+1]``, which sit at
+    positions ``context_lens[i] .. seq_lens[i]-1`` of that sequence.
+
+    - ``query_start_loc``: [B + 1]
+    - ``query_lens``: [B] new tokens this step
+    - ``context_lens``: [B] tokens already in the cache before this step
+    - ``seq_lens``: [B] = context_lens + query_lens
+    - ``block_tables``: [B, max_blocks] physical block ids (padding entries are 0
+      and never read for positions < seq_lens)
+    - ``slot_mapping``: [T] cache slot (block * block_size + offset) of each new token
+    """
+
+    query_start_loc: torch.Tensor
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.query_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Runs attention over a paged KV cache for one KV-cache group.
+
+    One instance is created per group of layers with equal :class:`AttentionSpec`
+    (``__init__(spec, block_size, dtype, device)``). Per step,
+    :meth:`build_metadata` is called once and its result passed to
+    :meth:`forward` for every layer of the group. No hooks are called per step.
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[AttentionCapabilities]
+
+    def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.spec = spec
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+
+    @classmethod
+    def validate(
+        cls, spec: AttentionSpec, *, platform: str, dtype: str, block_size: int, kv_cache_dtype: str = "auto"
+    ) -> list[str]:
+        """Reasons this backend cannot serve ``spec``; an empty list means usable."""
+        caps = cls.capabilities
+        reasons = []
+        if spec.kind not in caps.kinds:
+            reasons.append(f"attention kind {spec.kind!r} not supported (supports {', '.join(sorted(caps.kinds))})")
+        if platform not in caps.platforms:
+            reasons.append(f"platform {platform!r} not supported (supports {', '.join(sorted(caps.platforms))})")
+        if dtype not in caps.dtypes:
+            reasons.append(f"dtype {dtype} not supported (supports {', '.join(sorted(caps.dtypes))})")
+        if kv_cache_dtype not in caps.kv_cache_dtypes:
+            reasons.append(f"KV-cache dtype {kv_cache_dtype} not supported")
+        if caps.head_sizes is not None and spec.head_size not in caps.head_sizes:
+            reasons.append(f"head size {spec.head_size} not supported (supports {sorted(caps.head_sizes)})")
+        if caps.block_sizes is not None and block_size not in caps.block_sizes:
+            reasons.append(f"block size {block_size} not supported (supports {sorted(caps.block_sizes)})")
+        return reasons
+
+    @abstractmethod
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of one layer's cache tensor for ``num_blocks`` blocks."""
+
+    @abstractmethod
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Derive whatever this backend needs for the step; called once per step."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` into ``kv_cache`` at the step's slots, then attend.
+
+        q: [T, num_heads, head_size]; k, v: [T, num_kv_heads, head_size], all in
+        the compute dtype. Each token attends causally to its sequence's cached
+        and new keys (and only the last ``sliding_window`` of them when set).
+        Returns [T, num_heads, head_size]. Mutates ``kv_cache`` only.
+        """

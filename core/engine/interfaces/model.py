@@ -1,0 +1,57 @@
+"""The Model interface: a model family's network, built from ``config.json``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from engine.interfaces.attention import AttentionSpec
+from engine.model_config import HFConfig
+
+if TYPE_CHECKING:
+    from engine.runtime.forward_context import ForwardContext
+
+
+@dataclass(frozen=True)
+class ModelInit:
+    """What a model's constructor receives: the parsed ``config.json``, the
+    compute dtype and the device its parameters live on."""
+
+    config: HFConfig
+    dtype: torch.dtype
+    device: torch.device
+
+
+class Model(torch.nn.Module, ABC):
+    """A causal LM over a flattened batch of tokens (no padding).
+
+    Constructed as ``cls(init: ModelInit)``; the engine then streams the
+    checkpoint into :meth:`load_weights`, checks every parameter was filled, and
+    calls :meth:`kv_cache_specs` to size the cache.
+    """
+
+    @abstractmethod
+    def kv_cache_specs(self) -> list[AttentionSpec]:
+        """One spec per attention layer, in the order of the ``layer_index`` the
+        model's attention layers pass to ``ctx``."""
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: [T] int64. Returns hidden states [T, hidden_size]
+        in the compute dtype. Writes this step's K/V into the caches held by ``ctx``."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states: [N, hidden_size] -> logits [N, vocab_size]."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Consume ``(checkpoint_name, tensor)`` pairs, remapping names as needed.
+
+        Returns the names of the model's own parameters (``named_parameters``
+        keys) that were filled. Raises ``KeyError`` naming a checkpoint tensor
+        the model has no place for.
+        """

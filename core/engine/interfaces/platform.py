@@ -1,0 +1,106 @@
+"""The Platform interface: one hardware target."""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Mapping
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Answer of :meth:`Platform.is_available`: ``reason`` says why not (or what was found)."""
+
+    available: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    free_bytes: int
+    total_bytes: int
+
+
+class Platform(ABC):
+    """A hardware target. Exactly one platform is active in an engine.
+
+    Capabilities are class attributes so that selection code, ``engine plugins``
+    and the conformance kit read them without instantiating anything or
+    importing torch:
+
+    - ``name``: registry key (``--device NAME``).
+    - ``device_type``: the torch device type (``"cpu"``, ``"cuda"``, ``"xpu"``).
+    - ``dist_backend``: ``torch.distributed`` backend (gloo, nccl, xccl).
+    - ``supported_dtypes``: torch dtype names usable for compute (``"bfloat16"``).
+    - ``default_dtype``: used when the user asks for ``auto`` and the checkpoint's
+      dtype is not supported.
+    - ``auto_dtype_overrides``: checkpoint dtype -> dtype ``auto`` picks instead
+      (for a dtype that works but is slow here).
+    - ``fp8_dtype``: name of the native FP8 dtype, or None.
+    - ``attention_backends``: attention kind -> backend names in order of preference.
+    - ``supported_quantizations``: quantization method names, or None for any.
+
+    Instances take no constructor arguments. Methods raise ``RuntimeError`` with a
+    reason when used on a platform that is not available.
+    """
+
+    name: ClassVar[str]
+    device_type: ClassVar[str]
+    dist_backend: ClassVar[str]
+    supported_dtypes: ClassVar[tuple[str, ...]]
+    default_dtype: ClassVar[str] = "bfloat16"
+    fp8_dtype: ClassVar[str | None] = None
+    auto_dtype_overrides: ClassVar[Mapping[str, str]] = {}
+    attention_backends: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    supported_quantizations: ClassVar[tuple[str, ...] | None] = None
+
+    @classmethod
+    @abstractmethod
+    def is_available(cls) -> Availability:
+        """Probe the hardware. Never raises: failures become ``Availability(False, reason)``."""
+
+    @abstractmethod
+    def memory_info(self) -> MemoryInfo:
+        """Free and total memory of the device, in bytes."""
+
+    def device(self, index: int = 0) -> torch.device:
+        import torch
+
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, index)
+
+    def supports_dtype(self, dtype: str) -> bool:
+        return dtype in self.supported_dtypes
+
+    def attention_backend_preferences(self, kind: str) -> tuple[str, ...]:
+        """Backend names to try for an attention kind, best first (empty if none)."""
+        return tuple(self.attention_backends.get(kind, ()))
+
+    def check_quantization(self, method: str) -> None:
+        """Raise ``ValueError`` when ``method`` cannot run on this platform."""
+        allowed = self.supported_quantizations
+        if allowed is not None and method not in allowed:
+            raise ValueError(
+                f"Quantization {method!r} is not supported on platform {self.name!r}. "
+                f"Supported: {', '.join(allowed) or 'none'}."
+            )
+
+    def seed_everything(self, seed: int) -> None:
+        """Seed Python, NumPy and torch (and the device's generators)."""
+        import numpy as np
+        import torch
+
+        random.seed(seed)
+        np.random.seed(seed % (2**32))
+        torch.manual_seed(seed)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work to finish (a no-op on synchronous devices)."""

@@ -1,0 +1,84 @@
+"""Rotary position embeddings (neox / rotate-half layout) with HF's rope_type variants."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.model_config import HFConfig
+
+
+def rope_parameters(config: HFConfig) -> dict[str, Any]:
+    """Normalise ``rope_parameters`` (transformers 5) and ``rope_theta`` /
+    ``rope_scaling`` (older configs) into one dict with ``rope_type`` and ``rope_theta``."""
+    params: dict[str, Any] = {}
+    scaling = config.get("rope_scaling")
+    if scaling is not None:
+        params.update(scaling.to_dict())
+    new = config.get("rope_parameters")
+    if new is not None:
+        params.update(new.to_dict())
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = rope_type
+    return params
+
+
+def inverse_frequencies(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """inv_freq [rotary_dim // 2] in fp32 and the cos/sin scaling factor."""
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low_freq_factor = float(params["low_freq_factor"])
+        high_freq_factor = float(params["high_freq_factor"])
+        old_context_len = float(params["original_max_position_embeddings"])
+        low_freq_wavelen = old_context_len / low_freq_factor
+        high_freq_wavelen = old_context_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are divided by factor, short ones kept, the middle band interpolated
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled), 1.0
+    raise ValueError(
+        f"Unsupported rope_type {rope_type!r}. Supported: default, linear, llama3."
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k by position, from a cos/sin table built once in fp32."""
+
+    def __init__(self, head_size: int, max_positions: int, params: dict[str, Any], rotary_dim: int | None = None) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim or head_size
+        inv_freq, attention_scaling = inverse_frequencies(self.rotary_dim, params)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # cos, sin: [max_positions, rotary_dim]
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+        self.max_positions = max_positions
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos + rotated * sin
+        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)

@@ -1,0 +1,1 @@
+"""Finding a checkpoint and streaming its safetensors into a model."""

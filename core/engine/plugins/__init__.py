@@ -1,0 +1,1 @@
+"""Plugin discovery, loading and the component registries."""

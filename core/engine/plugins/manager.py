@@ -1,0 +1,265 @@
+"""Discovery and loading of plugins: ``get_plugin_manager`` is the only way in.
+
+Nothing is loaded at import time. Plugins come from the ``engine.plugins``
+entry-point group or from dotted module paths named in the selection.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import importlib.util
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import pluggy
+
+from engine import hookspecs
+from engine.plugins.components import Components
+
+logger = logging.getLogger("engine.plugins")
+
+ENTRY_POINT_GROUP = "engine.plugins"
+PLUGINS_ENV = "ENGINE_PLUGINS"
+TRACE_ENV = "ENGINE_TRACE_PLUGINS"
+
+
+class PluginLoadError(RuntimeError):
+    """A plugin that was asked for could not be loaded or is malformed."""
+
+
+class PluginLoadWarning(UserWarning):
+    """An autoloaded plugin failed; the others were loaded."""
+
+
+@dataclass
+class PluginInfo:
+    """One discovered plugin and what became of it."""
+
+    name: str
+    source: str  # "entry_point" or "module"
+    module: str
+    distribution: str | None = None
+    version: str | None = None
+    requested: bool = False
+    loaded: bool = False
+    error: str | None = None
+    hooks: list[str] = field(default_factory=list)
+    components: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def distribution_label(self) -> str:
+        if self.distribution:
+            return f"{self.distribution} {self.version}" if self.version else self.distribution
+        return f"module {self.module}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "module": self.module,
+            "distribution": self.distribution,
+            "version": self.version,
+            "requested": self.requested,
+            "loaded": self.loaded,
+            "error": self.error,
+            "hooks": list(self.hooks),
+            "components": {k: list(v) for k, v in self.components.items()},
+        }
+
+
+class EnginePluginManager(pluggy.PluginManager):
+    """A pluggy manager that also records what was discovered and why it failed."""
+
+    def __init__(self, trace: bool = False) -> None:
+        super().__init__("engine")
+        self.add_hookspecs(hookspecs)
+        self.plugin_infos: list[PluginInfo] = []
+        self.trace_enabled = trace
+        self._components: Components | None = None
+
+    def info_for(self, name: str) -> PluginInfo | None:
+        for info in self.plugin_infos:
+            if info.name == name:
+                return info
+        return None
+
+    @property
+    def load_errors(self) -> list[PluginInfo]:
+        return [info for info in self.plugin_infos if info.error]
+
+    def components(self) -> Components:
+        """Call every registration hook once and return the filled registries."""
+        if self._components is None:
+            self._components = Components.from_plugin_manager(self)
+        return self._components
+
+
+def parse_plugin_selection(value: str | Iterable[str] | None) -> list[str] | None:
+    """``None`` means autoload; a string is a comma-separated list ("" selects none)."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return [item.strip() for item in items if item and item.strip()]
+
+
+def get_plugin_manager(
+    plugins: str | Iterable[str] | None = None,
+    autoload: bool | None = None,
+    *,
+    trace: bool | None = None,
+) -> EnginePluginManager:
+    """Discover and load plugins.
+
+    :param plugins: names to load, as a list or a comma-separated string. Each
+        is an entry-point name in the ``engine.plugins`` group or a dotted module
+        path holding hookimpls. ``None`` reads ``ENGINE_PLUGINS``; when that is
+        unset too, every installed plugin is autoloaded. An empty selection
+        loads none.
+    :param autoload: also load every other discovered entry point, leniently.
+        Defaults to True only when no selection was given.
+    :param trace: log every hook call; defaults to ``ENGINE_TRACE_PLUGINS=1``.
+    :raises PluginLoadError: when a selected plugin is unknown, fails to import
+        or implements a hook that does not exist.
+    """
+    if plugins is None:
+        plugins = os.environ.get(PLUGINS_ENV)
+    selection = parse_plugin_selection(plugins)
+    if autoload is None:
+        autoload = selection is None
+    if trace is None:
+        trace = os.environ.get(TRACE_ENV, "") not in ("", "0", "false", "False")
+
+    pm = EnginePluginManager(trace=trace)
+    if trace:
+        _enable_tracing(pm)
+    entry_points = _discover()
+
+    for name in selection or []:
+        _load_requested(pm, name, entry_points)
+    if autoload:
+        for ep in entry_points:
+            if pm.info_for(ep.name) is None:
+                _load_entry_point(pm, ep, requested=False)
+    return pm
+
+
+def _discover() -> list[md.EntryPoint]:
+    return sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+
+
+def _installed_names(entry_points: list[md.EntryPoint]) -> str:
+    return ", ".join(sorted({ep.name for ep in entry_points})) or "none"
+
+
+def _load_requested(pm: EnginePluginManager, name: str, entry_points: list[md.EntryPoint]) -> None:
+    if pm.info_for(name) is not None:
+        return
+    matches = [ep for ep in entry_points if ep.name == name]
+    if len(matches) > 1:
+        dists = " and ".join(_dist_name(ep) or "?" for ep in matches)
+        raise PluginLoadError(
+            f"Plugin {name!r} is provided by more than one distribution: {dists}. Uninstall one of them."
+        )
+    if matches:
+        _load_entry_point(pm, matches[0], requested=True)
+        return
+    if "." in name or _module_exists(name):
+        _load_module(pm, name)
+        return
+    raise PluginLoadError(
+        f"Unknown plugin {name!r}. Installed plugins: {_installed_names(entry_points)}. "
+        f"Install the distribution that provides it, or name an importable module path "
+        f"(e.g. my_pkg.my_plugin)."
+    )
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _dist_name(ep: md.EntryPoint) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return dist.metadata["Name"] if dist is not None else None
+
+
+def _load_entry_point(pm: EnginePluginManager, ep: md.EntryPoint, *, requested: bool) -> None:
+    dist = getattr(ep, "dist", None)
+    info = PluginInfo(
+        name=ep.name,
+        source="entry_point",
+        module=ep.value,
+        distribution=_dist_name(ep),
+        version=dist.version if dist is not None else None,
+        requested=requested,
+    )
+    pm.plugin_infos.append(info)
+    try:
+        plugin = ep.load()
+    except Exception as exc:  # any import-time failure of third-party code
+        _fail(info, f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}", exc)
+        return
+    _register(pm, info, plugin)
+
+
+def _load_module(pm: EnginePluginManager, module_path: str) -> None:
+    info = PluginInfo(name=module_path, source="module", module=module_path, requested=True)
+    pm.plugin_infos.append(info)
+    try:
+        plugin = importlib.import_module(module_path)
+    except Exception as exc:
+        _fail(info, f"import of module {module_path!r} failed: {type(exc).__name__}: {exc}", exc)
+        return
+    _register(pm, info, plugin)
+
+
+def _register(pm: EnginePluginManager, info: PluginInfo, plugin: Any) -> None:
+    try:
+        pm.register(plugin, name=info.name)
+    except ValueError as exc:  # the same object or name registered twice
+        _fail(info, f"registration failed: {exc}", exc)
+        return
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        pm.unregister(plugin)
+        known = ", ".join(sorted(name for name in dir(pm.hook) if name.startswith("register_")))
+        _fail(info, f"{exc} Known hooks: {known}.", exc)
+        return
+    except Exception as exc:
+        pm.unregister(plugin)
+        _fail(info, f"validation failed: {exc}", exc)
+        return
+    info.loaded = True
+    info.hooks = sorted(caller.name for caller in pm.get_hookcallers(plugin) or [])
+
+
+def _fail(info: PluginInfo, reason: str, cause: BaseException) -> None:
+    info.error = reason
+    who = f"Plugin {info.name!r} ({info.distribution_label})"
+    if info.requested:
+        raise PluginLoadError(f"{who} could not be loaded: {reason}") from cause
+    message = f"{who} failed to load and was skipped: {reason}. Run `engine plugins` for details."
+    warnings.warn(message, PluginLoadWarning, stacklevel=4)
+    logger.warning(message)
+
+
+def _enable_tracing(pm: EnginePluginManager) -> None:
+    def before(hook_name: str, hook_impls: list[Any], kwargs: dict[str, Any]) -> None:
+        logger.info("hook %s called with %s for plugins %s", hook_name, sorted(kwargs), [i.plugin_name for i in hook_impls])
+
+    def after(outcome: Any, hook_name: str, hook_impls: list[Any], kwargs: dict[str, Any]) -> None:
+        logger.info("hook %s returned %r", hook_name, outcome.get_result())
+
+    pm.add_hookcall_monitoring(before, after)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)

@@ -1,0 +1,1 @@
+"""The engine loop: requests, KV-cache blocks, scheduling, model execution, sampling."""

@@ -1,0 +1,26 @@
+"""What a model's forward pass receives besides token ids and positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.interfaces.attention import AttentionBackend
+
+
+@dataclass
+class ForwardContext:
+    """Per-step attention state, indexed by the model's attention ``layer_index``.
+
+    ``backends[i]``, ``kv_caches[i]`` and ``metadata[i]`` belong to layer ``i``;
+    layers of one KV-cache group share the backend and metadata objects.
+    """
+
+    backends: list[AttentionBackend]
+    kv_caches: list[torch.Tensor]
+    metadata: list[Any]
+
+    def attention(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.backends[layer_index].forward(q, k, v, self.kv_caches[layer_index], self.metadata[layer_index])

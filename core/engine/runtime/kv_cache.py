@@ -1,0 +1,70 @@
+"""KV-cache tensors: one group per distinct attention spec, one tensor per layer."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.interfaces.attention import AttentionBackend, AttentionSpec, CommonAttentionMetadata
+from engine.runtime.forward_context import ForwardContext
+
+logger = logging.getLogger("engine")
+
+
+@dataclass
+class KVCacheGroup:
+    spec: AttentionSpec
+    backend: AttentionBackend
+    layer_indices: list[int]
+
+
+class KVCache:
+    """The paged caches of every attention layer, sharing one block numbering."""
+
+    def __init__(
+        self, groups: list[KVCacheGroup], num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.groups = groups
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.layer_caches: list[torch.Tensor] = [torch.empty(0)] * num_layers
+        self.layer_backends: list[AttentionBackend] = [None] * num_layers  # type: ignore[list-item]
+        self.layer_group: list[int] = [0] * num_layers
+        for g, group in enumerate(groups):
+            shape = group.backend.kv_cache_shape(num_blocks)
+            for layer in group.layer_indices:
+                self.layer_caches[layer] = torch.zeros(shape, dtype=dtype, device=device)
+                self.layer_backends[layer] = group.backend
+                self.layer_group[layer] = g
+
+    def forward_context(self, common: CommonAttentionMetadata) -> ForwardContext:
+        per_group = [group.backend.build_metadata(common) for group in self.groups]
+        return ForwardContext(
+            backends=self.layer_backends,
+            kv_caches=self.layer_caches,
+            metadata=[per_group[g] for g in self.layer_group],
+        )
+
+
+def group_layers(specs: list[AttentionSpec]) -> list[tuple[AttentionSpec, list[int]]]:
+    """Layers with equal specs form one group, in order of first appearance."""
+    groups: dict[AttentionSpec, list[int]] = {}
+    for index, spec in enumerate(specs):
+        groups.setdefault(spec, []).append(index)
+    return list(groups.items())
+
+
+def num_blocks_for(
+    specs: list[AttentionSpec], block_size: int, element_size: int, memory_bytes: int, max_blocks_useful: int
+) -> int:
+    bytes_per_block = block_size * sum(spec.kv_bytes_per_token(element_size) for spec in specs)
+    num_blocks = min(memory_bytes // bytes_per_block, max_blocks_useful)
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV-cache memory of {memory_bytes / 2**30:.3f} GiB is too small for one block "
+            f"({bytes_per_block} bytes); raise --kv-cache-memory."
+        )
+    return int(num_blocks)

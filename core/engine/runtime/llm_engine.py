@@ -1,0 +1,151 @@
+"""The engine: plugins and components wired together, and the step loop."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.interfaces.model import Model, ModelInit
+from engine.model_config import HFConfig
+from engine.model_loader.checkpoint import checkpoint_dtype, eos_token_ids, resolve_model_path, safetensors_files
+from engine.model_loader.weights import load_weights
+from engine.plugins.manager import EnginePluginManager, get_plugin_manager
+from engine.runtime.block_pool import BlockPool
+from engine.runtime.kv_cache import KVCache, KVCacheGroup, group_layers, num_blocks_for
+from engine.runtime.model_runner import ModelRunner
+from engine.runtime.request import Request, RequestStatus
+from engine.runtime.scheduler import Scheduler
+from engine.sampling_params import SamplingParams
+from engine.selection import SelectionError, resolve_dtype, select_attention_backend, select_platform
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger("engine")
+
+
+@dataclass
+class StepResult:
+    """Requests that got a new token this step, and those that finished."""
+
+    updated: list[Request]
+    finished: list[Request]
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig, *, plugin_manager: EnginePluginManager | None = None, progress: bool = True
+    ) -> None:
+        self.config = config
+        self.plugin_manager = plugin_manager or get_plugin_manager(config.plugins)
+        components = self.plugin_manager.components()
+
+        self.model_path = resolve_model_path(config.model)
+        with open(self.model_path / "config.json", encoding="utf-8") as f:
+            raw_config = json.load(f)
+        self.hf_config = HFConfig(raw_config)
+        architectures = raw_config.get("architectures") or []
+        if not architectures:
+            raise SelectionError(f"{self.model_path / 'config.json'} lists no 'architectures'.")
+        self.architecture = architectures[0]
+        model_cls = components.models.get(self.architecture)
+
+        self.platform = select_platform(components.platforms, config.device)
+        self.device = self.platform.device()
+        self.dtype_name = resolve_dtype(config.dtype, checkpoint_dtype(raw_config), self.platform)
+        self.dtype: torch.dtype = getattr(torch, self.dtype_name)
+        self.platform.seed_everything(config.seed)
+        self.max_model_len = config.max_model_len or int(raw_config.get("max_position_embeddings", 2048))
+
+        self.model: Model = model_cls(ModelInit(config=self.hf_config, dtype=self.dtype, device=self.device))
+        self.model.eval()
+        load_weights(self.model, safetensors_files(self.model_path), progress=progress)
+
+        self.kv_cache = self._make_kv_cache(components)
+        self.block_pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, raw_config)
+        self.vocab_size = int(raw_config.get("vocab_size", 0))
+        self.requests: dict[str, Request] = {}
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
+            self.architecture, self.platform.name, self.dtype_name, self.kv_cache.num_blocks, config.block_size,
+        )
+
+    def _make_kv_cache(self, components) -> KVCache:
+        config = self.config
+        specs = self.model.kv_cache_specs()
+        groups = []
+        for spec, layers in group_layers(specs):
+            backend_cls = select_attention_backend(
+                components.attention_backends, self.platform, spec,
+                dtype=self.dtype_name, block_size=config.block_size, requested=config.attention_backend,
+            )
+            backend = backend_cls(spec, config.block_size, self.dtype, self.device)
+            groups.append(KVCacheGroup(spec, backend, layers))
+            logger.info("attention kind %s: backend %s for %d layers", spec.kind, backend_cls.name, len(layers))
+        element_size = torch.empty(0, dtype=self.dtype).element_size()
+        if config.kv_cache_memory is not None:
+            memory = int(config.kv_cache_memory * 2**30)
+        else:
+            memory = int(self.platform.memory_info().free_bytes * config.kv_cache_memory_fraction)
+        blocks_per_seq = -(-self.max_model_len // config.block_size)
+        num_blocks = num_blocks_for(
+            specs, config.block_size, element_size, memory, max_blocks_useful=config.max_num_seqs * blocks_per_seq
+        )
+        return KVCache(groups, len(specs), num_blocks, config.block_size, self.dtype, self.device)
+
+    # requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+        prompt: str | None = None, want_prompt_logits: bool = False,
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}.")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                f"which leaves no room for output."
+            )
+        request = Request(
+            request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
+            prompt=prompt, want_prompt_logits=want_prompt_logits,
+        )
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.status.finished:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # the loop
+
+    def step(self) -> StepResult:
+        batch = self.scheduler.schedule()
+        sampled_requests, tokens = self.runner.execute(batch)
+        for request, n in zip(batch.requests, batch.num_tokens):
+            request.num_computed_tokens += n
+        finished = []
+        for request, token in zip(sampled_requests, tokens):
+            request.append_token(token)
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                self.scheduler.finish(request, status)
+                self.requests.pop(request.request_id, None)
+                finished.append(request)
+        return StepResult(updated=sampled_requests, finished=finished)

@@ -1,0 +1,96 @@
+"""Turns a scheduled batch into flat tensors, runs the model, samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.interfaces.attention import CommonAttentionMetadata
+from engine.interfaces.model import Model
+from engine.runtime.forward_context import ForwardContext
+from engine.runtime.kv_cache import KVCache
+from engine.runtime.request import Request
+from engine.runtime.sampler import Sampler
+from engine.runtime.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: Model, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.block_size
+        self.device = device
+        self.sampler = Sampler(device)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+        """input_ids [T], positions [T] and the step's attention metadata."""
+        requests, num_new = batch.requests, batch.num_tokens
+        num_seqs = len(requests)
+        input_ids: list[int] = []
+        context = []
+        for request, n in zip(requests, num_new):
+            start = request.num_computed_tokens
+            input_ids.extend(request.token_ids[start : start + n])
+            context.append(start)
+        max_blocks = max(len(r.block_ids) for r in requests)
+        block_table = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+        for i, request in enumerate(requests):
+            block_table[i, : len(request.block_ids)] = request.block_ids
+
+        device = self.device
+        query_lens = torch.tensor(num_new, dtype=torch.int64)
+        context_lens = torch.tensor(context, dtype=torch.int64)
+        seq_lens = context_lens + query_lens
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+        num_tokens = len(input_ids)
+        # token t belongs to sequence seq_idx[t], at position context + (t - query start)
+        seq_idx = torch.repeat_interleave(torch.arange(num_seqs), query_lens)
+        positions = torch.arange(num_tokens) - query_start_loc[seq_idx] + context_lens[seq_idx]
+        block_tables = torch.from_numpy(block_table)
+        slot_mapping = block_tables[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
+        metadata = CommonAttentionMetadata(
+            query_start_loc=query_start_loc.to(device),
+            query_lens=query_lens.to(device),
+            context_lens=context_lens.to(device),
+            seq_lens=seq_lens.to(device),
+            block_tables=block_tables.to(device),
+            slot_mapping=slot_mapping.to(device),
+            max_query_len=max(num_new),
+            max_seq_len=int(seq_lens.max()),
+            block_size=self.block_size,
+        )
+        return torch.tensor(input_ids, dtype=torch.int64, device=device), positions.to(device), metadata
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
+        """Run one step. Returns the requests that sampled a token and the tokens."""
+        input_ids, positions, common = self.prepare(batch)
+        ctx = self.kv_cache.forward_context(common)
+        hidden = self.model(input_ids, positions, ctx)
+
+        ends = common.query_start_loc[1:].tolist()
+        sampling = [
+            i
+            for i, (request, n) in enumerate(zip(batch.requests, batch.num_tokens))
+            if request.num_computed_tokens + n == request.num_tokens
+        ]
+        if any(r.want_prompt_logits for r in batch.requests):
+            self._record_prompt_logits(batch, hidden, ends)
+        if not sampling:
+            return [], []
+        sample_rows = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)
+        logits = self.model.compute_logits(hidden[sample_rows]).float()
+        requests = [batch.requests[i] for i in sampling]
+        tokens = self.sampler(logits, requests)
+        return requests, tokens.tolist()
+
+    def _record_prompt_logits(self, batch: ScheduledBatch, hidden: torch.Tensor, ends: list[int]) -> None:
+        start = 0
+        for request, n, end in zip(batch.requests, batch.num_tokens, ends):
+            if request.want_prompt_logits:
+                first = request.num_computed_tokens
+                keep = max(0, min(n, request.num_prompt_tokens - first))
+                if keep:
+                    request.prompt_logits.append(self.model.compute_logits(hidden[start : start + keep]).float())
+            start = end

@@ -1,0 +1,102 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and
+preemption by recompute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.runtime.block_pool import BlockPool
+from engine.runtime.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """What runs this step: ``requests[i]`` computes ``num_tokens[i]`` new tokens."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_pool = block_pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: list[Request] = []  # kept sorted by sort_key
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.waiting.sort(key=lambda r: r.sort_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        # decode, and the next chunk of running prefills, in priority order
+        self.running.sort(key=lambda r: r.sort_key)
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted below to make room
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_pool.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                batch.requests.append(request)
+                batch.num_tokens.append(num_new)
+                budget -= num_new
+        # prefill: admit waiting requests while blocks, budget and seats last
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.block_pool.allocate(request, num_new):
+                if not self.running and self.block_pool.blocks_needed(request, 1) > self.block_pool.num_blocks:
+                    raise RuntimeError(
+                        f"Request {request.request_id!r} needs more KV-cache blocks than the cache has "
+                        f"({self.block_pool.num_blocks}); raise --kv-cache-memory or lower --max-model-len."
+                    )
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.requests.append(request)
+            batch.num_tokens.append(num_new)
+            budget -= num_new
+        if not batch.requests and self.has_unfinished():
+            raise RuntimeError(
+                f"Nothing can be scheduled: the KV cache ({self.block_pool.num_blocks} blocks of "
+                f"{self.block_pool.block_size} tokens) cannot hold the next request. Raise --kv-cache-memory."
+            )
+        return batch
+
+    def _preempt(self, request: Request) -> None:
+        # recompute on resumption: drop the cache, keep the tokens
+        self.running.remove(request)
+        self.block_pool.free(request)
+        request.num_computed_tokens = 0
+        self.num_preemptions += 1
+        self.add(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_pool.free(request)

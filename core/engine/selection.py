@@ -1,0 +1,94 @@
+"""Choosing the platform, the compute dtype and each attention group's backend."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine.interfaces.attention import AttentionBackend, AttentionSpec
+from engine.interfaces.platform import Platform
+from engine.plugins.registry import Registry
+
+logger = logging.getLogger("engine")
+
+
+class SelectionError(RuntimeError):
+    """No component fits, or the choice is ambiguous."""
+
+
+def select_platform(platforms: Registry[Any], device: str | None) -> Platform:
+    """``device`` by name; else the single available non-CPU platform; else CPU."""
+    if device is not None:
+        cls = platforms.get(device)
+        availability = cls.is_available()
+        if not availability:
+            raise SelectionError(f"Platform {device!r} is not available: {availability.reason}")
+        return cls()
+    candidates = []
+    cpu = None
+    for name in platforms.names():
+        cls = platforms.get(name)
+        availability = cls.is_available()
+        logger.debug("platform %s available=%s (%s)", name, availability.available, availability.reason)
+        if not availability:
+            continue
+        if cls.device_type == "cpu":
+            cpu = cpu or cls
+        else:
+            candidates.append(cls)
+    if len(candidates) == 1:
+        return candidates[0]()
+    if len(candidates) > 1:
+        names = ", ".join(cls.name for cls in candidates)
+        raise SelectionError(f"More than one platform is available ({names}); choose one with --device.")
+    if cpu is not None:
+        return cpu()
+    installed = ", ".join(platforms.names()) or "none"
+    raise SelectionError(
+        f"No platform is available (registered: {installed}). Install a platform plugin such as engine-cpu."
+    )
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, platform: Platform) -> str:
+    """The compute dtype name: explicit if supported, else the checkpoint's, else the platform default."""
+    if requested != "auto":
+        if not platform.supports_dtype(requested):
+            raise SelectionError(
+                f"dtype {requested} is not supported on platform {platform.name!r}; "
+                f"supported: {', '.join(platform.supported_dtypes)}."
+            )
+        return requested
+    if checkpoint_dtype in platform.auto_dtype_overrides:
+        return platform.auto_dtype_overrides[checkpoint_dtype]
+    if checkpoint_dtype and platform.supports_dtype(checkpoint_dtype):
+        return checkpoint_dtype
+    return platform.default_dtype
+
+
+def select_attention_backend(
+    backends: Registry[Any], platform: Platform, spec: AttentionSpec, *, dtype: str, block_size: int,
+    requested: str | None = None,
+) -> type[AttentionBackend]:
+    """The requested backend if it validates, else the platform's first usable preference."""
+    if requested is not None:
+        cls = backends.get(requested)
+        reasons = cls.validate(spec, platform=platform.name, dtype=dtype, block_size=block_size)
+        if reasons:
+            raise SelectionError(f"Attention backend {requested!r} cannot serve this model: {'; '.join(reasons)}.")
+        return cls
+    preferences = platform.attention_backend_preferences(spec.kind)
+    rejected = []
+    for name in preferences:
+        if name not in backends:
+            rejected.append(f"{name}: not registered (is its plugin loaded?)")
+            continue
+        cls = backends.get(name)
+        reasons = cls.validate(spec, platform=platform.name, dtype=dtype, block_size=block_size)
+        if not reasons:
+            return cls
+        rejected.append(f"{name}: {'; '.join(reasons)}")
+    detail = "; ".join(rejected) if rejected else "the platform lists no backend for it"
+    raise SelectionError(
+        f"No attention backend for attention kind {spec.kind!r} on platform {platform.name!r} "
+        f"(dtype {dtype}, head size {spec.head_size}, block size {block_size}): {detail}."
+    )

@@ -1,0 +1,1 @@
+"""engine-cpu: the CPU platform and a paged attention backend in plain torch."""

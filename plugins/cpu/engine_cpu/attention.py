@@ -1,0 +1,98 @@
+"""Paged attention for MHA/GQA in plain torch.
+
+Each step, the backend gathers every sequence's keys and values from its block
+table into a padded [B, max_seq_len] view and runs one masked
+scaled-dot-product attention for the whole batch: decode and prefill (with or
+without a cached prefix) take the same path, with no Python loop over sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.interfaces.attention import (
+    MHA,
+    SLIDING_WINDOW,
+    AttentionBackend,
+    AttentionCapabilities,
+    CommonAttentionMetadata,
+)
+
+
+@dataclass
+class CpuAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    token_seq: torch.Tensor  # [T] sequence of each token
+    token_row: torch.Tensor  # [T] row of each token within its sequence's queries
+    key_slots: torch.Tensor  # [B, max_seq_len] cache slot of each key position
+    mask: torch.Tensor  # [B, 1, max_query_len, max_seq_len] True where attention is allowed
+    num_seqs: int
+    max_query_len: int
+
+
+class CpuPagedAttention(AttentionBackend):
+    name = "cpu_paged"
+    capabilities = AttentionCapabilities(
+        kinds=frozenset({MHA, SLIDING_WINDOW}),
+        platforms=frozenset({"cpu"}),
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),
+    )
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        # [K/V, block, offset in block, kv head, head dim]
+        return (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
+        device = common.slot_mapping.device
+        num_seqs, max_q, max_k = common.num_seqs, common.max_query_len, common.max_seq_len
+        bs = common.block_size
+        token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), common.query_lens)
+        token_row = torch.arange(common.num_tokens, device=device) - common.query_start_loc[token_seq]
+        key_pos = torch.arange(max_k, device=device)
+        key_slots = common.block_tables[:, key_pos // bs] * bs + key_pos % bs
+        # query row r of sequence b sits at position context_lens[b] + r (padding rows clamp
+        # to the last real position so that no row is fully masked)
+        rows = torch.arange(max_q, device=device)
+        query_pos = torch.minimum(common.context_lens[:, None] + rows[None, :], common.seq_lens[:, None] - 1)
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]
+        window = self.spec.sliding_window
+        if window is not None:
+            mask &= (query_pos[:, :, None] - key_pos[None, None, :]) < window
+        return CpuAttentionMetadata(
+            slot_mapping=common.slot_mapping,
+            token_seq=token_seq,
+            token_row=token_row,
+            key_slots=key_slots,
+            mask=mask.unsqueeze(1),
+            num_seqs=num_seqs,
+            max_query_len=max_q,
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuAttentionMetadata
+    ) -> torch.Tensor:
+        spec = self.spec
+        key_cache = kv_cache[0].view(-1, spec.num_kv_heads, spec.head_size)
+        value_cache = kv_cache[1].view(-1, spec.num_kv_heads, spec.head_size)
+        key_cache.index_copy_(0, metadata.slot_mapping, k.to(key_cache.dtype))
+        value_cache.index_copy_(0, metadata.slot_mapping, v.to(value_cache.dtype))
+
+        # keys, values: [B, Hkv, max_seq_len, D]
+        keys = key_cache[metadata.key_slots].transpose(1, 2)
+        values = value_cache[metadata.key_slots].transpose(1, 2)
+        # queries: [T, H, D] -> padded [B, H, max_query_len, D]
+        padded = q.new_zeros(metadata.num_seqs, metadata.max_query_len, spec.num_heads, spec.head_size)
+        padded[metadata.token_seq, metadata.token_row] = q
+        out = F.scaled_dot_product_attention(
+            padded.transpose(1, 2),
+            keys.to(q.dtype),
+            values.to(q.dtype),
+            attn_mask=metadata.mask,
+            scale=spec.scale,
+            enable_gqa=spec.num_heads != spec.num_kv_heads,
+        )
+        # [B, H, max_query_len, D] -> [T, H, D]
+        return out.transpose(1, 2)[metadata.token_seq, metadata.token_row]

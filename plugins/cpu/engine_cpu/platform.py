@@ -1,0 +1,42 @@
+"""The CPU platform."""
+
+from __future__ import annotations
+
+import os
+
+from engine.interfaces.attention import MHA, SLIDING_WINDOW
+from engine.interfaces.platform import Availability, MemoryInfo, Platform
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    supported_dtypes = ("float32", "bfloat16", "float16")
+    default_dtype = "bfloat16"
+    # float16 matmuls are very slow on CPUs without native fp16 arithmetic
+    auto_dtype_overrides = {"float16": "bfloat16"}
+    attention_backends = {MHA: ("cpu_paged",), SLIDING_WINDOW: ("cpu_paged",)}
+
+    @classmethod
+    def is_available(cls) -> Availability:
+        return Availability(True, f"{os.cpu_count()} logical CPUs")
+
+    def memory_info(self) -> MemoryInfo:
+        return read_meminfo()
+
+
+def read_meminfo(path: str = "/proc/meminfo") -> MemoryInfo:
+    """Available and total system memory; falls back to sysconf where /proc is absent."""
+    try:
+        fields = {}
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) * 1024
+        return MemoryInfo(free_bytes=fields["MemAvailable"], total_bytes=fields["MemTotal"])
+    except (OSError, KeyError, ValueError, IndexError):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return MemoryInfo(
+            free_bytes=os.sysconf("SC_AVPHYS_PAGES") * page, total_bytes=os.sysconf("SC_PHYS_PAGES") * page
+        )

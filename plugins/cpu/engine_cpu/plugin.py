@@ -1,0 +1,13 @@
+"""Hook implementations of engine-cpu. Imports nothing heavy."""
+
+import engine
+
+
+@engine.hookimpl
+def register_platforms(register):
+    register("cpu", "engine_cpu.platform:CpuPlatform")
+
+
+@engine.hookimpl
+def register_attention_backends(register):
+    register("cpu_paged", "engine_cpu.attention:CpuPagedAttention")

@@ -1,0 +1,1 @@
+"""engine-llama: Llama / Mistral / Qwen2 / Qwen3 for engine."""

@@ -1,0 +1,238 @@
+"""The Llama family: one network, with per-architecture differences as data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Iterable
+
+import torch
+from torch import nn
+
+from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec
+from engine.interfaces.model import Model, ModelInit
+from engine.layers.activation import silu_and_mul
+from engine.layers.attention import Attention
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import Linear, MergedLinear, VocabEmbedding
+from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.model_config import HFConfig
+from engine.runtime.forward_context import ForwardContext
+
+# checkpoint module name -> (fused module name, shard index)
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """How an architecture departs from Llama."""
+
+    qkv_bias: bool | None = None  # None: config.attention_bias
+    o_bias: bool | None = None  # None: config.attention_bias
+    qk_norm: bool = False
+    sliding_window: str = "none"  # "none", "all" (Mistral), "layer_types" (Qwen2/Qwen3)
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_layers: int
+    rms_norm_eps: float
+
+    @classmethod
+    def from_config(cls, config: HFConfig) -> Dims:
+        num_heads = config.num_attention_heads
+        return cls(
+            hidden_size=config.hidden_size,
+            num_heads=num_heads,
+            num_kv_heads=config.get("num_key_value_heads", num_heads),
+            head_dim=config.get("head_dim", config.hidden_size // num_heads),
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            num_layers=config.num_hidden_layers,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        )
+
+
+class LlamaAttentionBlock(nn.Module):
+    def __init__(self, dims: Dims, spec: AttentionSpec, layer_index: int, qkv_bias: bool, o_bias: bool,
+                 qk_norm: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
+        q_size, kv_size = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+        self.split = [q_size, kv_size, kv_size]
+        self.qkv_proj = MergedLinear(dims.hidden_size, self.split, qkv_bias, dtype)
+        self.o_proj = Linear(q_size, dims.hidden_size, o_bias, dtype)
+        if qk_norm:
+            self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype)
+        self.qk_norm = qk_norm
+        self.attn = Attention(layer_index, spec)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext, rotary: RotaryEmbedding) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        # q: [T, H, D]; k, v: [T, Hkv, D]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = self.attn(q, k, v, ctx)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, dims: Dims, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(dims.hidden_size, [dims.intermediate_size] * 2, bias, dtype)
+        self.down_proj = Linear(dims.intermediate_size, dims.hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, dims: Dims, attention: LlamaAttentionBlock, mlp_bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = LlamaMLP(dims, mlp_bias, dtype)
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, ctx: ForwardContext, rotary: RotaryEmbedding) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), ctx, rotary)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaBackbone(nn.Module):
+    def __init__(self, dims: Dims, layers: list[LlamaDecoderLayer], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(Model):
+    variant: ClassVar[Variant] = Variant()
+
+    def __init__(self, init: ModelInit) -> None:
+        super().__init__()
+        config, dtype = init.config, init.dtype
+        activation = config.get("hidden_act", "silu")
+        if activation != "silu":
+            raise ValueError(f"{type(self).__name__} supports hidden_act 'silu' only, config has {activation!r}.")
+        self.dims = dims = Dims.from_config(config)
+        variant = self.variant
+        attention_bias = bool(config.get("attention_bias", False))
+        qkv_bias = attention_bias if variant.qkv_bias is None else variant.qkv_bias
+        o_bias = attention_bias if variant.o_bias is None else variant.o_bias
+        self.specs = self._attention_specs(config, dims)
+        with torch.device(init.device):
+            layers = [
+                LlamaDecoderLayer(
+                    dims,
+                    LlamaAttentionBlock(dims, self.specs[i], i, qkv_bias, o_bias, variant.qk_norm, dtype),
+                    bool(config.get("mlp_bias", False)),
+                    dtype,
+                )
+                for i in range(dims.num_layers)
+            ]
+            self.model = LlamaBackbone(dims, layers, dtype)
+            self.rotary = RotaryEmbedding(
+                dims.head_dim, int(config.get("max_position_embeddings", 2048)), rope_parameters(config),
+                rotary_dim=int(dims.head_dim * float(config.get("partial_rotary_factor", 1.0))),
+            )
+            self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
+            self.lm_head = Linear(dims.hidden_size, dims.vocab_size, False, dtype)
+            if self.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _attention_specs(self, config: HFConfig, dims: Dims) -> list[AttentionSpec]:
+        windows: list[int | None] = [None] * dims.num_layers
+        window = config.get("sliding_window")
+        if self.variant.sliding_window == "all" and window:
+            windows = [int(window)] * dims.num_layers
+        elif self.variant.sliding_window == "layer_types" and window and config.get("use_sliding_window", False):
+            layer_types = config.get("layer_types") or [
+                "sliding_attention" if i >= config.get("max_window_layers", 0) else "full_attention"
+                for i in range(dims.num_layers)
+            ]
+            windows = [int(window) if t == "sliding_attention" else None for t in layer_types]
+        scale = dims.head_dim**-0.5
+        return [
+            AttentionSpec(
+                kind=SLIDING_WINDOW if w else MHA, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads,
+                head_size=dims.head_dim, scale=scale, sliding_window=w,
+            )
+            for w in windows
+        ]
+
+    def kv_cache_specs(self) -> list[AttentionSpec]:
+        return list(self.specs)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden [T, hidden_size]
+        h = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            h = layer(positions, h, ctx, self.rotary)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        shards_seen: dict[str, set[int]] = {}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some tied checkpoints also store the shared matrix under lm_head
+            module_path, _, kind = name.rpartition(".")
+            parent, _, module_name = module_path.rpartition(".")
+            if module_name in STACKED_PARAMS:
+                fused_name, shard = STACKED_PARAMS[module_name]
+                fused_path = f"{parent}.{fused_name}"
+                target = f"{fused_path}.{kind}"
+                if target not in params:
+                    raise KeyError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
+                fused = self.get_submodule(fused_path)
+                fused.load_shard(kind, shard, tensor)
+                seen = shards_seen.setdefault(target, set())
+                seen.add(shard)
+                if len(seen) == len(fused.output_sizes):
+                    loaded.add(target)
+                continue
+            param = params.get(name)
+            if param is None:
+                raise KeyError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: model expects shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}.")
+            param.data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    variant = Variant(qkv_bias=False, o_bias=False, sliding_window="all")
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    variant = Variant(qkv_bias=True, o_bias=False, sliding_window="layer_types")
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    variant = Variant(qk_norm=True, sliding_window="layer_types")

@@ -25,9 +25,12 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1, description="Most requests running at once.")
     max_num_batched_tokens: int = Field(16384, ge=1, description="Token budget of one step.")
     kv_cache_memory: float | None = Field(
-        None, gt=0, description="KV-cache size in GiB; default: kv_cache_memory_fraction of free memory."
+        None, gt=0, description="KV-cache size in GiB; default: kv_cache_memory_fraction of free memory, "
+        "else the platform's default (cpu: half of free memory, at most 4 GiB)."
     )
-    kv_cache_memory_fraction: float = Field(0.5, gt=0, le=1, description="Share of free memory for the KV cache.")
+    kv_cache_memory_fraction: float | None = Field(
+        None, gt=0, le=1, description="Share of free device memory for the KV cache."
+    )
     seed: int = Field(0, description="Seed for unseeded sampling.")
 
     @field_validator("plugins", mode="before")

@@ -70,6 +70,10 @@ class Platform(ABC):
     def memory_info(self) -> MemoryInfo:
         """Free and total memory of the device, in bytes."""
 
+    def default_kv_cache_bytes(self) -> int:
+        """KV-cache size when the user sets none: half of the free memory by default."""
+        return self.memory_info().free_bytes // 2
+
     def device(self, index: int = 0) -> torch.device:
         import torch
 

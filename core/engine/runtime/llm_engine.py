@@ -91,12 +91,20 @@ class LLMEngine:
         element_size = torch.empty(0, dtype=self.dtype).element_size()
         if config.kv_cache_memory is not None:
             memory = int(config.kv_cache_memory * 2**30)
-        else:
+        elif config.kv_cache_memory_fraction is not None:
             memory = int(self.platform.memory_info().free_bytes * config.kv_cache_memory_fraction)
+        else:
+            memory = self.platform.default_kv_cache_bytes()
         blocks_per_seq = -(-self.max_model_len // config.block_size)
         num_blocks = num_blocks_for(
             specs, config.block_size, element_size, memory, max_blocks_useful=config.max_num_seqs * blocks_per_seq
         )
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"The KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks), fewer than "
+                f"max_model_len={self.max_model_len}: one long request could never run. Raise "
+                f"--kv-cache-memory or lower --max-model-len."
+            )
         return KVCache(groups, len(specs), num_blocks, config.block_size, self.dtype, self.device)
 
     # requests

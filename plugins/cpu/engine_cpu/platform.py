@@ -8,6 +8,9 @@ from engine.interfaces.attention import MHA, SLIDING_WINDOW
 from engine.interfaces.platform import Availability, MemoryInfo, Platform
 
 
+DEFAULT_KV_CACHE_CAP = 4 * 2**30
+
+
 class CpuPlatform(Platform):
     name = "cpu"
     device_type = "cpu"
@@ -24,6 +27,10 @@ class CpuPlatform(Platform):
 
     def memory_info(self) -> MemoryInfo:
         return read_meminfo()
+
+    def default_kv_cache_bytes(self) -> int:
+        # the cache is zero-filled host memory shared with everything else on the machine
+        return min(self.memory_info().free_bytes // 2, DEFAULT_KV_CACHE_CAP)
 
 
 def read_meminfo(path: str = "/proc/meminfo") -> MemoryInfo:

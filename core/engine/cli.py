@@ -1,0 +1,200 @@
+"""The ``engine`` command. Heavy modules are imported inside the subcommands, so
+``engine --help`` and ``engine plugins`` never import torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any, Sequence
+
+from engine.version import PLUGIN_API_VERSION, __version__
+
+DEFAULT_MODEL = "llama58m"
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _add_plugins_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--plugins",
+        default=None,
+        help="Comma-separated plugins to load (entry-point names or module paths); "
+        "'' loads none; unset: $ENGINE_PLUGINS, else every installed plugin.",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="engine",
+        description="An LLM inference engine with a thin core and plugins.",
+        formatter_class=_Formatter,
+    )
+    parser.add_argument("--version", action="version", version=f"engine {__version__} (plugin API {PLUGIN_API_VERSION})")
+    parser.add_argument("--log-level", default="WARNING", help="Logging level.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    plugins = sub.add_parser(
+        "plugins", help="List installed plugins, their hooks and components.", formatter_class=_Formatter
+    )
+    _add_plugins_option(plugins)
+    plugins.add_argument("--json", action="store_true", help="Print JSON instead of text.")
+    plugins.add_argument("--probe", action="store_true", help="Also probe each platform's availability (imports torch).")
+
+    generate = sub.add_parser("generate", help="Generate text for prompts, offline.", formatter_class=_Formatter)
+    generate.add_argument(
+        "model", nargs="?", default=DEFAULT_MODEL,
+        help="Checkpoint directory, built-in model name or Hub id.",
+    )
+    _add_plugins_option(generate)
+    generate.add_argument("--prompt", action="append", default=None, help="A text prompt (repeatable).")
+    generate.add_argument(
+        "--prompt-ids", action="append", default=None,
+        help="A prompt as comma-separated token ids (repeatable). Default when the model has no tokenizer: 1,2,...,16.",
+    )
+    generate.add_argument("--max-tokens", type=int, default=32, help="Output tokens per prompt at most.")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy.")
+    generate.add_argument("--top-k", type=int, default=0, help="0 disables.")
+    generate.add_argument("--top-p", type=float, default=1.0, help="1 disables.")
+    generate.add_argument("--seed", type=int, default=None, help="Per-request sampling seed.")
+    generate.add_argument("--ignore-eos", action="store_true", help="Do not stop at the model's EOS token.")
+    generate.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    generate.add_argument("--device", default=None, help="Platform name; default: the only accelerator, else cpu.")
+    generate.add_argument("--attention-backend", default=None, help="Backend name or module.path:Class.")
+    generate.add_argument("--max-model-len", type=int, default=None, help="Default: from config.json.")
+    generate.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache GiB; default: half of free memory.")
+    generate.add_argument("--json", action="store_true", help="Print JSON.")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        if args.command == "plugins":
+            return cmd_plugins(args)
+        if args.command == "generate":
+            return cmd_generate(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # user-facing: one clear line, no traceback unless debugging
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        print(f"engine {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    parser.error(f"unknown command {args.command!r}")
+    return 2
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    import warnings
+
+    from engine.plugins.components import KINDS
+    from engine.plugins.manager import PluginLoadWarning, get_plugin_manager
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PluginLoadWarning)  # reported below instead
+        pm = get_plugin_manager(args.plugins)
+    components = pm.components()
+    report: dict[str, Any] = {
+        "engine": __version__,
+        "plugin_api": PLUGIN_API_VERSION,
+        "plugins": [info.as_dict() for info in pm.plugin_infos],
+        "components": {
+            kind.attr: [
+                {"name": e.name, "target": e.target_repr, "plugin": e.plugin, "distribution": e.distribution}
+                for e in components.registry(kind.attr).entries()
+            ]
+            for kind in KINDS
+        },
+    }
+    if args.probe:
+        report["platforms"] = _probe_platforms(components)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    if not pm.plugin_infos:
+        print("No plugins loaded.")
+    for info in pm.plugin_infos:
+        where = f"{info.distribution} {info.version}" if info.distribution else f"module {info.module}"
+        status = "loaded" if info.loaded else "FAILED"
+        print(f"{info.name}  ({where}, {info.source}) {status}")
+        if info.error:
+            print(f"  error: {info.error}")
+        if info.hooks:
+            print(f"  hooks: {', '.join(info.hooks)}")
+        for kind, names in info.components.items():
+            if names:
+                print(f"  {kind}: {', '.join(names)}")
+    for probe in report.get("platforms", []):
+        state = "available" if probe["available"] else "not available"
+        print(f"platform {probe['name']}: {state} ({probe['reason']})")
+    return 0
+
+
+def _probe_platforms(components: Any) -> list[dict[str, Any]]:
+    results = []
+    for name in components.platforms.names():
+        try:
+            availability = components.platforms.get(name).is_available()
+            results.append({"name": name, "available": availability.available, "reason": availability.reason})
+        except Exception as exc:
+            results.append({"name": name, "available": False, "reason": f"probe failed: {type(exc).__name__}: {exc}"})
+    return results
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    llm = LLM(
+        args.model,
+        plugins=args.plugins,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory,
+    )
+    prompts: list[Any] = list(args.prompt or [])
+    for ids in args.prompt_ids or []:
+        prompts.append([int(t) for t in ids.split(",") if t.strip()])
+    if not prompts:
+        prompts = ["The capital of France is"] if llm.get_tokenizer() is not None else [list(range(1, 17))]
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+    )
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    if args.json:
+        print(json.dumps([
+            {"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "text": o.outputs[0].text,
+             "token_ids": o.outputs[0].token_ids, "finish_reason": o.outputs[0].finish_reason}
+            for o in outputs
+        ], indent=2))
+        return 0
+    engine = llm.engine
+    print(f"model {engine.model_path} ({engine.architecture}) on {engine.platform.name}, {engine.dtype_name}")
+    for o in outputs:
+        shown_prompt = o.prompt if o.prompt is not None else o.prompt_token_ids
+        print(f"\nprompt: {shown_prompt!r}")
+        if llm.get_tokenizer() is not None:
+            print(f"output: {o.outputs[0].text!r}")
+        print(f"output ids: {o.outputs[0].token_ids} (finish: {o.outputs[0].finish_reason})")
+    print(f"\n{num_out} tokens in {elapsed:.2f} s ({num_out / max(elapsed, 1e-9):.1f} tokens/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

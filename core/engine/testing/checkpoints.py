@@ -1,0 +1,96 @@
+"""Tiny random-weight checkpoints of HF architectures, saved as safetensors.
+
+Everything is made locally with transformers (nothing is downloaded); the
+returned HF model is the numerical reference for the same weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=320, max_position_embeddings=512,
+    ),
+    "MistralForCausalLM": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=320, max_position_embeddings=512, sliding_window=None,
+    ),
+    "Qwen2ForCausalLM": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=320, max_position_embeddings=512, tie_word_embeddings=True,
+    ),
+    "Qwen3ForCausalLM": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=32, vocab_size=320, max_position_embeddings=512,
+    ),
+}
+
+_CONFIG_CLASSES = {
+    "LlamaForCausalLM": "LlamaConfig",
+    "MistralForCausalLM": "MistralConfig",
+    "Qwen2ForCausalLM": "Qwen2Config",
+    "Qwen3ForCausalLM": "Qwen3Config",
+}
+
+
+def make_tiny_checkpoint(
+    architecture: str,
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    with_tokenizer: bool = False,
+    **overrides: Any,
+) -> Any:
+    """Save a random ``architecture`` model to ``path``; return the HF model (eval mode).
+
+    ``overrides`` change fields of the tiny config; ``max_shard_size`` (e.g.
+    "100KB") writes a sharded checkpoint with ``model.safetensors.index.json``.
+    """
+    import torch
+    import transformers
+
+    if architecture not in TINY_CONFIGS:
+        raise KeyError(f"No tiny config for {architecture!r}. Known: {', '.join(TINY_CONFIGS)}.")
+    config_cls = getattr(transformers, _CONFIG_CLASSES[architecture])
+    config = config_cls(**{**TINY_CONFIGS[architecture], **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).to(getattr(torch, dtype)).eval()
+    path = Path(path)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    if with_tokenizer:
+        make_tiny_tokenizer(config.vocab_size).save_pretrained(path)
+    return model
+
+
+_TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "An inference engine schedules requests, pages the KV cache and samples tokens.",
+    "Hello world! Numbers like 12345 and symbols like #, @ and % appear too.",
+    "Plugins register platforms, models, attention backends and KV tiers.",
+]
+
+
+def make_tiny_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer trained on a few sentences, as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_TRAINING_TEXT * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )

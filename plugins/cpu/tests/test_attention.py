@@ -1,0 +1,135 @@
+"""cpu_paged against naive softmax attention over the unpaged K/V."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec, CommonAttentionMetadata
+from engine_cpu.attention import CpuPagedAttention
+
+
+def naive_attention(q, k, v, context_len, scale, window):
+    """q: [n, H, D] at positions context_len..; k, v: [L, Hkv, D] for positions 0..L-1."""
+    n, num_heads, _ = q.shape
+    group = num_heads // k.shape[1]
+    out = torch.empty_like(q)
+    for i in range(n):
+        pos = context_len + i
+        for h in range(num_heads):
+            keys = k[: pos + 1, h // group].float()
+            values = v[: pos + 1, h // group].float()
+            scores = keys @ q[i, h].float() * scale
+            if window is not None:
+                scores[: max(0, pos + 1 - window)] = -math.inf
+            out[i, h] = (scores.softmax(0) @ values).to(q.dtype)
+    return out
+
+
+def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, window, dtype):
+    gen = torch.Generator().manual_seed(seed)
+    spec = AttentionSpec(
+        kind=SLIDING_WINDOW if window else MHA, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_size=head_size, scale=head_size**-0.5, sliding_window=window,
+    )
+    backend = CpuPagedAttention(spec, block_size, dtype, torch.device("cpu"))
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    # scatter each sequence over random physical blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for nb in blocks_per_seq:
+        tables.append(perm[start : start + nb])
+        start += nb
+    width = max(blocks_per_seq)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+    cache = torch.randn(backend.kv_cache_shape(num_blocks), generator=gen).to(dtype)  # stale garbage everywhere
+    full_k = [torch.randn(s, num_kv_heads, head_size, generator=gen).to(dtype) for s in seq_lens]
+    full_v = [torch.randn(s, num_kv_heads, head_size, generator=gen).to(dtype) for s in seq_lens]
+
+    def slot(seq, pos):
+        return tables[seq][pos // block_size] * block_size + pos % block_size
+
+    flat_cache = cache.view(2, -1, num_kv_heads, head_size)
+    for b, c in enumerate(context_lens):  # the cached prefix, written independently of the backend
+        for pos in range(c):
+            flat_cache[0, slot(b, pos)] = full_k[b][pos]
+            flat_cache[1, slot(b, pos)] = full_v[b][pos]
+
+    qs = [torch.randn(n, num_heads, head_size, generator=gen).to(dtype) for n in query_lens]
+    q = torch.cat(qs)
+    k = torch.cat([full_k[b][c:] for b, c in enumerate(context_lens)])
+    v = torch.cat([full_v[b][c:] for b, c in enumerate(context_lens)])
+    slot_mapping = torch.tensor([slot(b, c + i) for b, (c, n) in enumerate(zip(context_lens, query_lens)) for i in range(n)])
+    query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)))
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        query_lens=torch.tensor(query_lens),
+        context_lens=torch.tensor(context_lens),
+        seq_lens=torch.tensor(seq_lens),
+        block_tables=block_tables,
+        slot_mapping=slot_mapping,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )
+    out = backend.forward(q, k, v, cache, backend.build_metadata(common))
+
+    expected = torch.cat(
+        [naive_attention(qs[b], full_k[b], full_v[b], c, spec.scale, window) for b, c in enumerate(context_lens)]
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    # the new keys and values were written into their slots
+    torch.testing.assert_close(flat_cache[0, slot_mapping], k)
+    torch.testing.assert_close(flat_cache[1, slot_mapping], v)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_prefill_with_cached_prefix(seed, block_size, num_heads, num_kv_heads):
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = int(torch.randint(1, 5, (1,), generator=gen))
+    context_lens = torch.randint(0, 30, (num_seqs,), generator=gen).tolist()
+    query_lens = torch.randint(1, 20, (num_seqs,), generator=gen).tolist()
+    run_case(seed=seed, context_lens=context_lens, query_lens=query_lens, num_heads=num_heads,
+             num_kv_heads=num_kv_heads, head_size=16, block_size=block_size, window=None, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_batched_decode(block_size):
+    run_case(seed=11, context_lens=[0, 5, 31, 64, 7, 100], query_lens=[1] * 6, num_heads=8, num_kv_heads=2,
+             head_size=32, block_size=block_size, window=None, dtype=torch.float32)
+
+
+def test_mixed_decode_and_prefill_batch():
+    run_case(seed=12, context_lens=[40, 0, 17, 3], query_lens=[1, 25, 1, 9], num_heads=4, num_kv_heads=2,
+             head_size=8, block_size=8, window=None, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_sliding_window(window):
+    run_case(seed=13, context_lens=[0, 20, 33], query_lens=[30, 1, 12], num_heads=4, num_kv_heads=2,
+             head_size=16, block_size=4, window=window, dtype=torch.float32)
+
+
+def test_bfloat16():
+    run_case(seed=14, context_lens=[10, 0], query_lens=[6, 12], num_heads=4, num_kv_heads=2,
+             head_size=64, block_size=16, window=None, dtype=torch.bfloat16)
+
+
+def test_validate_reports_unsupported_requests():
+    spec = AttentionSpec(kind="mla", num_heads=4, num_kv_heads=4, head_size=16, scale=0.25)
+    reasons = CpuPagedAttention.validate(spec, platform="rocm", dtype="float8", block_size=16)
+    assert len(reasons) == 3
+    assert any("attention kind 'mla'" in r for r in reasons)
+    assert any("platform 'rocm'" in r for r in reasons)
+    assert any("dtype float8" in r for r in reasons)
+    ok = AttentionSpec(kind=MHA, num_heads=4, num_kv_heads=2, head_size=16, scale=0.25)
+    assert CpuPagedAttention.validate(ok, platform="cpu", dtype="bfloat16", block_size=16) == []

@@ -1,0 +1,93 @@
+"""Scheduler and block pool behaviour with hand-checked cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.runtime.block_pool import BlockPool
+from engine.runtime.request import Request, RequestStatus
+from engine.runtime.scheduler import Scheduler
+from engine.sampling_params import SamplingParams
+
+
+def req(rid: str, n: int, priority: int = 0) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=100), priority=priority)
+
+
+def advance(scheduler: Scheduler, batch, sample_token: int = 7) -> None:
+    """What the engine does after a step: count computed tokens, append a token when sampled."""
+    for request, n in zip(batch.requests, batch.num_tokens):
+        request.num_computed_tokens += n
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_token(sample_token)
+
+
+def test_block_pool_allocates_ceil_blocks_and_frees():
+    pool = BlockPool(num_blocks=10, block_size=4)
+    r = req("a", 9)
+    assert pool.allocate(r, 9) and len(r.block_ids) == 3
+    r.num_computed_tokens = 9
+    assert pool.allocate(r, 3) and len(r.block_ids) == 3  # 12 tokens still fit in 3 blocks
+    assert pool.allocate(r, 4) and len(r.block_ids) == 4
+    assert pool.num_free_blocks == 6
+    assert not pool.allocate(req("b", 100), 100)
+    pool.free(r)
+    assert pool.num_free_blocks == 10 and r.block_ids == []
+
+
+def test_chunked_prefill_under_the_token_budget_and_decode_first():
+    scheduler = Scheduler(BlockPool(100, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    a, b = req("a", 6), req("b", 15)
+    scheduler.add(a)
+    scheduler.add(b)
+    batch = scheduler.schedule()
+    assert [r.request_id for r in batch.requests] == ["a", "b"] and batch.num_tokens == [6, 4]
+    advance(scheduler, batch)
+    batch = scheduler.schedule()  # a decodes first, b continues its prefill with the rest of the budget
+    assert [r.request_id for r in batch.requests] == ["a", "b"] and batch.num_tokens == [1, 9]
+    advance(scheduler, batch)
+    batch = scheduler.schedule()
+    assert batch.num_tokens == [1, 2]
+
+
+def test_priority_orders_admission():
+    scheduler = Scheduler(BlockPool(100, 4), max_num_seqs=1, max_num_batched_tokens=100)
+    scheduler.add(req("late-low", 4, priority=5))
+    scheduler.add(req("urgent", 4, priority=-1))
+    scheduler.add(req("normal", 4, priority=0))
+    assert [r.request_id for r in scheduler.waiting] == ["urgent", "normal", "late-low"]
+    assert scheduler.schedule().requests[0].request_id == "urgent"
+
+
+def test_preemption_by_recompute_when_blocks_run_out():
+    pool = BlockPool(num_blocks=4, block_size=4)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = req("a", 8), req("b", 7)
+    scheduler.add(a)
+    scheduler.add(b)
+    batch = scheduler.schedule()
+    assert batch.num_tokens == [8, 7] and pool.num_free_blocks == 0
+    advance(scheduler, batch)
+    # a needs a third block for its 9th token: b (admitted later) is preempted
+    batch = scheduler.schedule()
+    assert [r.request_id for r in batch.requests] == ["a"]
+    assert b.status == RequestStatus.WAITING and b.num_computed_tokens == 0 and b.block_ids == []
+    assert b.token_ids[-1] == 7 and b.num_tokens == 8  # its sampled token is kept for the recompute
+    assert scheduler.num_preemptions == 1
+
+
+def test_finish_frees_blocks():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100)
+    a = req("a", 9)
+    scheduler.add(a)
+    scheduler.schedule()
+    scheduler.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert pool.num_free_blocks == 8 and not scheduler.has_unfinished()
+
+
+def test_request_too_large_for_the_cache_is_a_clear_error():
+    scheduler = Scheduler(BlockPool(num_blocks=2, block_size=4), max_num_seqs=8, max_num_batched_tokens=100)
+    scheduler.add(req("huge", 20))
+    with pytest.raises(RuntimeError, match="kv-cache-memory"):
+        scheduler.schedule()

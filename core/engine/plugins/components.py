@@ -75,7 +75,17 @@ class Components:
                 if pm.trace_enabled:
                     logger.info("hook %s: calling plugin %r", kind.hook, impl.plugin_name)
                 before = set(registry.names())
-                impl.function(register=callback)
+                try:
+                    impl.function(register=callback)
+                except ComponentError:
+                    raise
+                except Exception as exc:
+                    from engine.plugins.manager import PluginLoadError
+
+                    raise PluginLoadError(
+                        f"Plugin {impl.plugin_name!r} ({info.distribution_label if info else '?'}) failed in "
+                        f"{kind.hook}: {type(exc).__name__}: {exc}"
+                    ) from exc
                 added = sorted(set(registry.names()) - before)
                 if info is not None:
                     info.components.setdefault(kind.attr, []).extend(added)

@@ -142,8 +142,16 @@ def get_plugin_manager(
         _load_requested(pm, name, entry_points)
     if autoload:
         for ep in entry_points:
-            if pm.info_for(ep.name) is None:
+            existing = pm.info_for(ep.name)
+            if existing is None:
                 _load_entry_point(pm, ep, requested=False)
+            elif existing.source == "entry_point" and existing.distribution != _dist_name(ep):
+                message = (
+                    f"Plugin {ep.name!r} is provided by more than one distribution: {existing.distribution} "
+                    f"and {_dist_name(ep)}; the second was skipped. Uninstall one of them."
+                )
+                warnings.warn(message, PluginLoadWarning, stacklevel=2)
+                logger.warning(message)
     return pm
 
 
@@ -229,7 +237,9 @@ def _register(pm: EnginePluginManager, info: PluginInfo, plugin: Any) -> None:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         pm.unregister(plugin)
-        known = ", ".join(sorted(name for name in dir(pm.hook) if name.startswith("register_")))
+        known = ", ".join(
+            sorted(name for name in dir(pm.hook) if name.startswith("register_") and getattr(pm.hook, name).has_spec())
+        )
         _fail(info, f"{exc} Known hooks: {known}.", exc)
         return
     except Exception as exc:

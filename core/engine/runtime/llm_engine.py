@@ -57,7 +57,12 @@ class LLMEngine:
         self.dtype_name = resolve_dtype(config.dtype, checkpoint_dtype(raw_config), self.platform)
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
         self.platform.seed_everything(config.seed)
-        self.max_model_len = config.max_model_len or int(raw_config.get("max_position_embeddings", 2048))
+        max_positions = int(raw_config.get("max_position_embeddings", 2048))
+        self.max_model_len = config.max_model_len or max_positions
+        if self.max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={max_positions}."
+            )
 
         self.model: Model = model_cls(ModelInit(config=self.hf_config, dtype=self.dtype, device=self.device))
         self.model.eval()

@@ -1,0 +1,321 @@
+"""Discovery and loading of plugins: selection, autoload, failures, tracing."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from engine.plugins.components import KINDS
+from engine.plugins.manager import PluginLoadError, PluginLoadWarning, get_plugin_manager
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+from plugin_helpers import ENGINE_ENV_VARS, REAL_PLUGINS, PluginFactory, hooks_source  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_env(monkeypatch):
+    for var in ENGINE_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def factory(tmp_path, monkeypatch):
+    plugins = PluginFactory(tmp_path / "site", monkeypatch)
+    yield plugins
+    plugins.cleanup()
+
+
+def tier_plugin(factory: PluginFactory, base: str, tier: str = "tier", **kwargs) -> str:
+    """An installed plugin that registers one lazy KV tier named ``tier``."""
+    source = hooks_source(register_kv_tiers=f'register("{tier}", "nowhere_{factory.suffix}:Tier")')
+    return factory.plugin(base, source, **kwargs)
+
+
+def infos_by_name(pm) -> dict:
+    return {info.name: info for info in pm.plugin_infos}
+
+
+# -------------------------------------------------------------------------
+# autoload
+# -------------------------------------------------------------------------
+
+
+def test_autoload_loads_every_discovered_entry_point(factory):
+    mine = tier_plugin(factory, "auto", dist="my-auto-dist", version="2.3")
+
+    pm = get_plugin_manager()
+
+    discovered = {ep.name for ep in md.entry_points(group="engine.plugins")}
+    assert {mine, *REAL_PLUGINS} <= discovered
+    infos = infos_by_name(pm)
+    assert set(infos) == discovered
+    info = infos[mine]
+    assert (info.distribution, info.version, info.source, info.module) == ("my-auto-dist", "2.3", "entry_point", mine)
+    assert info.loaded and info.error is None and not info.requested
+    assert info.hooks == ["register_kv_tiers"]
+    for name, dist in REAL_PLUGINS.items():
+        assert infos[name].distribution == dist and infos[name].loaded
+    assert pm.load_errors == []
+
+    components = pm.components()
+    assert "tier" in components.kv_tiers and "cpu" in components.platforms
+    assert info.components == {"kv_tiers": ["tier"]}
+    assert components.kv_tiers.entry("tier").distribution == "my-auto-dist 2.3"
+
+
+def test_autoload_with_a_selection_loads_the_rest_too(factory):
+    first = tier_plugin(factory, "first", tier="a")
+    second = tier_plugin(factory, "second", tier="b")
+
+    pm = get_plugin_manager([first], autoload=True)
+
+    infos = infos_by_name(pm)
+    assert pm.plugin_infos[0].name == first and infos[first].requested
+    assert infos[second].loaded and not infos[second].requested
+    assert infos["cpu"].loaded
+
+
+# -------------------------------------------------------------------------
+# selection
+# -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["list", "comma string", "env"])
+def test_selection_loads_exactly_the_named_plugins(factory, monkeypatch, form):
+    x = tier_plugin(factory, "x", tier="x")
+    y = tier_plugin(factory, "y", tier="y")
+    tier_plugin(factory, "z", tier="z")
+
+    if form == "list":
+        pm = get_plugin_manager(plugins=[x, y])
+    elif form == "comma string":
+        pm = get_plugin_manager(plugins=f" {x} , {y},")
+    else:
+        monkeypatch.setenv("ENGINE_PLUGINS", f"{x},{y}")
+        pm = get_plugin_manager()
+
+    assert [info.name for info in pm.plugin_infos] == [x, y]
+    assert all(info.loaded and info.requested for info in pm.plugin_infos)
+    assert pm.components().kv_tiers.names() == ["x", "y"]
+    assert len(pm.components().platforms) == 0  # cpu was not loaded
+
+
+def test_explicit_selection_takes_precedence_over_env(factory, monkeypatch):
+    x = tier_plugin(factory, "x")
+    monkeypatch.setenv("ENGINE_PLUGINS", "cpu")
+
+    pm = get_plugin_manager(plugins=x)
+
+    assert [info.name for info in pm.plugin_infos] == [x]
+
+
+@pytest.mark.parametrize("form", ["empty string", "blank items", "empty list", "empty env"])
+def test_empty_selection_loads_no_plugin(factory, monkeypatch, form):
+    tier_plugin(factory, "unwanted")
+    if form == "empty env":
+        monkeypatch.setenv("ENGINE_PLUGINS", "")
+        pm = get_plugin_manager()
+    else:
+        pm = get_plugin_manager(plugins={"empty string": "", "blank items": " , ", "empty list": []}[form])
+
+    assert pm.plugin_infos == []
+    components = pm.components()
+    for kind in KINDS:
+        assert components.registry(kind.attr).names() == [], kind.attr
+
+
+def test_dotted_module_path_loads_without_entry_point(factory):
+    module = factory.module(
+        f"pkg_{factory.suffix}.hooks",
+        hooks_source(register_kv_tiers=f'register("modtier", "nowhere_{factory.suffix}:Tier")'),
+    )
+
+    pm = get_plugin_manager(plugins=module)
+
+    (info,) = pm.plugin_infos
+    assert (info.name, info.source, info.distribution, info.loaded) == (module, "module", None, True)
+    entry = pm.components().kv_tiers.entry("modtier")
+    assert entry.plugin == module and entry.distribution == f"module {module}"
+
+
+def test_nonexistent_dotted_module_path_is_an_error(factory):
+    missing = f"pkg_{factory.suffix}.nope"
+    with pytest.raises(PluginLoadError) as excinfo:
+        get_plugin_manager(plugins=missing)
+    message = str(excinfo.value)
+    assert f"Plugin {missing!r}" in message
+    assert "ModuleNotFoundError" in message
+
+
+def test_unknown_plugin_name_lists_installed_plugins(factory):
+    mine = tier_plugin(factory, "present")
+    with pytest.raises(PluginLoadError) as excinfo:
+        get_plugin_manager(plugins="nosuchplugin")
+    message = str(excinfo.value)
+    assert message.startswith("Unknown plugin 'nosuchplugin'. Installed plugins: ")
+    for name in (mine, *REAL_PLUGINS):
+        assert name in message
+
+
+def test_entry_point_name_from_two_distributions_is_an_error_when_requested(factory):
+    name = factory.name("twice")
+    factory.module(name, hooks_source())
+    factory.distribution("dist-one", {name: name})
+    factory.distribution("dist-two", {name: name})
+
+    with pytest.raises(PluginLoadError, match="more than one distribution") as excinfo:
+        get_plugin_manager(plugins=name)
+    assert "dist-one" in str(excinfo.value) and "dist-two" in str(excinfo.value)
+
+
+def test_entry_point_name_from_two_distributions_warns_when_autoloaded(factory):
+    name = factory.name("twice")
+    factory.module(name, hooks_source())
+    factory.distribution("dist-one", {name: name})
+    factory.distribution("dist-two", {name: name})
+
+    with pytest.warns(PluginLoadWarning, match="more than one distribution") as record:
+        pm = get_plugin_manager()
+    message = str(record[0].message)
+    assert "dist-one" in message and "dist-two" in message
+    assert [info.name for info in pm.plugin_infos].count(name) == 1
+
+
+# -------------------------------------------------------------------------
+# failures
+# -------------------------------------------------------------------------
+
+BROKEN = 'raise RuntimeError("boom: libfoo.so not found")\n'
+
+
+def test_broken_requested_plugin_is_an_error_naming_plugin_distribution_and_cause(factory):
+    broken = factory.plugin("broken", BROKEN, dist="broken-dist", version="0.9")
+
+    with pytest.raises(PluginLoadError) as excinfo:
+        get_plugin_manager(plugins=["cpu", broken])
+
+    message = str(excinfo.value)
+    assert f"Plugin {broken!r} (broken-dist 0.9) could not be loaded" in message
+    assert "RuntimeError: boom: libfoo.so not found" in message
+    assert isinstance(excinfo.value.__cause__, RuntimeError)
+
+
+def test_broken_autoloaded_plugin_warns_and_the_rest_load(factory):
+    broken = factory.plugin("broken", BROKEN, dist="broken-dist", version="0.9")
+    good = tier_plugin(factory, "good")
+
+    with pytest.warns(PluginLoadWarning) as record:
+        pm = get_plugin_manager()
+
+    messages = [str(w.message) for w in record if issubclass(w.category, PluginLoadWarning)]
+    assert len(messages) == 1
+    assert f"Plugin {broken!r} (broken-dist 0.9) failed to load and was skipped" in messages[0]
+    assert "boom: libfoo.so not found" in messages[0]
+    infos = infos_by_name(pm)
+    assert infos[broken].loaded is False and "boom: libfoo.so not found" in infos[broken].error
+    assert pm.load_errors == [infos[broken]]
+    assert infos[good].loaded and infos["cpu"].loaded and infos["llama"].loaded
+    components = pm.components()
+    assert components.platforms.get("cpu").__name__ == "CpuPlatform"
+    assert "tier" in components.kv_tiers and "LlamaForCausalLM" in components.models
+
+
+TYPO = hooks_source(
+    register_modles='register("TypoForCausalLM", "nowhere:Model")',
+    register_kv_tiers='register("typo_tier", "nowhere:Tier")',
+)
+
+
+def test_typo_hookimpl_in_requested_plugin_is_an_error(factory):
+    typo = factory.plugin("typo", TYPO)
+
+    with pytest.raises(PluginLoadError) as excinfo:
+        get_plugin_manager(plugins=typo)
+
+    message = str(excinfo.value)
+    assert f"Plugin {typo!r}" in message and "could not be loaded" in message
+    assert "unknown hook 'register_modles'" in message
+    assert "register_models" in message  # the known hooks are listed
+
+
+def test_typo_hook_is_not_listed_among_known_hooks(factory):
+    typo = factory.plugin("typo", TYPO)
+
+    with pytest.raises(PluginLoadError) as excinfo:
+        get_plugin_manager(plugins=typo)
+
+    known = str(excinfo.value).partition("Known hooks:")[2]
+    assert "register_models" in known and "register_modles" not in known
+
+
+def test_typo_hookimpl_in_autoloaded_plugin_warns_and_is_skipped(factory):
+    typo = factory.plugin("typo", TYPO)
+    good = tier_plugin(factory, "good")
+
+    with pytest.warns(PluginLoadWarning, match="register_modles"):
+        pm = get_plugin_manager()
+
+    infos = infos_by_name(pm)
+    assert infos[typo].loaded is False and "register_modles" in infos[typo].error
+    assert infos[good].loaded and infos["cpu"].loaded
+    components = pm.components()
+    assert "typo_tier" not in components.kv_tiers  # its valid hooks are skipped too
+    assert "tier" in components.kv_tiers and "cpu" in components.platforms
+
+
+# -------------------------------------------------------------------------
+# tracing
+# -------------------------------------------------------------------------
+
+ALL_HOOKS = hooks_source(**{kind.hook: f'register("{kind.attr}_x", "nowhere:C")' for kind in KINDS})
+
+
+@pytest.mark.parametrize("how", ["env", "argument"])
+def test_tracing_logs_every_hook_call_and_its_registrations(factory, monkeypatch, caplog, how):
+    traced = factory.plugin("traced", ALL_HOOKS)
+    caplog.set_level(logging.INFO, logger="engine.plugins")
+    if how == "env":
+        monkeypatch.setenv("ENGINE_TRACE_PLUGINS", "1")
+        pm = get_plugin_manager(plugins=traced)
+    else:
+        pm = get_plugin_manager(plugins=traced, trace=True)
+    pm.components()
+
+    messages = [r.getMessage() for r in caplog.records if r.name == "engine.plugins"]
+    for kind in KINDS:
+        assert f"hook {kind.hook}: calling plugin {traced!r}" in messages
+        assert f"hook {kind.hook}: plugin {traced!r} registered ['{kind.attr}_x']" in messages
+
+
+def test_no_hook_logging_without_tracing(factory, caplog):
+    plain = factory.plugin("plain", ALL_HOOKS)
+    caplog.set_level(logging.INFO, logger="engine.plugins")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        get_plugin_manager(plugins=plain).components()
+
+    assert not [r for r in caplog.records if r.name == "engine.plugins"]
+
+
+def test_a_hook_that_raises_is_reported_with_the_plugin(factory):
+    source = """
+        import engine
+
+        @engine.hookimpl
+        def register_kv_tiers(register):
+            raise ValueError("misconfigured tier")
+    """
+    name = factory.plugin("raising", source, dist="raising-dist", version="2.0")
+    pm = get_plugin_manager(plugins=[name])
+    with pytest.raises(PluginLoadError) as excinfo:
+        pm.components()
+    message = str(excinfo.value)
+    assert f"Plugin {name!r} (raising-dist 2.0) failed in register_kv_tiers" in message
+    assert "ValueError: misconfigured tier" in message

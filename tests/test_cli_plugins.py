@@ -22,19 +22,6 @@ from plugin_helpers import ENGINE_ENV_VARS, REAL_PLUGINS, PluginFactory, hooks_s
 LLAMA_ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 
 
-@pytest.fixture(autouse=True)
-def _no_engine_env(monkeypatch):
-    for var in ENGINE_ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def factory(tmp_path, monkeypatch):
-    plugins = PluginFactory(tmp_path / "site", monkeypatch)
-    yield plugins
-    plugins.cleanup()
-
-
 def torch_tier_plugin(factory: PluginFactory) -> str:
     """A plugin whose KV tier module imports torch; only the tier's first use may import it."""
     tier = factory.module(factory.name("torchtier"), "import torch\n")

@@ -18,19 +18,6 @@ if str(Path(__file__).parent) not in sys.path:
 from plugin_helpers import ENGINE_ENV_VARS, REAL_PLUGINS, PluginFactory, hooks_source  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _no_engine_env(monkeypatch):
-    for var in ENGINE_ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def factory(tmp_path, monkeypatch):
-    plugins = PluginFactory(tmp_path / "site", monkeypatch)
-    yield plugins
-    plugins.cleanup()
-
-
 def tier_plugin(factory: PluginFactory, base: str, tier: str = "tier", **kwargs) -> str:
     """An installed plugin that registers one lazy KV tier named ``tier``."""
     source = hooks_source(register_kv_tiers=f'register("{tier}", "nowhere_{factory.suffix}:Tier")')

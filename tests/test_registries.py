@@ -25,19 +25,6 @@ from plugin_helpers import ENGINE_ENV_VARS, PluginFactory, hooks_source  # noqa:
 KV_TIER = "engine.interfaces.kv_tier:KVTier"
 
 
-@pytest.fixture(autouse=True)
-def _no_engine_env(monkeypatch):
-    for var in ENGINE_ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def factory(tmp_path, monkeypatch):
-    plugins = PluginFactory(tmp_path / "site", monkeypatch)
-    yield plugins
-    plugins.cleanup()
-
-
 TIER_MODULE = """
 from engine.interfaces.kv_tier import KVTier
 
@@ -474,19 +461,10 @@ def test_a_plugin_accelerator_wins_over_the_real_cpu_platform(factory):
 SPEC = AttentionSpec(kind=MHA, num_heads=8, num_kv_heads=2, head_size=64, scale=0.125)
 
 
-class FakeBackend(AttentionBackend):
+class FakeBackend(ThrowawayBackend):
     capabilities = AttentionCapabilities(
         kinds=frozenset({MHA}), platforms=frozenset({"fake"}), dtypes=frozenset({"float32"})
     )
-
-    def kv_cache_shape(self, num_blocks):
-        return (num_blocks,)
-
-    def build_metadata(self, common):
-        return common
-
-    def forward(self, q, k, v, kv_cache, metadata):
-        return q
 
 
 def fake_backend(name: str, **capabilities) -> type[AttentionBackend]:

@@ -461,10 +461,19 @@ def test_a_plugin_accelerator_wins_over_the_real_cpu_platform(factory):
 SPEC = AttentionSpec(kind=MHA, num_heads=8, num_kv_heads=2, head_size=64, scale=0.125)
 
 
-class FakeBackend(ThrowawayBackend):
+class FakeBackend(AttentionBackend):
     capabilities = AttentionCapabilities(
         kinds=frozenset({MHA}), platforms=frozenset({"fake"}), dtypes=frozenset({"float32"})
     )
+
+    def kv_cache_shape(self, num_blocks):
+        return (num_blocks,)
+
+    def build_metadata(self, common):
+        return common
+
+    def forward(self, q, k, v, kv_cache, metadata):
+        return q
 
 
 def fake_backend(name: str, **capabilities) -> type[AttentionBackend]:

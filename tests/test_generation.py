@@ -64,7 +64,7 @@ def test_preemption_does_not_change_greedy_outputs(checkpoint):
     outputs = small.generate(ps, greedy(40), use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
-    assert small.engine.block_pool.num_free_blocks == 24
+    assert small.engine.kv_manager.num_free_blocks == 24
 
 
 def test_stop_token_ids_end_the_request(checkpoint):
@@ -144,7 +144,7 @@ def test_bad_prompts_are_rejected_clearly(checkpoint):
         SamplingParams(temperature=-1)
     # nothing was left behind in the engine
     assert not llm.engine.has_unfinished()
-    assert llm.engine.block_pool.num_free_blocks == llm.engine.kv_cache.num_blocks
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_cache.num_blocks
 
 
 def test_unknown_architecture_lists_the_registered_ones(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.runtime.block_pool import BlockPool
+from engine.runtime.kv_cache_manager import KVCacheManager
 from engine.runtime.request import Request, RequestStatus
 from engine.runtime.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
@@ -22,8 +22,8 @@ def advance(scheduler: Scheduler, batch, sample_token: int = 7) -> None:
             request.append_token(sample_token)
 
 
-def test_block_pool_allocates_ceil_blocks_and_frees():
-    pool = BlockPool(num_blocks=10, block_size=4)
+def test_manager_allocates_ceil_blocks_and_frees():
+    pool = KVCacheManager(10, 4, enable_prefix_caching=False)
     r = req("a", 9)
     assert pool.allocate(r, 9) and len(r.block_ids) == 3
     r.num_computed_tokens = 9
@@ -36,7 +36,7 @@ def test_block_pool_allocates_ceil_blocks_and_frees():
 
 
 def test_chunked_prefill_under_the_token_budget_and_decode_first():
-    scheduler = Scheduler(BlockPool(100, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    scheduler = Scheduler(KVCacheManager(100, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=10)
     a, b = req("a", 6), req("b", 15)
     scheduler.add(a)
     scheduler.add(b)
@@ -51,7 +51,7 @@ def test_chunked_prefill_under_the_token_budget_and_decode_first():
 
 
 def test_priority_orders_admission():
-    scheduler = Scheduler(BlockPool(100, 4), max_num_seqs=1, max_num_batched_tokens=100)
+    scheduler = Scheduler(KVCacheManager(100, 4, enable_prefix_caching=False), max_num_seqs=1, max_num_batched_tokens=100)
     scheduler.add(req("late-low", 4, priority=5))
     scheduler.add(req("urgent", 4, priority=-1))
     scheduler.add(req("normal", 4, priority=0))
@@ -60,7 +60,7 @@ def test_priority_orders_admission():
 
 
 def test_preemption_by_recompute_when_blocks_run_out():
-    pool = BlockPool(num_blocks=4, block_size=4)
+    pool = KVCacheManager(4, 4, enable_prefix_caching=False)
     scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100)
     a, b = req("a", 8), req("b", 7)
     scheduler.add(a)
@@ -77,7 +77,7 @@ def test_preemption_by_recompute_when_blocks_run_out():
 
 
 def test_finish_frees_blocks():
-    pool = BlockPool(num_blocks=8, block_size=4)
+    pool = KVCacheManager(8, 4, enable_prefix_caching=False)
     scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=100)
     a = req("a", 9)
     scheduler.add(a)
@@ -87,7 +87,7 @@ def test_finish_frees_blocks():
 
 
 def test_request_too_large_for_the_cache_is_a_clear_error():
-    scheduler = Scheduler(BlockPool(num_blocks=2, block_size=4), max_num_seqs=8, max_num_batched_tokens=100)
+    scheduler = Scheduler(KVCacheManager(2, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=100)
     scheduler.add(req("huge", 20))
     with pytest.raises(RuntimeError, match="kv-cache-memory"):
         scheduler.schedule()

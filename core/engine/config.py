@@ -31,6 +31,7 @@ class EngineConfig(BaseModel):
     kv_cache_memory_fraction: float | None = Field(
         None, gt=0, le=1, description="Share of free device memory for the KV cache."
     )
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before.")
     seed: int = Field(0, description="Seed for unseeded sampling.")
 
     @field_validator("plugins", mode="before")

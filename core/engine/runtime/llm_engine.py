@@ -14,7 +14,7 @@ from engine.model_config import HFConfig
 from engine.model_loader.checkpoint import checkpoint_dtype, eos_token_ids, resolve_model_path, safetensors_files
 from engine.model_loader.weights import load_weights
 from engine.plugins.manager import EnginePluginManager, get_plugin_manager
-from engine.runtime.block_pool import BlockPool
+from engine.runtime.kv_cache_manager import KVCacheManager, cache_salt
 from engine.runtime.kv_cache import KVCache, KVCacheGroup, group_layers, num_blocks_for
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.request import Request, RequestStatus
@@ -69,8 +69,13 @@ class LLMEngine:
         load_weights(self.model, safetensors_files(self.model_path), progress=progress)
 
         self.kv_cache = self._make_kv_cache(components)
-        self.block_pool = BlockPool(self.kv_cache.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kv_manager = KVCacheManager(
+            self.kv_cache.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            salt=cache_salt(str(self.model_path.resolve()), self.architecture, self.dtype_name, config.block_size),
+        )
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, raw_config)

@@ -55,6 +55,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
         self.stop_reason: int | None = None
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.want_prompt_logits = want_prompt_logits

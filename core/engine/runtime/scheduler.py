@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.runtime.block_pool import BlockPool
+from engine.runtime.kv_cache_manager import KVCacheManager
 from engine.runtime.request import Request, RequestStatus
 
 
@@ -25,8 +25,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        self.block_pool = block_pool
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []  # kept sorted by sort_key
@@ -52,7 +52,7 @@ class Scheduler:
             if request not in self.running:  # preempted below to make room
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.block_pool.allocate(request, num_new):
+            while not self.kv_manager.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is request:
@@ -64,12 +64,15 @@ class Scheduler:
         # prefill: admit waiting requests while blocks, budget and seats last
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_pool.allocate(request, num_new):
-                if not self.running and self.block_pool.blocks_needed(request, 1) > self.block_pool.num_blocks:
+            # prefix cache: start after the longest run of cached blocks
+            cached_blocks = self.kv_manager.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            num_cached = len(cached_blocks) * self.kv_manager.block_size
+            num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            if not self.kv_manager.allocate(request, num_new, cached_blocks):
+                if not self.running and self.kv_manager.blocks_needed(request, 1) > self.kv_manager.num_blocks:
                     raise RuntimeError(
                         f"Request {request.request_id!r} needs more KV-cache blocks than the cache has "
-                        f"({self.block_pool.num_blocks}); raise --kv-cache-memory or lower --max-model-len."
+                        f"({self.kv_manager.num_blocks}); raise --kv-cache-memory or lower --max-model-len."
                     )
                 break
             self.waiting.pop(0)
@@ -80,15 +83,15 @@ class Scheduler:
             budget -= num_new
         if not batch.requests and self.has_unfinished():
             raise RuntimeError(
-                f"Nothing can be scheduled: the KV cache ({self.block_pool.num_blocks} blocks of "
-                f"{self.block_pool.block_size} tokens) cannot hold the next request. Raise --kv-cache-memory."
+                f"Nothing can be scheduled: the KV cache ({self.kv_manager.num_blocks} blocks of "
+                f"{self.kv_manager.block_size} tokens) cannot hold the next request. Raise --kv-cache-memory."
             )
         return batch
 
     def _preempt(self, request: Request) -> None:
         # recompute on resumption: drop the cache, keep the tokens
         self.running.remove(request)
-        self.block_pool.free(request)
+        self.kv_manager.free(request)
         request.num_computed_tokens = 0
         self.num_preemptions += 1
         self.add(request)
@@ -99,4 +102,4 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.block_pool.free(request)
+        self.kv_manager.free(request)

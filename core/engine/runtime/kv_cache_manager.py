@@ -1,0 +1,175 @@
+"""Paged KV-cache blocks with reference counts and prefix caching.
+
+Every full block of a request's tokens gets a chained hash: the hash of the
+previous block, the block's token ids, and (for the first block) a digest of
+everything else that shapes the KV (model, dtype, block size). A block whose
+hash is known can be shared by any request whose tokens hash the same way.
+
+Blocks with no owner stay in an LRU free queue; those with a hash remain
+reusable as prefix hits until allocation evicts them. All layer groups of the
+model share this block numbering: a request's block ``i`` holds its tokens
+``i*block_size .. (i+1)*block_size-1`` in every group's cache tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.runtime.request import Request
+
+
+def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
+    """hash(parent, tokens): 16 bytes."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def cache_salt(*parts: object) -> bytes:
+    """The root of every hash chain: a digest of what makes KV from the same tokens differ."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Owns block allocation: ``request.block_ids`` is the request's block table."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, salt: bytes = b"") -> None:
+        if num_blocks < 1:
+            raise ValueError(f"The KV cache needs at least one block, got {num_blocks}.")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.salt = salt
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # hash -> block id
+        # blocks nobody holds, least recently used first; popping the front evicts
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.stats = PrefixCacheStats()
+
+    # queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks held by requests."""
+        return 1.0 - len(self.free_queue) / self.num_blocks
+
+    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        total = request.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(request.block_ids))
+
+    # prefix cache
+
+    def update_hashes(self, request: Request, num_tokens: int | None = None) -> None:
+        """Extend ``request.block_hashes`` over every full block of its first ``num_tokens`` tokens."""
+        limit = request.num_tokens if num_tokens is None else num_tokens
+        hashes = request.block_hashes
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= limit:
+            start = len(hashes) * bs
+            hashes.append(block_hash(hashes[-1] if hashes else self.salt, request.token_ids[start : start + bs]))
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks holding the longest cached prefix of ``request``'s tokens.
+
+        At least one token is always left to compute, since the step that
+        computes it produces the next token's logits.
+        """
+        if not self.enable_prefix_caching or request.want_prompt_logits:
+            return []
+        self.update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.queries += request.num_tokens
+        self.stats.hits += len(hits) * self.block_size
+        return hits
+
+    # allocation
+
+    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
+        """Room for ``num_new_tokens`` more tokens, after taking ``cached_blocks`` as the
+        request's (empty) table's prefix. Returns False, changing nothing, if out of blocks."""
+        cached_blocks = cached_blocks or []
+        if cached_blocks:
+            assert not request.block_ids and request.num_computed_tokens == 0
+            num_cached_tokens = len(cached_blocks) * self.block_size
+        else:
+            num_cached_tokens = request.num_computed_tokens
+        total = num_cached_tokens + num_new_tokens
+        num_new_blocks = max(0, -(-total // self.block_size) - len(request.block_ids) - len(cached_blocks))
+        reclaimed = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+        if num_new_blocks > len(self.free_queue) - reclaimed:
+            return False
+        for block in cached_blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+        request.block_ids.extend(cached_blocks)
+        request.num_computed_tokens = num_cached_tokens
+        for _ in range(num_new_blocks):
+            block, _ = self.free_queue.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            request.block_ids.append(block)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, total)
+        return True
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        # the blocks this step fills will hold valid KV once it runs: publish them
+        self.update_hashes(request, num_tokens)
+        for i in range(num_tokens // self.block_size):
+            block = request.block_ids[i]
+            if self.block_hashes[block] is not None:
+                continue
+            h = request.block_hashes[i]
+            if h in self.cached:  # the same content computed twice concurrently: keep the first
+                continue
+            self.block_hashes[block] = h
+            self.cached[h] = block
+
+    def _evict(self, block: int) -> None:
+        h = self.block_hashes[block]
+        if h is not None:
+            self.block_hashes[block] = None
+            if self.cached.get(h) == block:
+                del self.cached[h]
+
+    def free(self, request: Request) -> None:
+        """Drop the request's hold on its blocks. Unshared tail blocks become the
+        first to evict; cached blocks stay reusable until evicted."""
+        for block in reversed(request.block_ids):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+                if self.block_hashes[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
+        request.block_ids = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their contents)."""
+        self.cached.clear()
+        self.block_hashes = [None] * self.num_blocks

@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.runtime.llm_engine import LLMEngine
+from engine.runtime.logprobs import logprob_dict
 from engine.runtime.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -74,34 +75,38 @@ class LLM:
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompt_list)} prompts.")
-        requests = self._submit(prompt_list, params_list, want_prompt_logits=False)
-        self._run(requests, use_tqdm=use_tqdm)
-        return [self._output(r) for r in requests]
+        groups = self._submit(prompt_list, params_list, want_prompt_logits=False)
+        self._run([r for group in groups for r in group], use_tqdm=use_tqdm)
+        return [self._output(group) for group in groups]
 
     def prompt_logits(self, prompts: PromptType | Sequence[PromptType]) -> list[torch.Tensor]:
         """Logits at every prompt position ([len(prompt), vocab] fp32 each): row i
         scores the token that follows prompt token i."""
         prompt_list = self._normalise(prompts)
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        requests = self._submit(prompt_list, [params] * len(prompt_list), want_prompt_logits=True)
-        self._run(requests, use_tqdm=False)
-        return [torch.cat(r.prompt_logits, dim=0) for r in requests]
+        groups = self._submit(prompt_list, [params] * len(prompt_list), want_prompt_logits=True)
+        self._run([group[0] for group in groups], use_tqdm=False)
+        return [torch.cat(group[0].prompt_logits, dim=0) for group in groups]
 
-    def _submit(self, prompts: list[PromptType], params: list[SamplingParams], *, want_prompt_logits: bool) -> list[Request]:
-        requests = []
+    def _submit(
+        self, prompts: list[PromptType], params: list[SamplingParams], *, want_prompt_logits: bool
+    ) -> list[list[Request]]:
+        """One group per prompt: its ``n`` sample requests."""
+        groups: list[list[Request]] = []
         try:
             for prompt, p in zip(prompts, params):
                 text, token_ids = self._to_token_ids(prompt)
-                requests.append(
-                    self.engine.add_request(
-                        f"offline-{next(self._ids)}", token_ids, p, prompt=text, want_prompt_logits=want_prompt_logits
-                    )
-                )
+                request_id = f"offline-{next(self._ids)}"
+                if want_prompt_logits:
+                    groups.append([self.engine.add_request(request_id, token_ids, p, prompt=text, want_prompt_logits=True)])
+                else:
+                    groups.append(self.engine.add_request_group(request_id, token_ids, p, prompt=text))
         except BaseException:
-            for request in requests:
-                self.engine.abort(request.request_id)
+            for group in groups:
+                for request in group:
+                    self.engine.abort(request.request_id)
             raise
-        return requests
+        return groups
 
     def _run(self, requests: list[Request], *, use_tqdm: bool) -> None:
         pending = {r.request_id for r in requests}
@@ -118,16 +123,25 @@ class LLM:
                     self.engine.abort(request_id)
                 raise
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, group: list[Request]) -> RequestOutput:
         tokenizer = self.engine.tokenizer
-        token_ids = request.output_token_ids
-        text = ""
-        if tokenizer is not None:
-            text = tokenizer.decode(token_ids, skip_special_tokens=request.sampling_params.skip_special_tokens)
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=token_ids, finish_reason=request.status.value, stop_reason=request.stop_reason
-        )
+        first = group[0]
+        prompt_logprobs = None
+        if first.sampling_params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [logprob_dict(entry, tokenizer) for entry in first.prompt_logprobs]
         return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            outputs=[completion], finished=True,
+            request_id=first.parent_request_id or first.request_id, prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids, outputs=[self._completion(r) for r in group], finished=True,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _completion(self, request: Request) -> CompletionOutput:
+        logprobs = cumulative_logprob = None
+        if request.sampling_params.logprobs is not None:
+            logprobs = [logprob_dict(entry, self.engine.tokenizer) for entry in request.output_logprobs]
+            cumulative_logprob = sum(entry.logprobs[0] for entry in request.output_logprobs)
+        return CompletionOutput(
+            index=request.index, text=request.output_text, token_ids=request.output_token_ids,
+            finish_reason=request.status.value, stop_reason=request.stop_reason,
+            logprobs=logprobs, cumulative_logprob=cumulative_logprob,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -9,16 +11,50 @@ _GREEDY_EPS = 1e-5
 
 @dataclass
 class SamplingParams:
-    """How to pick each next token and when to stop.
+    """How to pick each next token, what to report about it, and when to stop.
 
-    - ``temperature``: 0 means greedy; otherwise logits are divided by it.
+    Picking (in this order, as in vLLM):
+
+    - ``min_tokens``: until that many output tokens exist, EOS and
+      ``stop_token_ids`` are masked out (logit -inf) and stop strings are not
+      honoured.
+    - ``repetition_penalty`` (1: off): for every token seen in the prompt or
+      the output, a positive logit is divided by it and a negative one
+      multiplied (HF / vLLM).
+    - ``presence_penalty``, ``frequency_penalty`` (0: off; in [-2, 2]): over
+      output tokens only, ``logit -= presence * (count > 0) + frequency * count``
+      (OpenAI).
+    - ``temperature``: 0 means greedy (argmax after the penalties above);
+      otherwise logits are divided by it.
+    - ``min_p`` (0: off): keep the tokens with ``p >= min_p * p_max``.
     - ``top_k``: keep the k most likely tokens (0 or -1: all).
     - ``top_p``: keep the smallest set of tokens whose probability reaches p.
     - ``seed``: a per-request generator, so results do not depend on what else
-      is in the batch.
-    - ``max_tokens``: output tokens at most; ``stop_token_ids`` end the request
-      (the stop token is included in the output, as EOS is) and so does the
-      model's EOS unless ``ignore_eos``.
+      is in the batch. With ``n > 1``, sample i uses ``seed + i``.
+    - ``n``: independent samples for the same prompt, returned as
+      ``outputs[0..n-1]`` of one ``RequestOutput`` (greedy gives n equal ones).
+
+    Reporting:
+
+    - ``logprobs`` (None: off): for every output token, its logprob and rank
+      plus the ``logprobs`` most likely tokens (0: the sampled token alone).
+    - ``prompt_logprobs`` (None: off): the same for every prompt token after
+      the first (the first has no prediction: its entry is None).
+    - Logprobs are of the model's raw distribution: ``log_softmax`` of the
+      unprocessed fp32 logits, before temperature, penalties, min-p, top-k and
+      top-p (vLLM's default).
+
+    Stopping:
+
+    - ``max_tokens``: output tokens at most.
+    - ``stop_token_ids`` end the request, and so does the model's EOS unless
+      ``ignore_eos``; the token stays in ``token_ids`` but its text is left out
+      of the output text unless ``include_stop_str_in_output`` (vLLM).
+    - ``stop``: strings, matched on the detokenized output text (also across
+      token boundaries); the text ends right before the first one found (or
+      after it, with ``include_stop_str_in_output``), the finish reason is
+      "stop" and ``stop_reason`` the string.
+    - ``skip_special_tokens``: leave special tokens out of the text.
     """
 
     n: int = 1
@@ -30,22 +66,102 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported yet; use n=1.")
+        _check_int("n", self.n, minimum=1)
+        _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+        _check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}.")
+        _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}.")
+        _check_number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        _check_number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_number(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {value}.")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=0)
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}.")
         self.stop_token_ids = list(self.stop_token_ids)
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}.")
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}.")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain an empty string.")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """Parameters of sample ``index`` of ``n``: one sequence, seed ``seed + index``;
+        prompt logprobs are computed once, by sample 0."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"Sample index {index} is out of range for n={self.n}.")
+        return dataclasses.replace(
+            self, n=1,
+            seed=None if self.seed is None else self.seed + index,
+            prompt_logprobs=self.prompt_logprobs if index == 0 else None,
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: object, *, minimum: int | None = None) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}.")
+    if minimum is not None and value < minimum:  # type: ignore[operator]
+        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")

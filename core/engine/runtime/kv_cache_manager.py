@@ -93,7 +93,7 @@ class KVCacheManager:
         At least one token is always left to compute, since the step that
         computes it produces the next token's logits.
         """
-        if not self.enable_prefix_caching or request.want_prompt_logits:
+        if not self.enable_prefix_caching or request.needs_prompt_logits:
             return []
         self.update_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

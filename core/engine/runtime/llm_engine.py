@@ -15,6 +15,7 @@ from engine.model_loader.checkpoint import checkpoint_dtype, eos_token_ids, reso
 from engine.model_loader.weights import load_weights
 from engine.plugins.manager import EnginePluginManager, get_plugin_manager
 from engine.runtime.kv_cache_manager import KVCacheManager, cache_salt
+from engine.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.runtime.kv_cache import KVCache, KVCacheGroup, group_layers, num_blocks_for
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.request import Request, RequestStatus
@@ -81,6 +82,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_path, raw_config)
         self.vocab_size = int(raw_config.get("vocab_size", 0))
         self.requests: dict[str, Request] = {}
+        self.request_groups: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples, while any runs
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             self.architecture, self.platform.name, self.dtype_name, self.kv_cache.num_blocks, config.block_size,
@@ -122,8 +124,14 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
         prompt: str | None = None, want_prompt_logits: bool = False,
+        parent_request_id: str | None = None, index: int = 0,
     ) -> Request:
-        if request_id in self.requests:
+        """Add one sequence (``params.n`` must be 1; ``add_request_group`` takes any n)."""
+        if params.n != 1:
+            raise ValueError(
+                f"SamplingParams(n={params.n}) asks for {params.n} sequences; add it with add_request_group."
+            )
+        if request_id in self.requests or request_id in self.request_groups:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if not prompt_token_ids:
             raise ValueError("The prompt is empty: give at least one token.")
@@ -135,18 +143,73 @@ class LLMEngine:
                 f"The prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}, "
                 f"which leaves no room for output."
             )
+        self._check_params(params)
         request = Request(
             request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
-            prompt=prompt, want_prompt_logits=want_prompt_logits,
+            prompt=prompt, want_prompt_logits=want_prompt_logits, parent_request_id=parent_request_id, index=index,
         )
+        if self.tokenizer is not None:
+            hold_back = 0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
+            request.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop_hold_back=hold_back
+            )
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
 
+    def add_request_group(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+        prompt: str | None = None,
+    ) -> list[Request]:
+        """Add ``params.n`` independent samples of one prompt, as requests ``"{i}_{request_id}"``
+        (``parent_request_id=request_id``, ``index=i``, params ``params.for_sample(i)``: seed + i).
+        With n == 1 it is ``[add_request(request_id, ...)]``. ``abort(request_id)`` aborts them all."""
+        if params.n == 1:
+            return [self.add_request(request_id, prompt_token_ids, params, priority=priority, prompt=prompt)]
+        if request_id in self.requests or request_id in self.request_groups:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        samples: list[Request] = []
+        try:
+            for i in range(params.n):
+                samples.append(self.add_request(
+                    f"{i}_{request_id}", prompt_token_ids, params.for_sample(i), priority=priority, prompt=prompt,
+                    parent_request_id=request_id, index=i,
+                ))
+        except BaseException:
+            for request in samples:
+                self.abort(request.request_id)
+            raise
+        self.request_groups[request_id] = samples
+        return samples
+
+    def _check_params(self, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"Stop strings {params.stop!r} need a tokenizer and the model at {self.model_path} has none; "
+                f"use stop_token_ids or give tokenizer=PATH."
+            )
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(f"{name}={value} exceeds the vocabulary size {self.vocab_size}.")
+
     def abort(self, request_id: str) -> None:
+        """Abort a request, or all samples of an n > 1 request by its own id."""
+        for request in self.request_groups.get(request_id, []):
+            self.abort(request.request_id)
         request = self.requests.pop(request_id, None)
-        if request is not None and not request.status.finished:
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        if request is not None:
+            if not request.status.finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self._forget_group(request)
+
+    def _forget_group(self, request: Request) -> None:
+        group = self.request_groups.get(request.parent_request_id) if request.parent_request_id else None
+        if group is not None and all(r.status.finished for r in group):
+            del self.request_groups[request.parent_request_id]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -162,8 +225,28 @@ class LLMEngine:
         for request, token in zip(sampled_requests, tokens):
             request.append_token(token)
             status = request.check_stop(self.max_model_len)
+            if request.detokenizer is not None:
+                status = self._update_text(request, status)
             if status is not None:
                 self.scheduler.finish(request, status)
                 self.requests.pop(request.request_id, None)
+                self._forget_group(request)
                 finished.append(request)
         return StepResult(updated=sampled_requests, finished=finished)
+
+    def _update_text(self, request: Request, status: RequestStatus | None) -> RequestStatus | None:
+        """Detokenize the request's new token and apply its stop strings; returns the finish status."""
+        detokenizer, params = request.detokenizer, request.sampling_params
+        new_text = ""
+        # as in vLLM, the token that stopped the request (EOS, stop_token_ids) stays out of the text
+        if status is not RequestStatus.FINISHED_STOPPED or params.include_stop_str_in_output:
+            new_text = detokenizer.add_token(request.token_ids[-1])
+        if status is not None:
+            new_text += detokenizer.flush()
+        if params.stop and new_text and request.num_output_tokens > params.min_tokens:
+            match = find_stop_string(detokenizer.output_text, len(new_text), params.stop, params.include_stop_str_in_output)
+            if match is not None:
+                request.stop_reason, end = match
+                detokenizer.truncate(end)
+                return RequestStatus.FINISHED_STOPPED
+        return status

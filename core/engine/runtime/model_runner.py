@@ -9,6 +9,7 @@ from engine.interfaces.attention import CommonAttentionMetadata
 from engine.interfaces.model import Model
 from engine.runtime.forward_context import ForwardContext
 from engine.runtime.kv_cache import KVCache
+from engine.runtime.logprobs import record_prompt_logprobs, record_sample_logprobs
 from engine.runtime.request import Request
 from engine.runtime.sampler import Sampler
 from engine.runtime.scheduler import ScheduledBatch
@@ -77,13 +78,17 @@ class ModelRunner:
         ]
         if any(r.want_prompt_logits for r in batch.requests):
             self._record_prompt_logits(batch, hidden, ends)
+        if any(r.sampling_params.prompt_logprobs is not None for r in batch.requests):
+            record_prompt_logprobs(self.model.compute_logits, batch.requests, batch.num_tokens, hidden, ends)
         if not sampling:
             return [], []
         sample_rows = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)
         logits = self.model.compute_logits(hidden[sample_rows]).float()
         requests = [batch.requests[i] for i in sampling]
-        tokens = self.sampler(logits, requests)
-        return requests, tokens.tolist()
+        sampled = self.sampler(logits, requests)
+        if sampled.logprobs is not None:
+            record_sample_logprobs(requests, sampled.logprobs)
+        return requests, sampled.token_ids.tolist()
 
     def _record_prompt_logits(self, batch: ScheduledBatch, hidden: torch.Tensor, ends: list[int]) -> None:
         start = 0

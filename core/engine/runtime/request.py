@@ -42,6 +42,8 @@ class Request:
         priority: int = 0,
         prompt: str | None = None,
         want_prompt_logits: bool = False,
+        parent_request_id: str | None = None,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -56,10 +58,16 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
-        self.stop_reason: int | None = None
+        self.stop_reason: int | str | None = None  # stop token id or stop string
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.want_prompt_logits = want_prompt_logits
         self.prompt_logits: list = []  # per-chunk logits tensors when want_prompt_logits
+        # sample `index` of the n asked for by `parent_request_id` (None when n == 1)
+        self.parent_request_id = parent_request_id
+        self.index = index
+        self.detokenizer = None  # IncrementalDetokenizer, set by the engine when there is a tokenizer
+        self.output_logprobs: list = []  # LogprobEntry per output token, when sampling_params.logprobs is set
+        self.prompt_logprobs: list = []  # LogprobEntry per prompt token after the first, when prompt_logprobs is set
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -78,6 +86,20 @@ class Request:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def needs_prompt_logits(self) -> bool:
+        """Its prompt's logits are read (prompt logprobs, LLM.prompt_logits): every prompt
+        position must be computed, so a prefix-cache hit must not skip any."""
+        return self.want_prompt_logits or self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def output_text(self) -> str:
+        return "" if self.detokenizer is None else self.detokenizer.output_text
+
+    def take_output_text_delta(self) -> str:
+        """Output text not returned by an earlier call (for streaming)."""
+        return "" if self.detokenizer is None else self.detokenizer.take_delta(self.status.finished)
+
+    @property
     def sort_key(self) -> tuple[int, int]:
         """Scheduling order: lower priority value first, then first come first served."""
         return (self.priority, self.arrival_order)
@@ -89,7 +111,8 @@ class Request:
         """Status to finish with after the last appended token, or None to go on."""
         params = self.sampling_params
         last = self.token_ids[-1]
-        if (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids:
+        may_stop = self.num_output_tokens >= params.min_tokens
+        if may_stop and ((not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids):
             self.stop_reason = last
             return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:

@@ -1,9 +1,19 @@
-"""Token sampling for a batch: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling for a batch.
+
+Order, as in vLLM: raw logprobs (if asked) -> min_tokens mask -> penalties ->
+greedy argmax | temperature -> min-p -> top-k / top-p -> seeded exponential race.
+Every step is one tensor op over the batch; Python loops run over requests only
+to build small per-request parameter tensors.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
+from engine.runtime.logprobs import LogprobsTensors, gather_logprobs
 from engine.runtime.request import Request
 
 
@@ -27,19 +37,121 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep the tokens with p >= min_p * p_max in each row, -inf elsewhere.
+
+    logits: [N, V] fp32; min_p: [N] fp32 (0 keeps everything).
+    """
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """token_ids: [N, L] int64, padded with vocab_size -> counts [N, V] fp32."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    output_ids: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+) -> torch.Tensor:
+    """logits: [N, V] fp32; prompt_ids [N, Lp], output_ids [N, Lo]: int64 padded with V;
+    repetition, presence, frequency: [N] fp32 (1, 0, 0 leave a row alone)."""
+    vocab = logits.shape[-1]
+    output_counts = token_counts(output_ids, vocab)
+    in_output = output_counts > 0
+    seen = in_output | (token_counts(prompt_ids, vocab) > 0)
+    # repetition (HF / vLLM): shrink a seen token's logit towards -inf
+    rep = repetition.unsqueeze(1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    # presence and frequency (OpenAI): over output tokens only
+    return logits - frequency.unsqueeze(1) * output_counts - presence.unsqueeze(1) * in_output
+
+
+def pad_token_ids(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """[len(rows), max len] int64, padded with ``pad``."""
+    out = np.full((len(rows), max((len(r) for r in rows), default=0) or 1), pad, dtype=np.int64)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return torch.from_numpy(out).to(device)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: LogprobsTensors | None = None  # raw-distribution logprobs, when some request asked for them
+
+
 class Sampler:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """logits: [N, V] fp32, row i for requests[i] -> token ids [N] int64."""
-        greedy = [r.sampling_params.greedy for r in requests]
-        argmax = logits.argmax(dim=-1)
-        if all(greedy):
-            return argmax
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """logits: [N, V] fp32, row i for requests[i] (not modified) -> the sampled tokens."""
         params = [r.sampling_params for r in requests]
+        # logprobs describe the model's own distribution: taken before any processing
+        raw_logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
+        logits = self._apply_min_tokens(logits, requests)
+        if any(p.has_penalties for p in params):
+            logits = self._apply_penalties(logits, requests)
+        greedy = [p.greedy for p in params]
+        token_ids = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, requests, greedy)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, token_ids, max(p.logprobs or 0 for p in params))
+        return SamplerOutput(token_ids, logprobs)
+
+    def _apply_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        # until min_tokens outputs exist, the tokens that would stop the request cannot be drawn
+        rows: list[int] = []
+        cols: list[int] = []
+        vocab = logits.shape[-1]
+        for i, request in enumerate(requests):
+            p = request.sampling_params
+            if p.min_tokens and request.num_output_tokens < p.min_tokens:
+                stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | request.eos_token_ids
+                stops = [t for t in stops if t < vocab]
+                rows += [i] * len(stops)
+                cols += stops
+        if not rows:
+            return logits
+        index = (torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device))
+        return logits.index_put(index, torch.tensor(float("-inf"), device=self.device))
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        vocab = logits.shape[-1]
+        output_ids = pad_token_ids(
+            [r.output_token_ids if p.has_penalties else [] for r, p in zip(requests, params)], vocab, self.device
+        )
+        prompt_ids = pad_token_ids(
+            [r.prompt_token_ids if p.repetition_penalty != 1.0 else [] for r, p in zip(requests, params)],
+            vocab, self.device,
+        )
+
+        def column(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=self.device)
+
+        return apply_penalties(
+            logits, prompt_ids, output_ids,
+            column("repetition_penalty"), column("presence_penalty"), column("frequency_penalty"),
+        )
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        argmax = logits.argmax(dim=-1)
         temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=self.device)
         logits = logits / temperature.unsqueeze(1)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
+            logits = apply_min_p(logits, min_p)
         vocab = logits.shape[-1]
         top_k = None
         if any(p.top_k > 0 for p in params):

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, ClassVar, Mapping
 if TYPE_CHECKING:
     import torch
 
+    from engine.interfaces.quantizer import LinearMethod
+
 
 @dataclass(frozen=True)
 class Availability:
@@ -69,6 +71,13 @@ class Platform(ABC):
     @abstractmethod
     def memory_info(self) -> MemoryInfo:
         """Free and total memory of the device, in bytes."""
+
+    def linear_method(self, dtype: str) -> LinearMethod | None:
+        """A faster method for unquantized linear layers in ``dtype`` (e.g. prepacked
+        weights), applied to a model after its weights are loaded; None keeps
+        ``torch.nn.functional.linear``. Its outputs must match ``F.linear``'s within
+        the dtype's rounding."""
+        return None
 
     def default_kv_cache_bytes(self) -> int:
         """KV-cache size when the user sets none: half of the free memory by default."""

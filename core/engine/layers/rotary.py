@@ -70,13 +70,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
         self.max_positions = max_positions
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for ``positions`` [T]: [T, 1, rotary_dim] each; gather once per step, share across layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D]; k: [T, Hkv, D]
+        cos, sin = cos_sin
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.apply(q, k, self.cos_sin(positions, q.dtype))
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
         rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)

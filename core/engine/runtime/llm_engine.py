@@ -10,6 +10,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.interfaces.model import Model, ModelInit
+from engine.layers.linear import apply_linear_method
 from engine.model_config import HFConfig
 from engine.model_loader.checkpoint import checkpoint_dtype, eos_token_ids, resolve_model_path, safetensors_files
 from engine.model_loader.weights import load_weights
@@ -68,6 +69,9 @@ class LLMEngine:
         self.model: Model = model_cls(ModelInit(config=self.hf_config, dtype=self.dtype, device=self.device))
         self.model.eval()
         load_weights(self.model, safetensors_files(self.model_path), progress=progress)
+        linear_method = self.platform.linear_method(self.dtype_name)
+        if linear_method is not None:
+            apply_linear_method(self.model, linear_method)
 
         self.kv_cache = self._make_kv_cache(components)
         self.kv_manager = KVCacheManager(

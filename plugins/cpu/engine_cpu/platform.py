@@ -28,6 +28,12 @@ class CpuPlatform(Platform):
     def memory_info(self) -> MemoryInfo:
         return read_meminfo()
 
+    def linear_method(self, dtype: str):
+        from engine_cpu.linear import OneDNNLinearMethod, onednn_available
+
+        # bf16 only: the packed fp32 path reorders the accumulation, and fp32 serves as the exact reference
+        return OneDNNLinearMethod() if dtype == "bfloat16" and onednn_available() else None
+
     def default_kv_cache_bytes(self) -> int:
         # the cache is zero-filled host memory shared with everything else on the machine
         return min(self.memory_info().free_bytes // 2, DEFAULT_KV_CACHE_CAP)

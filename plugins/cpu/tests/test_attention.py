@@ -28,13 +28,28 @@ def naive_attention(q, k, v, context_len, scale, window):
     return out
 
 
-def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, window, dtype):
+@pytest.fixture(params=["native", "torch"])
+def path(request):
+    """Which implementation of the backend runs: the C++ kernel or the torch fallback."""
+    return request.param
+
+
+def make_backend(spec, block_size, dtype, path):
+    backend = CpuPagedAttention(spec, block_size, dtype, torch.device("cpu"))
+    if path == "torch":
+        backend.kernels = None
+    elif backend.kernels is None:
+        pytest.fail("the engine-cpu native kernels failed to build (see the engine.cpu log)")
+    return backend
+
+
+def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, window, dtype, path):
     gen = torch.Generator().manual_seed(seed)
     spec = AttentionSpec(
         kind=SLIDING_WINDOW if window else MHA, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_size=head_size, scale=head_size**-0.5, sliding_window=window,
     )
-    backend = CpuPagedAttention(spec, block_size, dtype, torch.device("cpu"))
+    backend = make_backend(spec, block_size, dtype, path)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
@@ -93,35 +108,35 @@ def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_si
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
-def test_prefill_with_cached_prefix(seed, block_size, num_heads, num_kv_heads):
+def test_prefill_with_cached_prefix(seed, block_size, num_heads, num_kv_heads, path):
     gen = torch.Generator().manual_seed(seed)
     num_seqs = int(torch.randint(1, 5, (1,), generator=gen))
     context_lens = torch.randint(0, 30, (num_seqs,), generator=gen).tolist()
     query_lens = torch.randint(1, 20, (num_seqs,), generator=gen).tolist()
     run_case(seed=seed, context_lens=context_lens, query_lens=query_lens, num_heads=num_heads,
-             num_kv_heads=num_kv_heads, head_size=16, block_size=block_size, window=None, dtype=torch.float32)
+             num_kv_heads=num_kv_heads, head_size=16, block_size=block_size, window=None, dtype=torch.float32, path=path)
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_batched_decode(block_size):
+def test_batched_decode(block_size, path):
     run_case(seed=11, context_lens=[0, 5, 31, 64, 7, 100], query_lens=[1] * 6, num_heads=8, num_kv_heads=2,
-             head_size=32, block_size=block_size, window=None, dtype=torch.float32)
+             head_size=32, block_size=block_size, window=None, dtype=torch.float32, path=path)
 
 
-def test_mixed_decode_and_prefill_batch():
+def test_mixed_decode_and_prefill_batch(path):
     run_case(seed=12, context_lens=[40, 0, 17, 3], query_lens=[1, 25, 1, 9], num_heads=4, num_kv_heads=2,
-             head_size=8, block_size=8, window=None, dtype=torch.float32)
+             head_size=8, block_size=8, window=None, dtype=torch.float32, path=path)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16])
-def test_sliding_window(window):
+def test_sliding_window(window, path):
     run_case(seed=13, context_lens=[0, 20, 33], query_lens=[30, 1, 12], num_heads=4, num_kv_heads=2,
-             head_size=16, block_size=4, window=window, dtype=torch.float32)
+             head_size=16, block_size=4, window=window, dtype=torch.float32, path=path)
 
 
-def test_bfloat16():
+def test_bfloat16(path):
     run_case(seed=14, context_lens=[10, 0], query_lens=[6, 12], num_heads=4, num_kv_heads=2,
-             head_size=64, block_size=16, window=None, dtype=torch.bfloat16)
+             head_size=64, block_size=16, window=None, dtype=torch.bfloat16, path=path)
 
 
 def test_validate_reports_unsupported_requests():

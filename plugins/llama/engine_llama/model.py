@@ -79,7 +79,7 @@ class LlamaAttentionBlock(nn.Module):
         self.qk_norm = qk_norm
         self.attn = Attention(layer_index, spec)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext, rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, rotary: RotaryEmbedding, cos_sin) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         # q: [T, H, D]; k, v: [T, Hkv, D]
@@ -88,7 +88,7 @@ class LlamaAttentionBlock(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = rotary.apply(q, k, cos_sin)
         out = self.attn(q, k, v, ctx)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -111,8 +111,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, ctx: ForwardContext, rotary: RotaryEmbedding) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), ctx, rotary)
+    def forward(self, h: torch.Tensor, ctx: ForwardContext, rotary: RotaryEmbedding, cos_sin) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx, rotary, cos_sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -185,8 +185,9 @@ class LlamaForCausalLM(Model):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, hidden_size]
         h = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, h.dtype)
         for layer in self.model.layers:
-            h = layer(positions, h, ctx, self.rotary)
+            h = layer(h, ctx, self.rotary, cos_sin)
         return self.model.norm(h)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,9 @@ def load() -> ModuleType | None:
         return load_extension(
             name="engine_cpu_kernels",
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"],
+            # -fopenmp: at::parallel_for is inline and runs serially in code compiled without it
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, or headers missing

@@ -1,8 +1,8 @@
 // Paged attention over a block-table KV cache for a flattened varlen batch, on CPU.
 //
-// Each (query token, kv head) pair is one work item: the queries of the kv head's
-// group are scored against the sequence's keys block by block, read in place from
-// the cache (no gather), with an online softmax accumulated in fp32.
+// Each query token is one work item: its heads are scored against the sequence's
+// keys block by block, read in place from the cache (no gather; a block's keys for
+// all kv heads are contiguous), with an online softmax accumulated in fp32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -12,6 +12,10 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -24,6 +28,84 @@ inline float to_float(at::BFloat16 x) {
 }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
+// q . k over head_size elements
+template <typename scalar_t>
+inline float dot(const scalar_t* q, const scalar_t* k, int64_t n) {
+  float s = 0.f;
+  for (int64_t d = 0; d < n; ++d) s += to_float(q[d]) * to_float(k[d]);
+  return s;
+}
+
+// acc += w * v over head_size elements
+template <typename scalar_t>
+inline void axpy(float* acc, float w, const scalar_t* v, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) acc[d] += w * to_float(v[d]);
+}
+
+// x[i] = exp(x[i] - shift) for i < n; returns the sum
+inline float exp_shifted_sum(float* x, int64_t n, float shift) {
+  float total = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2 = _mm512_set1_ps(0.69314718055994531f);
+  const __m512 lo = _mm512_set1_ps(-87.0f), vshift = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (; i < n; i += 16) {
+    const __mmask16 mask = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
+    __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), vshift), lo);
+    // exp(v) = 2^k * exp(g) with k = round(v log2 e), g = v - k ln 2 in [-0.35, 0.35]
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 g = _mm512_fnmadd_ps(k, ln2, v);
+    __m512 p = _mm512_set1_ps(1.f / 5040);  // Taylor to g^7: relative error below 1e-8 here
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f));
+    __m512 e = _mm512_scalef_ps(p, k);
+    _mm512_mask_storeu_ps(x + i, mask, e);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+  }
+  total = _mm512_reduce_add_ps(sum);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    total += x[i];
+  }
+  return total;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+template <>
+inline float dot<at::BFloat16>(const at::BFloat16* q, const at::BFloat16* k, int64_t n) {
+  if (n % 32 != 0) {
+    float s = 0.f;
+    for (int64_t d = 0; d < n; ++d) s += to_float(q[d]) * to_float(k[d]);
+    return s;
+  }
+  // bf16 x bf16 products are exact in fp32; the sums accumulate in fp32
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < n; d += 32) {
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <>
+inline void axpy<at::BFloat16>(float* acc, float w, const at::BFloat16* v, int64_t n) {
+  const __m512 wv = _mm512_set1_ps(w);
+  int64_t d = 0;
+  for (; d + 16 <= n; d += 16) {
+    __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + d));
+    __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(wv, vf, _mm512_loadu_ps(acc + d)));
+  }
+  for (; d < n; ++d) acc[d] += w * to_float(v[d]);
+}
+#endif
+
 template <typename scalar_t>
 void attend(
     scalar_t* out, const scalar_t* q, const scalar_t* key_cache, const scalar_t* value_cache,
@@ -31,72 +113,57 @@ void attend(
     const int64_t* token_seq, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
     int64_t block_size, int64_t max_blocks, double scale_d, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t num_items = num_tokens * num_kv_heads;
+  const int64_t row = num_kv_heads * head_size;  // one token's keys (all kv heads) are contiguous
   const float scale = static_cast<float>(scale_d);
   const int num_threads = at::get_num_threads();
-  // items are dealt round-robin so that long and short rows spread over threads
+  // tokens are dealt round-robin so that long and short rows spread over threads
   at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * head_size), acc(group * head_size), scores(group * block_size);
-    std::vector<float> vf(head_size), m(group), l(group);
+    std::vector<float> acc(num_heads * head_size), scores(num_heads * block_size), m(num_heads), l(num_heads);
     for (int64_t tid = begin; tid < end; ++tid) {
-      for (int64_t item = tid; item < num_items; item += num_threads) {
-        const int64_t t = item / num_kv_heads;
-        const int64_t g = item % num_kv_heads;
+      for (int64_t t = tid; t < num_tokens; t += num_threads) {
         const int64_t b = token_seq[t];
         const int64_t pos = context_lens[b] + (t - query_start_loc[b]);
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-        for (int64_t h = 0; h < group; ++h) {
-          const scalar_t* qh = q + (t * num_heads + g * group + h) * head_size;
-          for (int64_t d = 0; d < head_size; ++d) qf[h * head_size + d] = to_float(qh[d]) * scale;
-          m[h] = -std::numeric_limits<float>::infinity();
-          l[h] = 0.f;
-        }
+        const scalar_t* qt = q + t * num_heads * head_size;
+        std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+        std::fill(l.begin(), l.end(), 0.f);
         std::fill(acc.begin(), acc.end(), 0.f);
         const int64_t* table = block_tables + b * max_blocks;
         for (int64_t start = lo - lo % block_size; start <= pos; start += block_size) {
-          const int64_t block = table[start / block_size];
           const int64_t first = std::max(start, lo), last = std::min(start + block_size - 1, pos);
           const int64_t n = last - first + 1;
-          const int64_t base = (block * block_size + (first - start)) * num_kv_heads + g;
-          // scores[h][i] = q_h . k_i
+          const int64_t base = (table[start / block_size] * block_size + (first - start)) * row;
+          // scores[h][i] = scale * q_h . k_i for query head h and its kv head h / group
           for (int64_t i = 0; i < n; ++i) {
-            const scalar_t* k = key_cache + (base + i * num_kv_heads) * head_size;
-            for (int64_t h = 0; h < group; ++h) {
-              const float* qh = qf.data() + h * head_size;
-              float s = 0.f;
-              for (int64_t d = 0; d < head_size; ++d) s += qh[d] * to_float(k[d]);
-              scores[h * block_size + i] = s;
+            const scalar_t* k = key_cache + base + i * row;
+            for (int64_t h = 0; h < num_heads; ++h) {
+              scores[h * block_size + i] = dot(qt + h * head_size, k + (h / group) * head_size, head_size) * scale;
             }
           }
           // online softmax: rescale the running sums once per block
-          for (int64_t h = 0; h < group; ++h) {
+          for (int64_t h = 0; h < num_heads; ++h) {
             float* sh = scores.data() + h * block_size;
-            float block_max = *std::max_element(sh, sh + n);
-            float new_max = std::max(m[h], block_max);
-            float correction = std::exp(m[h] - new_max);
-            l[h] *= correction;
+            const float new_max = std::max(m[h], *std::max_element(sh, sh + n));
+            const float correction = std::exp(m[h] - new_max);
             float* ah = acc.data() + h * head_size;
-            for (int64_t d = 0; d < head_size; ++d) ah[d] *= correction;
-            for (int64_t i = 0; i < n; ++i) {
-              sh[i] = std::exp(sh[i] - new_max);
-              l[h] += sh[i];
+            if (correction != 1.f) {
+              l[h] *= correction;
+              for (int64_t d = 0; d < head_size; ++d) ah[d] *= correction;
             }
+            l[h] += exp_shifted_sum(sh, n, new_max);
             m[h] = new_max;
           }
           for (int64_t i = 0; i < n; ++i) {
-            const scalar_t* v = value_cache + (base + i * num_kv_heads) * head_size;
-            for (int64_t d = 0; d < head_size; ++d) vf[d] = to_float(v[d]);
-            for (int64_t h = 0; h < group; ++h) {
-              const float w = scores[h * block_size + i];
-              float* ah = acc.data() + h * head_size;
-              for (int64_t d = 0; d < head_size; ++d) ah[d] += w * vf[d];
+            const scalar_t* v = value_cache + base + i * row;
+            for (int64_t h = 0; h < num_heads; ++h) {
+              axpy(acc.data() + h * head_size, scores[h * block_size + i], v + (h / group) * head_size, head_size);
             }
           }
         }
-        for (int64_t h = 0; h < group; ++h) {
-          scalar_t* oh = out + (t * num_heads + g * group + h) * head_size;
+        scalar_t* ot = out + t * num_heads * head_size;
+        for (int64_t h = 0; h < num_heads; ++h) {
           const float inv = 1.f / l[h];
-          for (int64_t d = 0; d < head_size; ++d) oh[d] = static_cast<scalar_t>(acc[h * head_size + d] * inv);
+          for (int64_t d = 0; d < head_size; ++d) ot[h * head_size + d] = static_cast<scalar_t>(acc[h * head_size + d] * inv);
         }
       }
     }

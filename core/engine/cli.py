@@ -68,6 +68,30 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-model-len", type=int, default=None, help="Default: from config.json.")
     generate.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache GiB; default: half of free memory.")
     generate.add_argument("--json", action="store_true", help="Print JSON.")
+
+    bench = sub.add_parser(
+        "bench", help="Run a benchmark workload (see benchmarks/README.md).", formatter_class=_Formatter,
+        description="Run a fixed workload on the engine and, with --peers, on peers with the same weights and "
+        "requests, in this process; prints each figure, the ratio engine/peer and how it was measured.\n\n"
+        "  latency     W1: 1 request, prompt 128, 128 output tokens\n"
+        "  throughput  W2: 64 requests of random lengths, all at once; and engine overhead at 64 decoding sequences\n"
+        "  prefix      W3: 32 requests sharing a 1024-token prefix, one after another",
+    )
+    bench.add_argument("workload", choices=["latency", "throughput", "prefix"], help="Which workload to run.")
+    bench.add_argument("--model", default=DEFAULT_MODEL, help="Checkpoint directory, built-in model name or Hub id.")
+    _add_plugins_option(bench)
+    bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                       help="Compute dtype of the engine and the peers.")
+    bench.add_argument("--peers", default="", help="Comma-separated peers to run as well: hf (transformers generate).")
+    bench.add_argument("--max-num-seqs", type=int, default=None, help="Engine limit; unset: the engine's default.")
+    bench.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="Engine limit; unset: the engine's default."
+    )
+    bench.add_argument(
+        "--scale", type=float, default=1.0,
+        help="Multiply every request count and length by this (smoke tests); 1 is the WORKLOADS.md workload.",
+    )
+    bench.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     return parser
 
 
@@ -83,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_plugins(args)
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "bench":
+            return cmd_bench(args)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # user-facing: one clear line, no traceback unless debugging
@@ -193,6 +219,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"output: {o.outputs[0].text!r}")
         print(f"output ids: {o.outputs[0].token_ids} (finish: {o.outputs[0].finish_reason})")
     print(f"\n{num_out} tokens in {elapsed:.2f} s ({num_out / max(elapsed, 1e-9):.1f} tokens/s)")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine.bench.commands import BenchOptions, run_bench
+
+    options = BenchOptions(
+        model=args.model, plugins=args.plugins, dtype=args.dtype,
+        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, scale=args.scale,
+    )
+    report = run_bench(args.workload, options)
+    print(report.as_json() if args.json else report.as_text())
     return 0
 
 

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.interfaces.quantizer import LinearMethod
+    from engine.layers.ops import LayerOps
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,21 @@ class Platform(ABC):
     def memory_info(self) -> MemoryInfo:
         """Free and total memory of the device, in bytes."""
 
+    def configure_process(self) -> None:
+        """Process-wide settings the platform wants (allocator, threads), applied once
+        by an engine right after it selects this platform. A no-op by default."""
+
     def linear_method(self, dtype: str) -> LinearMethod | None:
         """A faster method for unquantized linear layers in ``dtype`` (e.g. prepacked
         weights), applied to a model after its weights are loaded; None keeps
         ``torch.nn.functional.linear``. Its outputs must match ``F.linear``'s within
         the dtype's rounding."""
+        return None
+
+    def layer_ops(self, dtype: str) -> LayerOps | None:
+        """Fused elementwise layer operations (RMSNorm with residual add, RoPE,
+        SiLU-and-mul) for ``dtype``, subclassing :class:`engine.layers.ops.LayerOps`
+        and matching it up to the dtype's rounding; None keeps the torch reference."""
         return None
 
     def default_kv_cache_bytes(self) -> int:

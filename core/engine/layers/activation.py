@@ -1,10 +1,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from engine.layers.ops import REFERENCE_OPS, LayerOps
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
     """x: [T, 2 * d] holding gate then up -> silu(gate) * up: [T, d]."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return ops.silu_and_mul(x)

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers.ops import REFERENCE_OPS, LayerOps
 from engine.model_config import HFConfig
 
 
@@ -71,22 +72,10 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for ``positions`` [T]: [T, 1, rotary_dim] each; gather once per step, share across layers."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        """cos, sin for ``positions`` [T]: [T, rotary_dim] each, in ``dtype``; gather once per step."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
-    def apply(
-        self, q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, ops: LayerOps = REFERENCE_OPS
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, H, D]; k: [T, Hkv, D]
-        cos, sin = cos_sin
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.apply(q, k, self.cos_sin(positions, q.dtype))
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
-        half = self.rotary_dim // 2
-        rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        out = rot * cos + rotated * sin
-        return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+        return ops.rotary(q, k, *self.cos_sin(positions, q.dtype))

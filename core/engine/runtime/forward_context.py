@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from engine.interfaces.attention import AttentionBackend
+from engine.layers.ops import REFERENCE_OPS, LayerOps
 
 
 @dataclass
@@ -16,11 +17,13 @@ class ForwardContext:
 
     ``backends[i]``, ``kv_caches[i]`` and ``metadata[i]`` belong to layer ``i``;
     layers of one KV-cache group share the backend and metadata objects.
+    ``ops`` are the platform's elementwise layer operations.
     """
 
     backends: list[AttentionBackend]
     kv_caches: list[torch.Tensor]
     metadata: list[Any]
+    ops: LayerOps = REFERENCE_OPS
 
     def attention(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.backends[layer_index].forward(q, k, v, self.kv_caches[layer_index], self.metadata[layer_index])

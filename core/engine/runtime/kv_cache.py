@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.interfaces.attention import AttentionBackend, AttentionSpec, CommonAttentionMetadata
+from engine.layers.ops import REFERENCE_OPS, LayerOps
 from engine.runtime.forward_context import ForwardContext
 
 logger = logging.getLogger("engine")
@@ -25,9 +26,10 @@ class KVCache:
 
     def __init__(
         self, groups: list[KVCacheGroup], num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device,
+        device: torch.device, ops: LayerOps = REFERENCE_OPS,
     ) -> None:
         self.groups = groups
+        self.ops = ops
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.layer_caches: list[torch.Tensor] = [torch.empty(0)] * num_layers
@@ -46,6 +48,7 @@ class KVCache:
             backends=self.layer_backends,
             kv_caches=self.layer_caches,
             metadata=[per_group[g] for g in self.layer_group],
+            ops=self.ops,
         )
 
 

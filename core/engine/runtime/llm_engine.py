@@ -11,6 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.linear import apply_linear_method
+from engine.layers.ops import REFERENCE_OPS
 from engine.model_config import HFConfig
 from engine.model_loader.checkpoint import checkpoint_dtype, eos_token_ids, resolve_model_path, safetensors_files
 from engine.model_loader.weights import load_weights
@@ -55,6 +56,7 @@ class LLMEngine:
         model_cls = components.models.get(self.architecture)
 
         self.platform = select_platform(components.platforms, config.device)
+        self.platform.configure_process()
         self.device = self.platform.device()
         self.dtype_name = resolve_dtype(config.dtype, checkpoint_dtype(raw_config), self.platform)
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
@@ -121,7 +123,8 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len}: one long request could never run. Raise "
                 f"--kv-cache-memory or lower --max-model-len."
             )
-        return KVCache(groups, len(specs), num_blocks, config.block_size, self.dtype, self.device)
+        ops = self.platform.layer_ops(self.dtype_name) or REFERENCE_OPS
+        return KVCache(groups, len(specs), num_blocks, config.block_size, self.dtype, self.device, ops)
 
     # requests
 

@@ -1,11 +1,15 @@
 """Paged attention for MHA/GQA on the CPU.
 
-The native kernel (``csrc/paged_attention.cpp``) reads keys and values in place
-through the block tables. Where it cannot be built, the torch path gathers
-every sequence's keys and values into a padded [B, max_seq_len] view and runs
-one masked scaled-dot-product attention for the whole batch. Either way decode
-and prefill (with or without a cached prefix) take one path with no Python loop
-over sequences.
+Decode tokens and short prefill chunks go to the native kernel
+(``csrc/paged_attention.cpp``), which reads keys and values in place through
+the block tables, one batched call per step with no loop over sequences. A
+prefill chunk of at least ``PREFILL_SDPA_MIN_QUERY`` tokens instead runs torch's
+flash attention over its sequence's gathered keys and values: with that many
+queries per key, the gather is cheap and the blocked kernel is faster.
+
+Where the native kernel cannot be built, the torch path gathers every
+sequence's keys and values into a padded [B, max_seq_len] view and runs one
+masked scaled-dot-product attention for the whole batch.
 """
 
 from __future__ import annotations
@@ -24,10 +28,26 @@ from engine.interfaces.attention import (
 )
 
 
+PREFILL_SDPA_MIN_QUERY = 16
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's prefill chunk: query rows start:end of the batch."""
+
+    start: int
+    end: int
+    key_slots: torch.Tensor  # [seq_len] cache slot of each key position
+    mask: torch.Tensor | None  # [query_len, seq_len] allowed positions; None: plain causal
+
+
 @dataclass
 class CpuAttentionMetadata:
     common: CommonAttentionMetadata
     token_seq: torch.Tensor  # [T] sequence of each token
+    # the native path: tokens for the kernel (empty: all), long prefill chunks for flash attention
+    kernel_tokens: torch.Tensor | None = None
+    prefill_chunks: list[PrefillChunk] | None = None
     # the torch path only:
     token_row: torch.Tensor | None = None  # [T] row of each token within its sequence's queries
     key_slots: torch.Tensor | None = None  # [B, max_seq_len] cache slot of each key position
@@ -57,7 +77,7 @@ class CpuPagedAttention(AttentionBackend):
         token_seq = torch.repeat_interleave(torch.arange(common.num_seqs, device=device), common.query_lens)
         metadata = CpuAttentionMetadata(common=common, token_seq=token_seq)
         if self.kernels is not None:
-            return metadata
+            return self._split_long_prefills(metadata)
         max_q, max_k, bs = common.max_query_len, common.max_seq_len, common.block_size
         metadata.token_row = torch.arange(common.num_tokens, device=device) - common.query_start_loc[token_seq]
         key_pos = torch.arange(max_k, device=device)
@@ -73,6 +93,37 @@ class CpuPagedAttention(AttentionBackend):
         metadata.mask = mask.unsqueeze(1)
         return metadata
 
+    def _split_long_prefills(self, metadata: CpuAttentionMetadata) -> CpuAttentionMetadata:
+        common = metadata.common
+        empty = torch.empty(0, dtype=torch.int64, device=common.slot_mapping.device)
+        metadata.kernel_tokens, metadata.prefill_chunks = empty, []
+        if common.max_query_len < PREFILL_SDPA_MIN_QUERY:
+            return metadata
+        bs, window = common.block_size, self.spec.sliding_window
+        query_lens, context_lens = common.query_lens.tolist(), common.context_lens.tolist()
+        starts = common.query_start_loc.tolist()
+        kernel_rows = []
+        for b, (query_len, context_len) in enumerate(zip(query_lens, context_lens)):
+            start, end = starts[b], starts[b + 1]
+            if query_len < PREFILL_SDPA_MIN_QUERY:
+                kernel_rows.append(torch.arange(start, end))
+                continue
+            seq_len = context_len + query_len
+            key_pos = torch.arange(seq_len)
+            key_slots = common.block_tables[b, key_pos // bs] * bs + key_pos % bs
+            mask = None
+            if context_len or window is not None:
+                query_pos = torch.arange(context_len, seq_len)
+                mask = key_pos[None, :] <= query_pos[:, None]
+                if window is not None:
+                    mask &= (query_pos[:, None] - key_pos[None, :]) < window
+            metadata.prefill_chunks.append(PrefillChunk(start, end, key_slots, mask))
+        if kernel_rows:
+            metadata.kernel_tokens = torch.cat(kernel_rows)
+        else:
+            metadata.kernel_tokens = None  # nothing for the kernel this step
+        return metadata
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuAttentionMetadata
     ) -> torch.Tensor:
@@ -84,10 +135,23 @@ class CpuPagedAttention(AttentionBackend):
         if self.kernels is not None:
             q = q.contiguous()
             out = torch.empty_like(q)
-            self.kernels.paged_attention(
-                out, q, kv_cache[0], kv_cache[1], common.block_tables, common.query_start_loc, common.context_lens,
-                metadata.token_seq, spec.scale, spec.sliding_window or 0,
-            )
+            if metadata.kernel_tokens is not None:
+                self.kernels.paged_attention(
+                    out, q, kv_cache[0], kv_cache[1], common.block_tables, common.query_start_loc,
+                    common.context_lens, metadata.token_seq, metadata.kernel_tokens, spec.scale,
+                    spec.sliding_window or 0,
+                )
+            for chunk in metadata.prefill_chunks:
+                # [1, H, query_len, D] against [1, Hkv, seq_len, D]
+                out[chunk.start : chunk.end] = F.scaled_dot_product_attention(
+                    q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0),
+                    key_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0),
+                    value_cache[chunk.key_slots].transpose(0, 1).unsqueeze(0),
+                    attn_mask=chunk.mask,
+                    is_causal=chunk.mask is None,
+                    scale=spec.scale,
+                    enable_gqa=spec.num_heads != spec.num_kv_heads,
+                )[0].transpose(0, 1)
             return out
         return self._forward_torch(q, key_cache, value_cache, metadata)
 

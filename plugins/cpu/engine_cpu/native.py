@@ -16,7 +16,7 @@ from types import ModuleType
 
 logger = logging.getLogger("engine.cpu")
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "layer_ops.cpp")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,7 +29,7 @@ def load() -> ModuleType | None:
         logger.info("building engine-cpu kernels (first use only)")
         return load_extension(
             name="engine_cpu_kernels",
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             # -fopenmp: at::parallel_for is inline and runs serially in code compiled without it
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
             extra_ldflags=["-fopenmp"],

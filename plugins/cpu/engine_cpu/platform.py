@@ -28,15 +28,46 @@ class CpuPlatform(Platform):
     def memory_info(self) -> MemoryInfo:
         return read_meminfo()
 
+    def configure_process(self) -> None:
+        tune_malloc()
+
     def linear_method(self, dtype: str):
         from engine_cpu.linear import OneDNNLinearMethod, onednn_available
 
         # bf16 only: the packed fp32 path reorders the accumulation, and fp32 serves as the exact reference
         return OneDNNLinearMethod() if dtype == "bfloat16" and onednn_available() else None
 
+    def layer_ops(self, dtype: str):
+        from engine_cpu import native
+        from engine_cpu.ops import NativeLayerOps
+
+        kernels = native.load()
+        return NativeLayerOps(kernels) if kernels is not None else None
+
     def default_kv_cache_bytes(self) -> int:
         # the cache is zero-filled host memory shared with everything else on the machine
         return min(self.memory_info().free_bytes // 2, DEFAULT_KV_CACHE_CAP)
+
+
+# glibc serves allocations above M_MMAP_THRESHOLD (at most 32 MiB by default) with
+# fresh mmaps, so every large activation of a prefill step page-faults its memory
+# in again; keeping them in the heap halves the time of elementwise ops there.
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+
+
+def tune_malloc() -> bool:
+    """Keep large freed blocks for reuse (``ENGINE_CPU_MALLOC_TUNING=0`` disables).
+    Returns whether glibc accepted the settings."""
+    if os.environ.get("ENGINE_CPU_MALLOC_TUNING", "1") in ("0", "false", "False"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 31))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def read_meminfo(path: str = "/proc/meminfo") -> MemoryInfo:

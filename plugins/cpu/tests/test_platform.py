@@ -4,7 +4,7 @@ import torch
 
 from engine.interfaces.attention import MHA, SLIDING_WINDOW
 from engine.plugins.manager import get_plugin_manager
-from engine_cpu.platform import CpuPlatform, read_meminfo
+from engine_cpu.platform import CpuPlatform, read_meminfo, tune_malloc
 
 
 def test_cpu_platform_is_available_and_registered():
@@ -42,3 +42,9 @@ def test_seed_everything_makes_torch_reproducible():
     a = torch.rand(3)
     platform.seed_everything(123)
     assert torch.equal(a, torch.rand(3))
+
+
+def test_cpu_malloc_tuning_is_accepted_and_can_be_disabled(monkeypatch):
+    assert tune_malloc() is True
+    monkeypatch.setenv("ENGINE_CPU_MALLOC_TUNING", "0")
+    assert tune_malloc() is False

@@ -79,7 +79,7 @@ class LlamaAttentionBlock(nn.Module):
         self.qk_norm = qk_norm
         self.attn = Attention(layer_index, spec)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, rotary: RotaryEmbedding, cos_sin) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         # q: [T, H, D]; k, v: [T, Hkv, D]
@@ -87,8 +87,8 @@ class LlamaAttentionBlock(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.apply(q, k, cos_sin)
+            q, k = self.q_norm(q, ops=ctx.ops), self.k_norm(k, ops=ctx.ops)
+        q, k = ctx.ops.rotary(q, k, *cos_sin)
         out = self.attn(q, k, v, ctx)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -99,8 +99,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(dims.hidden_size, [dims.intermediate_size] * 2, bias, dtype)
         self.down_proj = Linear(dims.intermediate_size, dims.hidden_size, bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), ctx.ops))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -111,9 +111,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
 
-    def forward(self, h: torch.Tensor, ctx: ForwardContext, rotary: RotaryEmbedding, cos_sin) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx, rotary, cos_sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # residual stream: residual holds the sum so far, h this layer's input before its norm
+        if residual is None:
+            residual, h = h, self.input_layernorm(h, ops=ctx.ops)
+        else:
+            h, residual = self.input_layernorm(h, residual, ops=ctx.ops)
+        h = self.self_attn(h, ctx, cos_sin)
+        h, residual = self.post_attention_layernorm(h, residual, ops=ctx.ops)
+        return self.mlp(h, ctx), residual
 
 
 class LlamaBackbone(nn.Module):
@@ -186,9 +194,11 @@ class LlamaForCausalLM(Model):
         # input_ids, positions: [T] -> hidden [T, hidden_size]
         h = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary.cos_sin(positions, h.dtype)
+        residual = None
         for layer in self.model.layers:
-            h = layer(h, ctx, self.rotary, cos_sin)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, ctx, cos_sin)
+        h, _ = self.model.norm(h, residual, ops=ctx.ops)
+        return h
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)

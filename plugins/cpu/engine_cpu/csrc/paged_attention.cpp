@@ -110,8 +110,8 @@ template <typename scalar_t>
 void attend(
     scalar_t* out, const scalar_t* q, const scalar_t* key_cache, const scalar_t* value_cache,
     const int64_t* block_tables, const int64_t* query_start_loc, const int64_t* context_lens,
-    const int64_t* token_seq, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-    int64_t block_size, int64_t max_blocks, double scale_d, int64_t window) {
+    const int64_t* token_seq, const int64_t* tokens, int64_t num_items, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_size, int64_t block_size, int64_t max_blocks, double scale_d, int64_t window) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_size;  // one token's keys (all kv heads) are contiguous
   const float scale = static_cast<float>(scale_d);
@@ -120,7 +120,8 @@ void attend(
   at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(num_heads * head_size), scores(num_heads * block_size), m(num_heads), l(num_heads);
     for (int64_t tid = begin; tid < end; ++tid) {
-      for (int64_t t = tid; t < num_tokens; t += num_threads) {
+      for (int64_t item = tid; item < num_items; item += num_threads) {
+        const int64_t t = tokens ? tokens[item] : item;
         const int64_t b = token_seq[t];
         const int64_t pos = context_lens[b] + (t - query_start_loc[b]);
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
@@ -173,11 +174,12 @@ void attend(
 }  // namespace
 
 // out, q: [T, H, D]; key_cache, value_cache: [num_blocks, block_size, Hkv, D];
-// block_tables: [B, max_blocks]; query_start_loc: [B + 1]; context_lens: [B]; token_seq: [T] (int64).
+// block_tables: [B, max_blocks]; query_start_loc: [B + 1]; context_lens: [B]; token_seq: [T] (int64);
+// tokens: the token indices to compute (int64), or empty for all T. Rows of out not computed are untouched.
 void paged_attention(
     torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
     torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
-    double scale, int64_t window) {
+    torch::Tensor tokens, double scale, int64_t window) {
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && block_tables.scalar_type() == at::kLong, "block_tables: contiguous int64");
@@ -185,15 +187,28 @@ void paged_attention(
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_size = q.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous(), "tokens: contiguous int64");
+  const int64_t* token_ptr = tokens.numel() > 0 ? tokens.data_ptr<int64_t>() : nullptr;
+  const int64_t num_items = token_ptr ? tokens.numel() : num_tokens;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     attend<scalar_t>(
         out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
         value_cache.data_ptr<scalar_t>(), block_tables.data_ptr<int64_t>(), query_start_loc.data_ptr<int64_t>(),
-        context_lens.data_ptr<int64_t>(), token_seq.data_ptr<int64_t>(), num_tokens, num_heads, num_kv_heads,
-        head_size, block_size, block_tables.size(1), scale, window);
+        context_lens.data_ptr<int64_t>(), token_seq.data_ptr<int64_t>(), token_ptr, num_items, num_heads,
+        num_kv_heads, head_size, block_size, block_tables.size(1), scale, window);
   });
 }
 
+// layer_ops.cpp
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+void silu_and_mul(torch::Tensor out, torch::Tensor x);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "Paged attention over a block-table KV cache (CPU)");
+  m.def("rms_norm", &rms_norm, "out = weight * rms-normalised x");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms-normalised residual (in place)");
+  m.def("rotary", &rotary, "rotate-half RoPE on q and k, in place");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up");
 }

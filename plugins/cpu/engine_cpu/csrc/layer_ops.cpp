@@ -1,0 +1,148 @@
+// Fused elementwise layer ops for bf16 / fp32 activations on CPU.
+//
+// Each op reproduces the roundings of the torch reference in engine.layers.ops
+// (each torch op on a bf16 tensor rounds to bf16), so results agree with HF
+// transformers while doing one pass over memory and one call from Python.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// float32 and bfloat16 only (the dtypes NativeLayerOps sends here)
+#define DISPATCH_F32_BF16(TYPE, NAME, ...)                          \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+namespace {
+
+inline float load(const float* p) { return *p; }
+inline float load(const at::BFloat16* p) {
+  uint32_t bits = static_cast<uint32_t>(p->x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+// round to the storage dtype and back: what a torch op on that dtype returns
+inline float round_to(float x, float*) { return x; }
+inline float round_to(float x, at::BFloat16*) { return static_cast<float>(static_cast<at::BFloat16>(x)); }
+template <typename T>
+inline float rnd(float x) { return round_to(x, static_cast<T*>(nullptr)); }
+
+// rows handled per task: keep small batches on one thread, where a fork costs more than the work
+inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
+
+template <typename T>
+void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t h, int64_t x_stride, int64_t out_stride,
+                   float eps) {
+  at::parallel_for(0, rows, grain_rows(h), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * x_stride;
+      float ss = 0.f;
+      for (int64_t i = 0; i < h; ++i) {
+        float v = load(xr + i);
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+      T* orow = out + r * out_stride;
+      for (int64_t i = 0; i < h; ++i) orow[i] = static_cast<T>(load(w + i) * rnd<T>(load(xr + i) * inv));
+    }
+  });
+}
+
+}  // namespace
+
+// out[r] = weight * normalise(x[r]) over the last dim; x, out: [rows, H] with unit inner stride.
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1, "rows of [N, H]");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type(), "weight: contiguous, x's dtype");
+  DISPATCH_F32_BF16(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(), weight.data_ptr<scalar_t>(), x.size(0),
+                            x.size(1), x.stride(0), out.stride(0), static_cast<float>(eps));
+  });
+}
+
+// residual = x + residual; x = weight * normalise(residual). Both [N, H] contiguous, updated in place.
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes(), "contiguous, same shape");
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  DISPATCH_F32_BF16(x.scalar_type(), "add_rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    const float epsf = static_cast<float>(eps);
+    at::parallel_for(0, rows, grain_rows(h), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        scalar_t* xr = xp + r * h;
+        scalar_t* rr = rp + r * h;
+        float ss = 0.f;
+        for (int64_t i = 0; i < h; ++i) {
+          rr[i] = static_cast<scalar_t>(load(xr + i) + load(rr + i));
+          const float v = load(rr + i);
+          ss += v * v;
+        }
+        const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + epsf);
+        for (int64_t i = 0; i < h; ++i) xr[i] = static_cast<scalar_t>(load(wp + i) * rnd<scalar_t>(load(rr + i) * inv));
+      }
+    });
+  });
+}
+
+namespace {
+template <typename T>
+void rotate_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t head_size, int64_t rot,
+                 int64_t token_stride, int64_t head_stride) {
+  const int64_t half = rot / 2;
+  at::parallel_for(0, tokens, grain_rows(heads * head_size), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* c = cos + t * rot;
+      const T* s = sin + t * rot;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* v = x + t * token_stride + hd * head_stride;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = load(v + i), x2 = load(v + i + half);
+          // x * cos + rotate_half(x) * sin, rounded as the three torch ops would
+          const float o1 = rnd<T>(x1 * load(c + i)) + rnd<T>(-x2 * load(s + i));
+          const float o2 = rnd<T>(x2 * load(c + i + half)) + rnd<T>(x1 * load(s + i + half));
+          v[i] = static_cast<T>(o1);
+          v[i + half] = static_cast<T>(o2);
+        }
+      }
+    }
+  });
+}
+}  // namespace
+
+// In place on q [T, H, D] and k [T, Hkv, D] (unit inner stride); cos, sin: [T, rotary_dim] contiguous.
+void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous(), "layouts");
+  const int64_t rot = cos.size(1);
+  DISPATCH_F32_BF16(q.scalar_type(), "rotary", [&] {
+    for (auto* t : {&q, &k}) {
+      rotate_rows<scalar_t>(t->data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), t->size(0),
+                            t->size(1), t->size(2), rot, t->stride(0), t->stride(1));
+    }
+  });
+}
+
+// out [T, d] = silu(x[:, :d]) * x[:, d:], rounded as silu then mul on the dtype.
+void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && out.is_contiguous(), "contiguous");
+  const int64_t d = out.size(-1), rows = out.numel() / d;
+  DISPATCH_F32_BF16(x.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_rows(2 * d), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const scalar_t* g = xp + r * 2 * d;
+        const scalar_t* u = g + d;
+        scalar_t* o = op + r * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const float gv = load(g + i);
+          o[i] = static_cast<scalar_t>(rnd<scalar_t>(gv / (1.f + std::exp(-gv))) * load(u + i));
+        }
+      }
+    });
+  });
+}

@@ -1,0 +1,45 @@
+"""engine-cpu's fused layer ops: the native kernels behind engine.layers.ops.LayerOps."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from engine.layers.ops import LayerOps
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class NativeLayerOps(LayerOps):
+    """One kernel call per op; other dtypes and layouts fall back to the reference."""
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype not in NATIVE_DTYPES or x.stride(-1) != 1:
+            return super().rms_norm(x, weight, eps)
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        self.kernels.rms_norm(out, rows, weight, eps)
+        return out.view(x.shape)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if x.dtype not in NATIVE_DTYPES or not (x.is_contiguous() and residual.is_contiguous()):
+            return super().add_rms_norm(x, residual, weight, eps)
+        self.kernels.add_rms_norm(x, residual, weight, eps)
+        return x, residual
+
+    def rotary(self, q, k, cos, sin):
+        if q.dtype not in NATIVE_DTYPES or q.stride(-1) != 1 or k.stride(-1) != 1:
+            return super().rotary(q, k, cos, sin)
+        self.kernels.rotary(q, k, cos.contiguous(), sin.contiguous())
+        return q, k
+
+    def silu_and_mul(self, x):
+        if x.dtype not in NATIVE_DTYPES or not x.is_contiguous():
+            return super().silu_and_mul(x)
+        out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype)
+        self.kernels.silu_and_mul(out, x)
+        return out

@@ -1,0 +1,81 @@
+"""engine-cpu's fused layer ops against the torch reference in engine.layers.ops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.ops import REFERENCE_OPS
+from engine_cpu import native
+from engine_cpu.ops import NativeLayerOps
+
+
+@pytest.fixture(scope="module")
+def ops():
+    kernels = native.load()
+    if kernels is None:
+        pytest.fail("the engine-cpu native kernels failed to build (see the engine.cpu log)")
+    return NativeLayerOps(kernels)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype == torch.bfloat16:
+        # the same roundings in the same order; only the fp32 sum of squares may differ in its last bit
+        mismatch = (a != b).float().mean().item()
+        assert mismatch < 0.002, mismatch
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm(ops, dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 96, generator=gen) * 4).to(dtype)
+    w = torch.randn(96, generator=gen).to(dtype)
+    close(ops.rms_norm(x, w, 1e-6), REFERENCE_OPS.rms_norm(x, w, 1e-6))
+    # per-head norm on a [T, H, D] view, as Qwen3's q/k norms do
+    x3 = x.view(rows, 3, 32)
+    close(ops.rms_norm(x3, w[:32], 1e-6), REFERENCE_OPS.rms_norm(x3, w[:32], 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm(ops, dtype):
+    gen = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(33, 64, generator=gen).to(dtype) for _ in range(2))
+    w = torch.randn(64, generator=gen).to(dtype)
+    expected_out, expected_residual = REFERENCE_OPS.add_rms_norm(x.clone(), residual.clone(), w, 1e-5)
+    out, new_residual = ops.add_rms_norm(x.clone(), residual.clone(), w, 1e-5)
+    close(new_residual, expected_residual)
+    close(out, expected_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_on_strided_views(ops, dtype, rotary_dim):
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(9, 6 * 64, generator=gen).to(dtype)
+    q, k, _ = qkv.split([4 * 64, 64, 64], dim=-1)  # views with a token stride of the whole row
+    q, k = q.view(9, 4, 64), k.view(9, 1, 64)
+    angles = torch.rand(9, rotary_dim // 2, generator=gen) * 6
+    cos, sin = (torch.cat((f(angles), f(angles)), -1).to(dtype) for f in (torch.cos, torch.sin))
+    expected_q, expected_k = REFERENCE_OPS.rotary(q.clone(), k.clone(), cos, sin)
+    out_q, out_k = ops.rotary(q, k, cos, sin)
+    close(out_q, expected_q)
+    close(out_k, expected_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(ops, dtype):
+    x = (torch.randn(17, 2 * 40, generator=torch.Generator().manual_seed(3)) * 3).to(dtype)
+    close(ops.silu_and_mul(x), REFERENCE_OPS.silu_and_mul(x))
+
+
+def test_other_dtypes_fall_back_to_the_reference(ops):
+    x = torch.randn(4, 16, dtype=torch.float16)
+    w = torch.ones(16, dtype=torch.float16)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), REFERENCE_OPS.rms_norm(x, w, 1e-6))

@@ -16,7 +16,8 @@ from types import ModuleType
 
 logger = logging.getLogger("engine.cpu")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "layer_ops.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,6 +31,7 @@ def load() -> ModuleType | None:
         return load_extension(
             name="engine_cpu_kernels",
             sources=[str(path) for path in SOURCES],
+            extra_include_paths=[str(CSRC)],
             # -fopenmp: at::parallel_for is inline and runs serially in code compiled without it
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
             extra_ldflags=["-fopenmp"],

@@ -9,6 +9,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#include "vec.h"
 
 // float32 and bfloat16 only (the dtypes NativeLayerOps sends here)
 #define DISPATCH_F32_BF16(TYPE, NAME, ...)                          \
@@ -100,7 +103,23 @@ void rotate_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads
       const T* s = sin + t * rot;
       for (int64_t hd = 0; hd < heads; ++hd) {
         T* v = x + t * token_stride + hd * head_stride;
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          for (; i + 16 <= half; i += 16) {
+            using namespace engine_cpu;
+            const __m512 x1 = load_bf16(v + i), x2 = load_bf16(v + i + half);
+            const __m512 c1 = load_bf16(c + i), c2 = load_bf16(c + i + half);
+            const __m512 s1 = load_bf16(s + i), s2 = load_bf16(s + i + half);
+            const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+            const __m512 o1 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, c1)), round_bf16(_mm512_mul_ps(neg_x2, s1)));
+            const __m512 o2 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c2)), round_bf16(_mm512_mul_ps(x1, s2)));
+            store_bf16(v + i, o1);
+            store_bf16(v + i + half, o2);
+          }
+        }
+#endif
+        for (; i < half; ++i) {
           const float x1 = load(v + i), x2 = load(v + i + half);
           // x * cos + rotate_half(x) * sin, rounded as the three torch ops would
           const float o1 = rnd<T>(x1 * load(c + i)) + rnd<T>(-x2 * load(s + i));
@@ -138,7 +157,19 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
         const scalar_t* g = xp + r * 2 * d;
         const scalar_t* u = g + d;
         scalar_t* o = op + r * d;
-        for (int64_t i = 0; i < d; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          const __m512 one = _mm512_set1_ps(1.f);
+          for (; i + 16 <= d; i += 16) {
+            const __m512 gv = engine_cpu::load_bf16(g + i);
+            const __m512 act = engine_cpu::round_bf16(
+                _mm512_div_ps(gv, _mm512_add_ps(one, engine_cpu::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+            engine_cpu::store_bf16(o + i, _mm512_mul_ps(act, engine_cpu::load_bf16(u + i)));
+          }
+        }
+#endif
+        for (; i < d; ++i) {
           const float gv = load(g + i);
           o[i] = static_cast<scalar_t>(rnd<scalar_t>(gv / (1.f + std::exp(-gv))) * load(u + i));
         }

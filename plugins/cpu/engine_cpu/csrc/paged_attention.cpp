@@ -13,9 +13,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
@@ -47,24 +45,11 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
   float total = 0.f;
   int64_t i = 0;
 #if defined(__AVX512F__)
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2 = _mm512_set1_ps(0.69314718055994531f);
-  const __m512 lo = _mm512_set1_ps(-87.0f), vshift = _mm512_set1_ps(shift);
+  const __m512 vshift = _mm512_set1_ps(shift);
   __m512 sum = _mm512_setzero_ps();
   for (; i < n; i += 16) {
     const __mmask16 mask = n - i >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - i)) - 1);
-    __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), vshift), lo);
-    // exp(v) = 2^k * exp(g) with k = round(v log2 e), g = v - k ln 2 in [-0.35, 0.35]
-    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 g = _mm512_fnmadd_ps(k, ln2, v);
-    __m512 p = _mm512_set1_ps(1.f / 5040);  // Taylor to g^7: relative error below 1e-8 here
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 720));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 120));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 24));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f / 6));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.f));
-    __m512 e = _mm512_scalef_ps(p, k);
+    __m512 e = engine_cpu::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), vshift));
     _mm512_mask_storeu_ps(x + i, mask, e);
     sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
   }

@@ -38,30 +38,34 @@ class ModelRunner:
         for i, request in enumerate(requests):
             block_table[i, : len(request.block_ids)] = request.block_ids
 
-        device = self.device
-        query_lens = torch.tensor(num_new, dtype=torch.int64)
-        context_lens = torch.tensor(context, dtype=torch.int64)
+        # index arithmetic in numpy: a dozen tiny torch ops cost more than the work at batch 1
+        query_lens = np.asarray(num_new, dtype=np.int64)
+        context_lens = np.asarray(context, dtype=np.int64)
         seq_lens = context_lens + query_lens
-        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)
-        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
-        num_tokens = len(input_ids)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
         # token t belongs to sequence seq_idx[t], at position context + (t - query start)
-        seq_idx = torch.repeat_interleave(torch.arange(num_seqs), query_lens)
-        positions = torch.arange(num_tokens) - query_start_loc[seq_idx] + context_lens[seq_idx]
-        block_tables = torch.from_numpy(block_table)
-        slot_mapping = block_tables[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
+        seq_idx = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(len(input_ids)) - query_start_loc[seq_idx] + context_lens[seq_idx]
+        slot_mapping = block_table[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
+
+        device = self.device
+
+        def tensor(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device)
+
         metadata = CommonAttentionMetadata(
-            query_start_loc=query_start_loc.to(device),
-            query_lens=query_lens.to(device),
-            context_lens=context_lens.to(device),
-            seq_lens=seq_lens.to(device),
-            block_tables=block_tables.to(device),
-            slot_mapping=slot_mapping.to(device),
+            query_start_loc=tensor(query_start_loc),
+            query_lens=tensor(query_lens),
+            context_lens=tensor(context_lens),
+            seq_lens=tensor(seq_lens),
+            block_tables=tensor(block_table),
+            slot_mapping=tensor(slot_mapping),
             max_query_len=max(num_new),
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
         )
-        return torch.tensor(input_ids, dtype=torch.int64, device=device), positions.to(device), metadata
+        return torch.tensor(input_ids, dtype=torch.int64, device=device), tensor(positions), metadata
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:

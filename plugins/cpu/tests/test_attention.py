@@ -148,3 +148,26 @@ def test_validate_reports_unsupported_requests():
     assert any("dtype float8" in r for r in reasons)
     ok = AttentionSpec(kind=MHA, num_heads=4, num_kv_heads=2, head_size=16, scale=0.25)
     assert CpuPagedAttention.validate(ok, platform="cpu", dtype="bfloat16", block_size=16) == []
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize(
+    "context_lens,query_lens,num_heads,num_kv_heads,window",
+    [
+        ([0], [70], 4, 4, None),  # one long prompt
+        ([0, 33, 5], [16, 40, 17], 4, 2, None),  # cached prefixes, ragged, GQA
+        ([20, 0], [50, 31], 8, 1, None),  # MQA
+        ([10, 0], [40, 64], 4, 2, 13),  # sliding window
+        ([3], [16], 2, 2, 40),
+    ],
+)
+def test_long_prefill_chunks_in_bf16(path, block_size, context_lens, query_lens, num_heads, num_kv_heads, window):
+    """Chunks of 16+ queries take the long-prefill path on the native side."""
+    run_case(seed=21, context_lens=context_lens, query_lens=query_lens, num_heads=num_heads,
+             num_kv_heads=num_kv_heads, head_size=64, block_size=block_size, window=window,
+             dtype=torch.bfloat16, path=path)
+
+
+def test_long_and_short_chunks_and_decodes_in_one_batch(path):
+    run_case(seed=22, context_lens=[0, 40, 7, 100], query_lens=[48, 1, 5, 20], num_heads=4, num_kv_heads=2,
+             head_size=64, block_size=16, window=None, dtype=torch.bfloat16, path=path)

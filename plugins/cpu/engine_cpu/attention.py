@@ -1,13 +1,14 @@
 """Paged attention for MHA/GQA on the CPU.
 
-Decode tokens and short prefill chunks go to the native kernel
+Decode tokens and short prefill chunks go to the native paged kernel
 (``csrc/paged_attention.cpp``), which reads keys and values in place through
-the block tables, one batched call per step with no loop over sequences. A
-prefill chunk of at least ``PREFILL_SDPA_MIN_QUERY`` tokens instead runs torch's
-flash attention over its sequence's gathered keys and values: with that many
-queries per key, the gather is cheap and the blocked kernel is faster.
+the block tables, one batched call per step with no loop over sequences.
+Prefill chunks of at least ``LONG_PREFILL_MIN_QUERY`` tokens go, in bf16 with
+head size 32, 64 or 128 on a CPU with AVX512-BF16, to the tiled prefill kernel
+(``csrc/prefill_attention.cpp``), one call for all of them; otherwise each runs
+torch's flash attention over its sequence's gathered keys and values.
 
-Where the native kernel cannot be built, the torch path gathers every
+Where the native kernels cannot be built, the torch path gathers every
 sequence's keys and values into a padded [B, max_seq_len] view and runs one
 masked scaled-dot-product attention for the whole batch.
 """
@@ -28,7 +29,7 @@ from engine.interfaces.attention import (
 )
 
 
-PREFILL_SDPA_MIN_QUERY = 16
+LONG_PREFILL_MIN_QUERY = 16
 
 
 @dataclass
@@ -45,8 +46,10 @@ class PrefillChunk:
 class CpuAttentionMetadata:
     common: CommonAttentionMetadata
     token_seq: torch.Tensor  # [T] sequence of each token
-    # the native path: tokens for the kernel (empty: all), long prefill chunks for flash attention
+    # the native path: tokens for the paged kernel (None: none), long prefill chunks either as
+    # sequences for the tiled prefill kernel (bf16) or as chunks for torch's flash attention
     kernel_tokens: torch.Tensor | None = None
+    prefill_seqs: torch.Tensor | None = None
     prefill_chunks: list[PrefillChunk] | None = None
     # the torch path only:
     token_row: torch.Tensor | None = None  # [T] row of each token within its sequence's queries
@@ -67,6 +70,9 @@ class CpuPagedAttention(AttentionBackend):
         from engine_cpu import native
 
         self.kernels = native.load()
+        self.tiled_prefill = (
+            self.kernels is not None and dtype == torch.bfloat16 and self.kernels.prefill_kernel_supported(spec.head_size)
+        )
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         # [K/V, block, offset in block, kv head, head dim]
@@ -97,32 +103,39 @@ class CpuPagedAttention(AttentionBackend):
         common = metadata.common
         empty = torch.empty(0, dtype=torch.int64, device=common.slot_mapping.device)
         metadata.kernel_tokens, metadata.prefill_chunks = empty, []
-        if common.max_query_len < PREFILL_SDPA_MIN_QUERY:
+        if common.max_query_len < LONG_PREFILL_MIN_QUERY:
             return metadata
-        bs, window = common.block_size, self.spec.sliding_window
         query_lens, context_lens = common.query_lens.tolist(), common.context_lens.tolist()
         starts = common.query_start_loc.tolist()
-        kernel_rows = []
+        kernel_rows, long_seqs = [], []
         for b, (query_len, context_len) in enumerate(zip(query_lens, context_lens)):
             start, end = starts[b], starts[b + 1]
-            if query_len < PREFILL_SDPA_MIN_QUERY:
+            if query_len < LONG_PREFILL_MIN_QUERY:
                 kernel_rows.append(torch.arange(start, end))
-                continue
-            seq_len = context_len + query_len
-            key_pos = torch.arange(seq_len)
-            key_slots = common.block_tables[b, key_pos // bs] * bs + key_pos % bs
-            mask = None
-            if context_len or window is not None:
-                query_pos = torch.arange(context_len, seq_len)
-                mask = key_pos[None, :] <= query_pos[:, None]
-                if window is not None:
-                    mask &= (query_pos[:, None] - key_pos[None, :]) < window
-            metadata.prefill_chunks.append(PrefillChunk(start, end, key_slots, mask))
+            elif self.tiled_prefill:
+                long_seqs.append(b)
+            else:
+                metadata.prefill_chunks.append(self._sdpa_chunk(common, b, start, end, context_len, query_len))
+        if long_seqs:
+            metadata.prefill_seqs = torch.tensor(long_seqs, dtype=torch.int64)
         if kernel_rows:
             metadata.kernel_tokens = torch.cat(kernel_rows)
         else:
             metadata.kernel_tokens = None  # nothing for the kernel this step
         return metadata
+
+    def _sdpa_chunk(self, common, b: int, start: int, end: int, context_len: int, query_len: int) -> PrefillChunk:
+        bs, window = common.block_size, self.spec.sliding_window
+        seq_len = context_len + query_len
+        key_pos = torch.arange(seq_len)
+        key_slots = common.block_tables[b, key_pos // bs] * bs + key_pos % bs
+        mask = None
+        if context_len or window is not None:
+            query_pos = torch.arange(context_len, seq_len)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            if window is not None:
+                mask &= (query_pos[:, None] - key_pos[None, :]) < window
+        return PrefillChunk(start, end, key_slots, mask)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuAttentionMetadata
@@ -140,6 +153,11 @@ class CpuPagedAttention(AttentionBackend):
                     out, q, kv_cache[0], kv_cache[1], common.block_tables, common.query_start_loc,
                     common.context_lens, metadata.token_seq, metadata.kernel_tokens, spec.scale,
                     spec.sliding_window or 0,
+                )
+            if metadata.prefill_seqs is not None:
+                self.kernels.prefill_attention(
+                    out, q, kv_cache[0], kv_cache[1], common.block_tables, common.query_start_loc,
+                    common.context_lens, metadata.prefill_seqs, spec.scale, spec.sliding_window or 0,
                 )
             for chunk in metadata.prefill_chunks:
                 # [1, H, query_len, D] against [1, Hkv, seq_len, D]

@@ -190,7 +190,15 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
 void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 
+// prefill_attention.cpp
+bool prefill_kernel_supported(int64_t head_size);
+void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                       torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
+                       torch::Tensor seqs, double scale, int64_t window);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("prefill_kernel_supported", &prefill_kernel_supported, "whether prefill_attention runs for this head size");
+  m.def("prefill_attention", &prefill_attention, "tiled causal attention for long prefill chunks (bf16)");
   m.def("paged_attention", &paged_attention, "Paged attention over a block-table KV cache (CPU)");
   m.def("rms_norm", &rms_norm, "out = weight * rms-normalised x");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms-normalised residual (in place)");

@@ -46,8 +46,9 @@ class PrefillChunk:
 class CpuAttentionMetadata:
     common: CommonAttentionMetadata
     token_seq: torch.Tensor  # [T] sequence of each token
-    # the native path: tokens for the paged kernel (None: none), long prefill chunks either as
-    # sequences for the tiled prefill kernel (bf16) or as chunks for torch's flash attention
+    # the native path: the token rows for the paged kernel (an empty tensor: every row, None: no
+    # row), and long prefill chunks either as sequences for the tiled prefill kernel (bf16) or as
+    # chunks for torch's flash attention
     kernel_tokens: torch.Tensor | None = None
     prefill_seqs: torch.Tensor | None = None
     prefill_chunks: list[PrefillChunk] | None = None
@@ -101,8 +102,8 @@ class CpuPagedAttention(AttentionBackend):
 
     def _split_long_prefills(self, metadata: CpuAttentionMetadata) -> CpuAttentionMetadata:
         common = metadata.common
-        empty = torch.empty(0, dtype=torch.int64, device=common.slot_mapping.device)
-        metadata.kernel_tokens, metadata.prefill_chunks = empty, []
+        every_row = torch.empty(0, dtype=torch.int64, device=common.slot_mapping.device)
+        metadata.kernel_tokens, metadata.prefill_chunks = every_row, []
         if common.max_query_len < LONG_PREFILL_MIN_QUERY:
             return metadata
         query_lens, context_lens = common.query_lens.tolist(), common.context_lens.tolist()
@@ -118,10 +119,7 @@ class CpuPagedAttention(AttentionBackend):
                 metadata.prefill_chunks.append(self._sdpa_chunk(common, b, start, end, context_len, query_len))
         if long_seqs:
             metadata.prefill_seqs = torch.tensor(long_seqs, dtype=torch.int64)
-        if kernel_rows:
-            metadata.kernel_tokens = torch.cat(kernel_rows)
-        else:
-            metadata.kernel_tokens = None  # nothing for the kernel this step
+        metadata.kernel_tokens = torch.cat(kernel_rows) if kernel_rows else None
         return metadata
 
     def _sdpa_chunk(self, common, b: int, start: int, end: int, context_len: int, query_len: int) -> PrefillChunk:

@@ -10,7 +10,6 @@ from torch import nn
 
 from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
-from engine.layers.activation import silu_and_mul
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, MergedLinear, VocabEmbedding
@@ -100,7 +99,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(dims.intermediate_size, dims.hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), ctx.ops))
+        return self.down_proj(ctx.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -17,7 +17,7 @@ from engine.version import PLUGIN_API_VERSION
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
-from plugin_helpers import ENGINE_ENV_VARS, REAL_PLUGINS, PluginFactory, hooks_source  # noqa: E402
+from plugin_helpers import REAL_PLUGINS, PluginFactory, hooks_source  # noqa: E402
 
 LLAMA_ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 

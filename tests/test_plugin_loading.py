@@ -15,7 +15,7 @@ from engine.plugins.manager import PluginLoadError, PluginLoadWarning, get_plugi
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
-from plugin_helpers import ENGINE_ENV_VARS, REAL_PLUGINS, PluginFactory, hooks_source  # noqa: E402
+from plugin_helpers import REAL_PLUGINS, PluginFactory, hooks_source  # noqa: E402
 
 
 def tier_plugin(factory: PluginFactory, base: str, tier: str = "tier", **kwargs) -> str:

@@ -20,7 +20,7 @@ from engine.selection import SelectionError, select_attention_backend, select_pl
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
-from plugin_helpers import ENGINE_ENV_VARS, PluginFactory, hooks_source  # noqa: E402
+from plugin_helpers import PluginFactory, hooks_source  # noqa: E402
 
 KV_TIER = "engine.interfaces.kv_tier:KVTier"
 

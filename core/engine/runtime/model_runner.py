@@ -7,7 +7,6 @@ import torch
 
 from engine.interfaces.attention import CommonAttentionMetadata
 from engine.interfaces.model import Model
-from engine.runtime.forward_context import ForwardContext
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.logprobs import record_prompt_logprobs, record_sample_logprobs
 from engine.runtime.request import Request

@@ -81,7 +81,10 @@ class CpuPagedAttention(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         device = common.slot_mapping.device
-        token_seq = torch.repeat_interleave(torch.arange(common.num_seqs, device=device), common.query_lens)
+        if common.max_query_len == 1:  # decode only: token i belongs to sequence i
+            token_seq = torch.arange(common.num_seqs, device=device)
+        else:
+            token_seq = torch.repeat_interleave(torch.arange(common.num_seqs, device=device), common.query_lens)
         metadata = CpuAttentionMetadata(common=common, token_seq=token_seq)
         if self.kernels is not None:
             return self._split_long_prefills(metadata)

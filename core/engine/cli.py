@@ -13,6 +13,7 @@ from typing import Any, Sequence
 from engine.version import PLUGIN_API_VERSION, __version__
 
 DEFAULT_MODEL = "llama58m"
+SERVE_MODEL = "demo"
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -69,6 +70,32 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache GiB; default: half of free memory.")
     generate.add_argument("--json", action="store_true", help="Print JSON.")
 
+    serve = sub.add_parser(
+        "serve", help="Serve a model over an OpenAI-compatible HTTP API.", formatter_class=_Formatter,
+        description="Serve MODEL over HTTP: /v1/completions, /v1/chat/completions, /v1/messages (Anthropic shape), "
+        "/v1/models, /health, /metrics. With no MODEL, serves the built-in demo model.",
+    )
+    serve.add_argument("model", nargs="?", default=SERVE_MODEL,
+                       help="Checkpoint directory, built-in model name or Hub id.")
+    _add_plugins_option(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="Address to listen on; 0.0.0.0 exposes it to the network.")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port.")
+    serve.add_argument("--api-key", default=None,
+                       help="Key required on every endpoint but /health; default: $ENGINE_API_KEY, else none.")
+    serve.add_argument("--served-model-name", default=None, help="Model name clients send; default: MODEL.")
+    serve.add_argument("--metrics-public", action="store_true", help="Serve /metrics without the API key.")
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--device", default=None, help="Platform name; default: the only accelerator, else cpu.")
+    serve.add_argument("--attention-backend", default=None, help="Backend name or module.path:Class.")
+    serve.add_argument("--max-model-len", type=int, default=None, help="Longest prompt + output; default: config.json.")
+    serve.add_argument("--max-num-seqs", type=int, default=256, help="Most requests running at once.")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=16384, help="Token budget of one step.")
+    serve.add_argument("--kv-cache-memory", type=float, default=None,
+                       help="KV-cache GiB; default: the platform's (cpu: half of free memory, at most 4 GiB).")
+    serve.add_argument("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
+    serve.add_argument("--no-prefix-caching", action="store_true", help="Turn prefix caching off.")
+    serve.add_argument("--seed", type=int, default=0, help="Seed for unseeded sampling.")
+
     bench = sub.add_parser(
         "bench", help="Run a benchmark workload (see benchmarks/README.md).", formatter_class=_Formatter,
         description="Run a fixed workload on the engine and, with --peers, on peers with the same weights and "
@@ -98,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    log_format = "%(levelname)s %(name)s: %(message)s"
+    if args.command == "serve":  # a long-running service: timestamped lines
+        log_format = "%(asctime)s " + log_format
+    logging.basicConfig(level=args.log_level.upper(), format=log_format)
     if args.command is None:
         parser.print_help()
         return 0
@@ -109,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "serve":
+            return cmd_serve(args)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # user-facing: one clear line, no traceback unless debugging
@@ -220,6 +252,40 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"output ids: {o.outputs[0].token_ids} (finish: {o.outputs[0].finish_reason})")
     print(f"\n{num_out} tokens in {elapsed:.2f} s ({num_out / max(elapsed, 1e-9):.1f} tokens/s)")
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from engine.config import EngineConfig, ServerConfig
+    from engine.entrypoints.serve import serve
+
+    try:
+        engine_config = EngineConfig(
+            model=args.model, plugins=args.plugins, dtype=args.dtype, device=args.device,
+            attention_backend=args.attention_backend, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
+            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+        )
+        server_config = ServerConfig(
+            host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+            metrics_public=args.metrics_public,
+        )
+    except ValidationError as exc:
+        raise ValueError(_config_errors(exc)) from None
+    logging.getLogger("engine").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
+    serve(engine_config, server_config, log_level="warning" if args.log_level.upper() == "WARNING" else args.log_level)
+    return 0
+
+
+def _config_errors(exc: Any) -> str:
+    """A pydantic error as option names: '--max-num-seqs: Input should be greater than or equal to 1'."""
+    parts = []
+    for error in exc.errors():
+        name = "--" + "-".join(str(p) for p in error["loc"]).replace("_", "-")
+        parts.append(f"{name}: {error['msg']}")
+    return "; ".join(parts)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

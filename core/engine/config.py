@@ -40,3 +40,26 @@ class EngineConfig(BaseModel):
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
         return value
+
+
+class ServerConfig(BaseModel):
+    """``engine serve``'s HTTP settings (the engine's are an ``EngineConfig``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 exposes the server to the network.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    api_key: str | None = Field(
+        None, description="Key every endpoint but /health requires (Authorization: Bearer KEY or x-api-key: KEY); "
+        "default: $ENGINE_API_KEY, else none."
+    )
+    served_model_name: str | None = Field(None, description="Model name clients send; default: the model argument.")
+    metrics_public: bool = Field(False, description="Serve /metrics without the API key.")
+    max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted.")
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_key(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("api_key must not be empty or blank")
+        return value

@@ -1,0 +1,196 @@
+"""The HTTP server: a FastAPI app over an ``AsyncEngine``, served by uvicorn.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/messages``
+(Anthropic shape), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+Every route but ``/health`` needs the API key when one is set (``/metrics`` too,
+unless ``metrics_public``). A client that disconnects aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.config import ServerConfig
+from engine.entrypoints.anthropic_serving import AnthropicServing, MessagesRequest
+from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from engine.entrypoints.errors import APIError, bad_request, from_validation_error
+from engine.entrypoints.generation import Generation, finish_status, parse_priority
+from engine.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from engine.entrypoints.openai_serving import OpenAIServing
+from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from engine.version import __version__
+
+logger = logging.getLogger("engine.server")
+
+PUBLIC_PATHS = {"/health"}
+ANTHROPIC_PATHS = ("/v1/messages",)
+DISCONNECT_POLL_SECONDS = 0.1
+ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/messages": "messages"}
+
+
+def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> FastAPI:
+    """The app for ``engine`` serving ``model_name``. The caller owns the engine's lifetime."""
+    app = FastAPI(title="engine", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(model_name, lambda: engine.stats)
+    openai = OpenAIServing(engine, metrics, model_name)
+    anthropic = AnthropicServing(openai)
+    public = set(PUBLIC_PATHS) | ({"/metrics"} if config.metrics_public else set())
+    app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
+
+    def error_response(path: str, error: APIError) -> JSONResponse:
+        body = error.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else error.openai_body()
+        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+        return JSONResponse(body, status_code=error.status, headers=headers)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if config.api_key is not None and request.url.path not in public:
+            if not _key_matches(request, config.api_key):
+                error = APIError(401, "Missing or invalid API key. Send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                                 code="invalid_api_key")
+                return error_response(request.url.path, error)
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        endpoint = ENDPOINTS.get(request.url.path)
+        if endpoint is not None:
+            metrics.count_rejected(endpoint, exc.status)
+        return error_response(request.url.path, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"No route {request.url.path}.", 405: f"{request.method} is not allowed on {request.url.path}."}
+        return error_response(request.url.path, APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))))
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(request.url.path, _internal_error(exc))
+
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
+        body = await request.body()
+        if len(body) > config.max_request_bytes:
+            raise APIError(413, f"The request body has {len(body)} bytes; the limit is {config.max_request_bytes}.")
+        if not body.strip():
+            raise bad_request("The request body is empty: send a JSON object.", code="invalid_json")
+        try:
+            return model.model_validate_json(body)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+
+    # routes
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return JSONResponse({"status": "error", "error": repr(engine.error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": int(app_started), "owned_by": "engine",
+                "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await parse(request, CompletionRequest)
+        generation, formatter = await openai.completions(body, parse_priority(request.headers))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await respond(request, generation, formatter.whole, lambda g: formatter.stream(g, include_usage),
+                             body.stream, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await parse(request, ChatCompletionRequest)
+        generation, formatter = await openai.chat(body, parse_priority(request.headers))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await respond(request, generation, formatter.whole, lambda g: formatter.stream(g, include_usage),
+                             body.stream, "chat")
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        body = await parse(request, MessagesRequest)
+        generation = await anthropic.messages(body, parse_priority(request.headers))
+        return await respond(request, generation, anthropic.whole, anthropic.stream, body.stream, "messages")
+
+    async def respond(
+        request: Request, generation: Generation, whole: Callable[[Generation], Awaitable[dict]],
+        stream: Callable[[Generation], AsyncIterator[str]], streaming: bool, endpoint: str,
+    ) -> Response:
+        try:
+            await generation.start()
+        except ValueError as exc:  # the engine refused the request
+            raise bad_request(str(exc), param="prompt") from None
+        except EngineDeadError as exc:
+            raise APIError(503, f"The engine has stopped and cannot take requests: {exc}") from None
+        if streaming:
+            return StreamingResponse(
+                _guarded_stream(generation, stream(generation), endpoint, request.url.path),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": generation.request_id},
+            )
+        task = asyncio.ensure_future(whole(generation))
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    generation.close()
+                    generation.record("abort")
+                    return Response(status_code=499)
+            result = task.result()
+        except EngineDeadError as exc:
+            generation.record("500")
+            raise APIError(503, f"The engine stopped while serving this request: {exc}") from None
+        finally:
+            if not task.done():
+                task.cancel()
+            generation.close()
+        generation.record(finish_status(generation))
+        return JSONResponse(result, headers={"X-Request-Id": generation.request_id})
+
+    async def _guarded_stream(generation: Generation, events: AsyncIterator[str], endpoint: str, path: str) -> AsyncIterator[str]:
+        status = "abort"
+        try:
+            async for event in events:
+                yield event
+            status = finish_status(generation)
+        except Exception as exc:  # mid-stream failure: the status line has gone out, so say it in the stream
+            logger.error("request_id=%s stream failed", generation.request_id, exc_info=exc)
+            status = "500"
+            error = _internal_error(exc) if not isinstance(exc, APIError) else exc
+            body = error.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else error.openai_body()
+            yield f"data: {json.dumps(body)}\n\n"
+        finally:
+            generation.close()  # a disconnect cancels this generator: abort at once
+            generation.record(status)
+
+    app_started = time.time()
+    return app
+
+
+def _key_matches(request: Request, key: str) -> bool:
+    auth = request.headers.get("authorization", "")
+    given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+def _internal_error(exc: BaseException) -> APIError:
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, "The engine has stopped; see the server log.")
+    return APIError(500, f"Internal server error ({type(exc).__name__}); see the server log.")

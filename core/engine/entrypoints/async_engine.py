@@ -1,0 +1,314 @@
+"""The engine loop on its own thread, and an asyncio face for the server.
+
+``LLMEngine`` is not thread-safe, so one thread (``engine-loop``) owns it: it
+takes commands (add, abort) from a queue, steps while anything runs, and hands
+each request's new tokens, text and logprobs to the asyncio queue of the
+coroutine that is waiting for them. The HTTP event loop never runs the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from engine.runtime.llm_engine import LLMEngine
+from engine.runtime.logprobs import LogprobEntry
+from engine.runtime.request import Request
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("engine.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can run any more."""
+
+
+@dataclass
+class SampleDelta:
+    """What one sample of a request gained in one engine step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobEntry] | None  # one entry per new token, when logprobs were asked for
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last delta
+    stop_reason: int | str | None = None
+    num_output_tokens: int = 0  # output tokens of this sample so far
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for metrics, refreshed by the loop after every step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_free_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class _Stream:
+    """The consumer of one request group: an asyncio queue on the server's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    num_samples: int
+    emitted_tokens: dict[int, int] = field(default_factory=dict)  # sample index -> output tokens sent
+    emitted_logprobs: dict[int, int] = field(default_factory=dict)
+
+
+class RequestStream:
+    """The deltas of one added request group, in engine order."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self._finished_samples = 0
+
+    @property
+    def finished(self) -> bool:
+        return self._finished_samples >= self._stream.num_samples
+
+    def __aiter__(self) -> AsyncIterator[SampleDelta]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[SampleDelta]:
+        while not self.finished:
+            item = await self._stream.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            for delta in item:
+                if delta.finish_reason is not None:
+                    self._finished_samples += 1
+                yield delta
+
+    def close(self) -> None:
+        """Abort the request unless every sample has finished (idempotent)."""
+        if not self.finished:
+            self._finished_samples = self._stream.num_samples
+            self.engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine`` on a dedicated thread; ``generate`` is an async iterator of deltas.
+
+    Thread-safety: every public method may be called from any thread; the
+    ``LLMEngine`` itself is touched by the loop thread only.
+    """
+
+    def __init__(self, engine: LLMEngine, *, on_step: Callable[[EngineStats], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # loop thread only
+        self._group_of: dict[str, str] = {}  # sample request id -> group id (loop thread only)
+        self.stats = EngineStats()
+        self.error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._threads = _torch_threads()
+        self._refresh_stats()
+        self._thread.start()
+
+    # the public face (any thread)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    async def add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """Add the request (``params.n`` samples); returns its stream of deltas.
+
+        Raises the engine's ``ValueError`` for a request it refuses. The caller
+        must ``close()`` the stream: closing it before every sample finished (a
+        client went away) aborts the request.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"The engine loop has stopped: {self.error!r}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("add", (request_id, prompt_token_ids, params, priority, prompt, stream), added))
+        try:
+            await asyncio.wrap_future(added)  # raises what add_request_group raised
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the caller left while the add was queued
+            raise
+        return RequestStream(self, request_id, stream)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+        prompt: str | None = None,
+    ) -> AsyncIterator[SampleDelta]:
+        """``add`` then iterate: every sample's deltas; leaving early aborts the request."""
+        stream = await self.add(request_id, prompt_token_ids, params, priority=priority, prompt=prompt)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request group; its blocks are freed before the next step."""
+        self._commands.put(("abort", request_id, None))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the loop thread between steps (for tests and admin)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, done))
+        return done
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put(("wake", None, None))
+        self._thread.join(timeout)
+
+    # the loop thread
+
+    def _run(self) -> None:
+        _set_torch_threads(self._threads)
+        try:
+            while not self._stopping.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished())
+                if self._stopping.is_set():
+                    break
+                if self.engine.has_unfinished():
+                    result = self.engine.step()
+                    self._dispatch(result.updated, result.finished)
+                    self._refresh_stats()
+        except BaseException as exc:  # the engine is unusable: tell every waiting request
+            logger.exception("engine loop stopped")
+            self.error = exc
+            for stream in self._streams.values():
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(f"engine loop stopped: {exc!r}"))
+            self._streams.clear()
+            self._fail_pending_commands(exc)
+
+    def _drain_commands(self, *, block: bool) -> None:
+        while True:
+            try:
+                command, arg, future = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if command == "add":
+                self._add(arg, future)
+            elif command == "abort":
+                self._abort(arg)
+            elif command == "call":
+                try:
+                    future.set_result(arg(self.engine))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+    def _add(self, arg: tuple, future: concurrent.futures.Future) -> None:
+        request_id, prompt_token_ids, params, priority, prompt, stream = arg
+        try:
+            samples = self.engine.add_request_group(request_id, prompt_token_ids, params, priority=priority, prompt=prompt)
+        except BaseException as exc:
+            future.set_exception(exc)
+            return
+        self._streams[request_id] = stream
+        for request in samples:
+            self._group_of[request.request_id] = request_id
+        future.set_result(None)
+        self._refresh_stats()
+
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return  # finished already, or never added
+        samples = [rid for rid, group in self._group_of.items() if group == request_id]
+        self.engine.abort(request_id)
+        for rid in samples:
+            del self._group_of[rid]
+        self._refresh_stats()
+
+    def _dispatch(self, updated: list[Request], finished: list[Request]) -> None:
+        finished_ids = {r.request_id for r in finished}
+        per_stream: dict[str, list[SampleDelta]] = {}
+        for request in updated:
+            group_id = self._group_of.get(request.request_id)
+            stream = self._streams.get(group_id) if group_id is not None else None
+            if stream is None:
+                continue
+            per_stream.setdefault(group_id, []).append(self._delta(stream, request, request.request_id in finished_ids))
+        for group_id, deltas in per_stream.items():
+            stream = self._streams[group_id]
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, deltas)
+        for request in finished:
+            group_id = self._group_of.pop(request.request_id, None)
+            if group_id is not None and group_id not in self._group_of.values():
+                self._streams.pop(group_id, None)
+
+    @staticmethod
+    def _delta(stream: _Stream, request: Request, finished: bool) -> SampleDelta:
+        index = request.index
+        output = request.output_token_ids
+        sent = stream.emitted_tokens.get(index, 0)
+        stream.emitted_tokens[index] = len(output)
+        logprobs = None
+        if request.sampling_params.logprobs is not None:
+            sent_lp = stream.emitted_logprobs.get(index, 0)
+            logprobs = request.output_logprobs[sent_lp:]
+            stream.emitted_logprobs[index] = len(request.output_logprobs)
+        return SampleDelta(
+            index=index, text=request.take_output_text_delta(), token_ids=output[sent:], logprobs=logprobs,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason if finished else None, num_output_tokens=len(output),
+        )
+
+    def _refresh_stats(self) -> None:
+        scheduler, kv = self.engine.scheduler, self.engine.kv_manager
+        self.stats = EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks, prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits, num_preemptions=scheduler.num_preemptions,
+        )
+        if self.on_step is not None:
+            self.on_step(self.stats)
+
+    def _fail_pending_commands(self, exc: BaseException) -> None:
+        while True:
+            try:
+                _, _, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and not future.done():
+                future.set_exception(EngineDeadError(f"engine loop stopped: {exc!r}"))
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _set_torch_threads(n: int) -> None:
+    # the intra-op thread count is per calling thread under OpenMP: keep the one the platform chose
+    import torch
+
+    torch.set_num_threads(n)

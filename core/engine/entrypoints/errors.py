@@ -1,0 +1,100 @@
+"""Error responses: the OpenAI shape everywhere, the Anthropic shape on /v1/messages.
+
+Bad input is always a 4xx with a message that says what was wrong; an internal
+failure is a 500 whose body holds no traceback (the log has it, under the
+request id).
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine.entrypoints.protocol import UnsupportedParameter
+
+# OpenAI error "type" per status
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+# Anthropic error "type" per status
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+class APIError(Exception):
+    """An error the client sees: its HTTP status, message, and optionally the offending parameter."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def openai_body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _OPENAI_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, message, param=param, code=code)
+
+
+def from_validation_error(exc: ValidationError) -> APIError:
+    """A pydantic error on a request body, as one 400 naming the first bad field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": str(exc), "type": ""}
+    ctx = first.get("ctx") or {}
+    cause = ctx.get("error")
+    if isinstance(cause, UnsupportedParameter):
+        return bad_request(str(cause), param=cause.param, code="unsupported_parameter")
+    if first.get("type") == "json_invalid":
+        return bad_request(f"The request body is not valid JSON: {ctx.get('error', first['msg'])}.", code="invalid_json")
+    loc = [str(part) for part in first.get("loc", ()) if not _is_union_tag(part)]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        message = f"Unsupported parameter: {param!r} is not a parameter of this endpoint."
+        return bad_request(message, param=param, code="unsupported_parameter")
+    if first.get("type") == "model_type" and not loc:
+        return bad_request("The request body must be a JSON object.", code="invalid_request")
+    if first.get("type") == "missing":
+        return bad_request(f"Missing required parameter: {param!r}.", param=param, code="missing_required_parameter")
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+    where = f"{param}: " if param else ""
+    return bad_request(f"Invalid value for {where}{message}" if param else f"Invalid request: {message}", param=param)
+
+
+def _is_union_tag(part: Any) -> bool:
+    # pydantic names union members in locations ("list[int]", "str"); they are not field names
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool", "list", "dict"})

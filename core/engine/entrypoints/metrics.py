@@ -1,0 +1,90 @@
+"""Prometheus metrics of the server, in a registry of its own (no process globals).
+
+Request-level figures are observed by the HTTP side as requests end; engine
+gauges are read from the engine loop's latest ``EngineStats`` at scrape time.
+Later subsystems (speculative decoding, KV tiers) add their series to the same
+``registry``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+from engine.entrypoints.async_engine import EngineStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The server's series. ``model_name`` labels every one of them."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._stats = stats
+        labels = ["model_name"]
+        r = self.registry
+        self.requests = Counter(
+            "engine_requests", "Requests answered, by endpoint and outcome (HTTP status, or finish reason).",
+            labels + ["endpoint", "status"], registry=r,
+        )
+        self.prompt_tokens = Counter("engine_prompt_tokens", "Prompt tokens of admitted requests.", labels, registry=r)
+        self.generation_tokens = Counter("engine_generation_tokens", "Output tokens generated.", labels, registry=r)
+        self.ttft = Histogram(
+            "engine_time_to_first_token_seconds", "Time from arrival to the first output token.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "engine_inter_token_latency_seconds", "Time between consecutive output tokens of a sample.", labels,
+            buckets=_TOKEN_LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "engine_e2e_request_latency_seconds", "Time from arrival to the last output token.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.running = Gauge("engine_num_requests_running", "Sequences in the running batch.", labels, registry=r)
+        self.waiting = Gauge("engine_num_requests_waiting", "Sequences waiting to be scheduled.", labels, registry=r)
+        self.kv_usage = Gauge("engine_kv_cache_usage_ratio", "Share of KV-cache blocks held by requests.", labels, registry=r)
+        self.prefix_queries = Gauge(
+            "engine_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache (cumulative).", labels,
+            registry=r,
+        )
+        self.prefix_hits = Gauge(
+            "engine_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache (cumulative).", labels, registry=r
+        )
+        self.prefix_hit_rate = Gauge(
+            "engine_prefix_cache_hit_rate", "Prefix-cache hits over queries since start.", labels, registry=r
+        )
+        self.preemptions = Gauge("engine_num_preemptions", "Requests preempted since start (cumulative).", labels, registry=r)
+        self.model_name = model_name
+
+    def observe_finished(self, endpoint: str, status: str, prompt_tokens: int, output_tokens: int,
+                         ttft: float | None, token_gaps: list[float], e2e: float) -> None:
+        m = self.model_name
+        self.requests.labels(m, endpoint, status).inc()
+        self.prompt_tokens.labels(m).inc(prompt_tokens)
+        self.generation_tokens.labels(m).inc(output_tokens)
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+        itl = self.itl.labels(m)
+        for gap in token_gaps:
+            itl.observe(gap)
+        self.e2e.labels(m).observe(e2e)
+
+    def count_rejected(self, endpoint: str, status: int) -> None:
+        self.requests.labels(self.model_name, endpoint, str(status)).inc()
+
+    def render(self) -> bytes:
+        stats, m = self._stats(), self.model_name
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        self.prefix_queries.labels(m).set(stats.prefix_cache_queries)
+        self.prefix_hits.labels(m).set(stats.prefix_cache_hits)
+        rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        self.prefix_hit_rate.labels(m).set(rate)
+        self.preemptions.labels(m).set(stats.num_preemptions)
+        return generate_latest(self.registry)

@@ -1,0 +1,300 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: from a validated body to the
+OpenAI response, whole or as server-sent events."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, AsyncIterator, Callable
+
+from engine.entrypoints.async_engine import AsyncEngine
+from engine.entrypoints.errors import APIError, bad_request
+from engine.entrypoints.generation import Generation, PromptInput, check_text, new_request_id
+from engine.entrypoints.metrics import ServerMetrics
+from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from engine.runtime.logprobs import LogprobEntry
+from engine.sampling_params import SamplingParams
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_name: str) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.model_name = model_name
+
+    # shared checks
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model {model!r} does not exist. This server serves {self.model_name!r}.",
+                           param="model", code="model_not_found")
+
+    def require_tokenizer(self, what: str) -> Any:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise bad_request(f"This model has no tokenizer, so {what} is not available; send token ids.", param="prompt")
+        return tokenizer
+
+    def check_ids(self, token_ids: list[int], param: str) -> list[int]:
+        if not token_ids:
+            raise bad_request(f"{param} is empty: give at least one token.", param=param)
+        vocab = self.engine.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"{param} holds token ids outside [0, {vocab}): {bad[:5]}.", param=param)
+        return token_ids
+
+    def max_tokens(self, requested: int | None, prompts: list[PromptInput], param: str, prompt_param: str) -> int:
+        """The request's output limit: ``requested``, checked, or all the room the prompt leaves."""
+        limit = self.engine.max_model_len
+        longest = max(len(p.token_ids) for p in prompts)
+        if longest >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens; the prompt has {longest} tokens, "
+                f"which leaves no room for output. Shorten the prompt.", param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return limit - longest
+        if requested <= 0:
+            raise bad_request(f"{param} must be at least 1, got {requested}.", param=param)
+        if longest + requested > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens; the prompt has {longest} tokens and "
+                f"{param} asks for {requested} more. Lower {param} to at most {limit - longest}.",
+                param=param, code="context_length_exceeded",
+            )
+        return requested
+
+    def sampling_params(self, body: _SamplingFields, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        fields: dict[str, Any] = dict(
+            n=body.n, max_tokens=max_tokens, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(body, name)
+            if value is not None:
+                fields[name] = value
+        if body.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens={body.min_tokens} exceeds max_tokens={max_tokens}.", param="min_tokens")
+        if body.stop and self.engine.tokenizer is None:
+            raise bad_request("stop strings need a tokenizer and this model has none; use stop_token_ids.", param="stop")
+        try:
+            return SamplingParams(**fields)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+
+    # /v1/completions
+
+    def completion_prompts(self, body: CompletionRequest) -> list[PromptInput]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [list(prompt)]
+        else:
+            items = list(prompt)
+        if not items:
+            raise bad_request("prompt is empty.", param="prompt")
+        prompts = []
+        for item in items:
+            if isinstance(item, str):
+                text = check_text(item, "prompt")
+                if not text:
+                    raise bad_request("prompt is empty: give some text or token ids.", param="prompt")
+                prompts.append(PromptInput(self.check_ids(self.require_tokenizer("a text prompt").encode(text), "prompt"), text))
+            else:
+                prompts.append(PromptInput(self.check_ids(list(item), "prompt")))
+        return prompts
+
+    async def completions(self, body: CompletionRequest, priority: int) -> tuple[Generation, Callable]:
+        self.check_model(body.model)
+        prompts = self.completion_prompts(body)
+        max_tokens = self.max_tokens(body.max_tokens, prompts, "max_tokens", "prompt")
+        params = self.sampling_params(body, max_tokens, body.logprobs, body.prompt_logprobs)
+        generation = Generation(self.engine, self.metrics, "completions", new_request_id("cmpl"), prompts, params, priority)
+        return generation, self._completion_formatter(body, generation)
+
+    def _completion_formatter(self, body: CompletionRequest, generation: Generation) -> Callable:
+        created = int(time.time())
+        tokenizer = self.engine.tokenizer
+
+        def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+            out = {"id": generation.request_id, "object": "text_completion", "created": created,
+                   "model": self.model_name, "choices": choices}
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        def choice(index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: Any = None) -> dict:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
+
+        def logprobs_of(entries: list[LogprobEntry] | None, offset: int) -> dict | None:
+            if entries is None or body.logprobs is None:
+                return None
+            tokens, token_logprobs, top, offsets = [], [], [], []
+            for entry in entries:
+                token = _token_text(tokenizer, entry.token_ids[0])
+                tokens.append(token)
+                token_logprobs.append(entry.logprobs[0])
+                top.append({_token_text(tokenizer, t): lp for t, lp in zip(entry.token_ids[1:], entry.logprobs[1:])})
+                offsets.append(offset)
+                offset += len(token)
+            return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+        return _Formatter(chunk, choice, logprobs_of)
+
+    # /v1/chat/completions
+
+    def chat_prompt(self, body: ChatCompletionRequest) -> PromptInput:
+        tokenizer = self.require_tokenizer("chat")
+        messages = []
+        for i, message in enumerate(body.messages):
+            text = check_text(message.text(), f"messages.{i}.content")
+            messages.append({"role": message.role, "content": text})
+        if not any(m["content"] for m in messages):
+            raise bad_request("Every message is empty: give some content.", param="messages")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                **(body.chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # the template rejects the conversation (roles, order)
+            raise bad_request(f"The chat template rejected these messages: {exc}", param="messages") from None
+        return PromptInput(self.check_ids(tokenizer.encode(text, add_special_tokens=False), "messages"), text)
+
+    async def chat(self, body: ChatCompletionRequest, priority: int) -> tuple[Generation, Callable]:
+        self.check_model(body.model)
+        prompts = [self.chat_prompt(body)]
+        param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.max_tokens(body.requested_max_tokens, prompts, param, "messages")
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self.sampling_params(body, max_tokens, num_logprobs)
+        generation = Generation(self.engine, self.metrics, "chat", new_request_id("chatcmpl"), prompts, params, priority)
+        return generation, self._chat_formatter(body, generation)
+
+    def _chat_formatter(self, body: ChatCompletionRequest, generation: Generation) -> Callable:
+        created = int(time.time())
+        tokenizer = self.engine.tokenizer
+
+        def chunk(choices: list[dict], usage: dict | None = None, *, stream: bool) -> dict:
+            out = {"id": generation.request_id, "object": "chat.completion.chunk" if stream else "chat.completion",
+                   "created": created, "model": self.model_name, "choices": choices}
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        def logprobs_of(entries: list[LogprobEntry] | None, offset: int) -> dict | None:
+            if entries is None or not body.logprobs:
+                return None
+            content = []
+            for entry in entries:
+                token = _token_text(tokenizer, entry.token_ids[0])
+                content.append({
+                    "token": token, "logprob": entry.logprobs[0], "bytes": list(token.encode("utf-8")),
+                    "top_logprobs": [
+                        {"token": (t := _token_text(tokenizer, tid)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
+                        for tid, lp in zip(entry.token_ids[1:], entry.logprobs[1:])
+                    ],
+                })
+            return {"content": content}
+
+        return _ChatFormatter(chunk, logprobs_of)
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def usage_of(generation: Generation) -> dict:
+    prompt_tokens = sum(len(p.token_ids) for p in generation.prompts)
+    completion = generation.num_output_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+class _Formatter:
+    """Completions: whole responses and stream chunks."""
+
+    def __init__(self, chunk: Callable, choice: Callable, logprobs_of: Callable) -> None:
+        self.chunk, self.choice, self.logprobs_of = chunk, choice, logprobs_of
+
+    async def whole(self, generation: Generation) -> dict:
+        num = len(generation.prompts) * generation.params.n
+        texts = [""] * num
+        logprobs: list[list[LogprobEntry] | None] = [None] * num
+        finish: list[tuple[str | None, Any]] = [(None, None)] * num
+        async for index, delta in generation.deltas():
+            texts[index] += delta.text
+            if delta.logprobs is not None:
+                logprobs[index] = (logprobs[index] or []) + list(delta.logprobs)
+            if delta.finish_reason is not None:
+                finish[index] = (delta.finish_reason, delta.stop_reason)
+        choices = [
+            self.choice(i, texts[i], self.logprobs_of(logprobs[i], 0), *finish[i]) for i in range(num)
+        ]
+        return self.chunk(choices, usage_of(generation))
+
+    async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+        offsets: dict[int, int] = {}
+        async for index, delta in generation.deltas():
+            if not (delta.text or delta.finish_reason or delta.token_ids):
+                continue
+            offset = offsets.get(index, 0)
+            offsets[index] = offset + len(delta.text)
+            choice = self.choice(index, delta.text, self.logprobs_of(delta.logprobs, offset), delta.finish_reason,
+                                 delta.stop_reason)
+            yield sse(self.chunk([choice]))
+        if include_usage:
+            yield sse(self.chunk([], usage_of(generation)))
+        yield "data: [DONE]\n\n"
+
+
+class _ChatFormatter:
+    def __init__(self, chunk: Callable, logprobs_of: Callable) -> None:
+        self.chunk, self.logprobs_of = chunk, logprobs_of
+
+    async def whole(self, generation: Generation) -> dict:
+        num = generation.params.n
+        texts = [""] * num
+        logprobs: list[list[LogprobEntry] | None] = [None] * num
+        finish: list[tuple[str | None, Any]] = [(None, None)] * num
+        async for index, delta in generation.deltas():
+            texts[index] += delta.text
+            if delta.logprobs is not None:
+                logprobs[index] = (logprobs[index] or []) + list(delta.logprobs)
+            if delta.finish_reason is not None:
+                finish[index] = (delta.finish_reason, delta.stop_reason)
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": texts[i]},
+             "logprobs": self.logprobs_of(logprobs[i], 0), "finish_reason": finish[i][0], "stop_reason": finish[i][1]}
+            for i in range(num)
+        ]
+        return self.chunk(choices, usage_of(generation), stream=False)
+
+    async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+        for i in range(generation.params.n):
+            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield sse(self.chunk([first], stream=True))
+        async for index, delta in generation.deltas():
+            if not (delta.text or delta.finish_reason or delta.token_ids):
+                continue
+            content = {"content": delta.text} if delta.text else {}
+            choice = {"index": index, "delta": content, "logprobs": self.logprobs_of(delta.logprobs, 0),
+                      "finish_reason": delta.finish_reason}
+            if delta.finish_reason is not None:
+                choice["stop_reason"] = delta.stop_reason
+            yield sse(self.chunk([choice], stream=True))
+        if include_usage:
+            yield sse(self.chunk([], usage_of(generation), stream=True))
+        yield "data: [DONE]\n\n"
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

@@ -1,0 +1,157 @@
+"""Request bodies of the OpenAI-compatible endpoints, validated by pydantic.
+
+Unknown fields are refused (``extra="forbid"``) so that a client never believes
+a parameter took effect when it did not; fields that OpenAI defines and this
+server cannot honour are refused with a message that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+
+# text, a list of token ids, or a batch of either (the batch form is refused later with a clear message)
+PromptField = Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _SamplingFields(BaseModel):
+    """The sampling fields both endpoints share (OpenAI names, plus vLLM's extras)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    n: StrictInt = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, ge=0)
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted for compatibility; not used
+    logit_bias: dict[str, float] | None = None  # refused unless empty
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        return value
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> "_SamplingFields":
+        if self.logit_bias:
+            raise UnsupportedParameter("logit_bias", "logit_bias is not supported by this server.")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedParameter("stream_options", "stream_options is only allowed when stream is true.")
+        return self
+
+
+class UnsupportedParameter(ValueError):
+    """A known OpenAI parameter this server does not implement: a 400 naming it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptField
+    max_tokens: StrictInt | None = 16
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> "CompletionRequest":
+        if self.echo:
+            raise UnsupportedParameter("echo", "echo is not supported by this server.")
+        if self.suffix:
+            raise UnsupportedParameter("suffix", "suffix is not supported by this server.")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedParameter("best_of", "best_of must equal n (or be left out) on this server.")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        if not self.messages:
+            raise ValueError("messages must hold at least one message")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs set to true.")
+        if self.tools:
+            raise UnsupportedParameter("tools", "tool calling is not supported by this server.")
+        if self.tool_choice not in (None, "none"):
+            raise UnsupportedParameter("tool_choice", "tool calling is not supported by this server.")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise UnsupportedParameter(
+                "response_format", f"response_format type {self.response_format.type!r} is not supported; use 'text'."
+            )
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,97 @@
+"""``engine serve``: build the engine, wrap it in the HTTP app, run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig, ServerConfig
+
+logger = logging.getLogger("engine.server")
+
+API_KEY_ENV = "ENGINE_API_KEY"
+
+
+@dataclass
+class RunningServer:
+    """A server started on a thread (``start_server``): its address and how to stop it."""
+
+    host: str
+    port: int
+    app: Any
+    engine: Any  # AsyncEngine
+    _server: Any
+    _thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self.engine.shutdown()
+
+
+def make_app(engine_config: EngineConfig, server_config: ServerConfig, *, progress: bool = True) -> tuple[Any, Any]:
+    """(FastAPI app, AsyncEngine) for these settings; the model is loaded here."""
+    from engine.entrypoints.api_server import build_app
+    from engine.entrypoints.async_engine import AsyncEngine
+    from engine.runtime.llm_engine import LLMEngine
+
+    engine = AsyncEngine(LLMEngine(engine_config, progress=progress))
+    model_name = server_config.served_model_name or engine_config.model
+    return build_app(engine, server_config, model_name), engine
+
+
+def resolve_api_key(server_config: ServerConfig) -> ServerConfig:
+    """``--api-key`` wins; else ``$ENGINE_API_KEY`` when set."""
+    if server_config.api_key is None and os.environ.get(API_KEY_ENV):
+        return server_config.model_copy(update={"api_key": os.environ[API_KEY_ENV]})
+    return server_config
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig, *, log_level: str = "info") -> None:
+    """Run until interrupted (Ctrl-C / SIGTERM stop it cleanly)."""
+    import uvicorn
+
+    server_config = resolve_api_key(server_config)
+    app, engine = make_app(engine_config, server_config)
+    if server_config.api_key is None and server_config.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it", server_config.host)
+    logger.info("serving %s on http://%s:%d", server_config.served_model_name or engine_config.model,
+                server_config.host, server_config.port)
+    try:
+        uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=log_level.lower(),
+                    access_log=False, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+
+
+def start_server(engine_config: EngineConfig, server_config: ServerConfig, *, progress: bool = False) -> RunningServer:
+    """Start the server on a background thread and return once it accepts connections.
+
+    With ``port=0`` a free port is chosen; ``RunningServer.port`` tells which.
+    """
+    import uvicorn
+
+    server_config = resolve_api_key(server_config)
+    app, engine = make_app(engine_config, server_config, progress=progress)
+    sock = socket.socket(socket.AF_INET6 if ":" in server_config.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((server_config.host, server_config.port))
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
+    thread.start()
+    while not server.started and thread.is_alive():
+        time.sleep(0.02)
+    if not server.started:
+        engine.shutdown()
+        raise RuntimeError(f"The server did not start on {host}:{port}.")
+    return RunningServer(host, port, app, engine, server, thread)

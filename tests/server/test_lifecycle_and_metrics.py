@@ -156,3 +156,27 @@ def test_messages_stop_sequence(server, offline):
     reply = httpx.post(server.base_url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60).json()
     assert reply["content"][0]["text"] == full[: full.index(stop)]
     assert (reply["stop_reason"], reply["stop_sequence"]) == ("stop_sequence", stop)
+
+
+def test_engine_failure_is_a_clean_5xx_and_health_says_so(chat_checkpoint):
+    from server_helpers import engine_config
+
+    from engine.config import ServerConfig
+    from engine.entrypoints.serve import start_server
+
+    running = start_server(engine_config(chat_checkpoint), ServerConfig(port=0, served_model_name="tiny"))
+    try:
+        def broken_step():
+            raise RuntimeError("secret internal detail")
+
+        running.engine.engine.step = broken_step
+        response = httpx.post(running.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert response.status_code == 503
+        error = response.json()["error"]
+        assert error["type"] == "service_unavailable" and "engine" in error["message"]
+        assert "Traceback" not in response.text and "secret internal detail" not in response.text
+        assert httpx.get(running.base_url + "/health").status_code == 503
+        again = httpx.post(running.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert again.status_code == 503 and "Traceback" not in again.text
+    finally:
+        running.stop()

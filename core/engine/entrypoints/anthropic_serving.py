@@ -101,7 +101,7 @@ class AnthropicServing:
             params = SamplingParams(**fields)
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-        return Generation(serving.engine, serving.metrics, "messages", new_request_id("msg"), [prompt], params, priority)
+        return Generation(serving.engine, serving.metrics, "messages", new_request_id("msg", "_"), [prompt], params, priority)
 
     def _message(self, generation: Generation, content: str, finish: str | None, stop: Any) -> dict:
         stop_reason, stop_sequence = _stop_of(finish, stop)

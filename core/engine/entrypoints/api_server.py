@@ -94,7 +94,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_alive:
-            return JSONResponse({"status": "error", "error": repr(engine.error)}, status_code=503)
+            return JSONResponse({"status": "error", "error": "the engine has stopped; see the server log"},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -138,7 +139,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
         except ValueError as exc:  # the engine refused the request
             raise bad_request(str(exc), param="prompt") from None
         except EngineDeadError as exc:
-            raise APIError(503, f"The engine has stopped and cannot take requests: {exc}") from None
+            raise APIError(503, str(exc)) from None
         if streaming:
             return StreamingResponse(
                 _guarded_stream(generation, stream(generation), endpoint, request.url.path),
@@ -155,8 +156,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
                     return Response(status_code=499)
             result = task.result()
         except EngineDeadError as exc:
-            generation.record("500")
-            raise APIError(503, f"The engine stopped while serving this request: {exc}") from None
+            raise APIError(503, str(exc)) from None
         finally:
             if not task.done():
                 task.cancel()
@@ -192,5 +192,5 @@ def _key_matches(request: Request, key: str) -> bool:
 
 def _internal_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
-        return APIError(503, "The engine has stopped; see the server log.")
+        return APIError(503, str(exc))
     return APIError(500, f"Internal server error ({type(exc).__name__}); see the server log.")

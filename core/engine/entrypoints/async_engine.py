@@ -25,7 +25,12 @@ logger = logging.getLogger("engine.server")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped on an error; no request can run any more."""
+    """The engine loop stopped on an error; no request can run any more.
+
+    Its message is safe to show a client: the cause is in the server log only."""
+
+    def __init__(self) -> None:
+        super().__init__("The engine stopped on an internal error and cannot serve requests; see the server log.")
 
 
 @dataclass
@@ -148,7 +153,7 @@ class AsyncEngine:
         client went away) aborts the request.
         """
         if not self.is_alive:
-            raise EngineDeadError(f"The engine loop has stopped: {self.error!r}")
+            raise EngineDeadError()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt_token_ids, params, priority, prompt, stream), added))
@@ -203,9 +208,9 @@ class AsyncEngine:
             logger.exception("engine loop stopped")
             self.error = exc
             for stream in self._streams.values():
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(f"engine loop stopped: {exc!r}"))
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError())
             self._streams.clear()
-            self._fail_pending_commands(exc)
+            self._fail_pending_commands()
 
     def _drain_commands(self, *, block: bool) -> None:
         while True:
@@ -291,14 +296,14 @@ class AsyncEngine:
         if self.on_step is not None:
             self.on_step(self.stats)
 
-    def _fail_pending_commands(self, exc: BaseException) -> None:
+    def _fail_pending_commands(self) -> None:
         while True:
             try:
                 _, _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
             if future is not None and not future.done():
-                future.set_exception(EngineDeadError(f"engine loop stopped: {exc!r}"))
+                future.set_exception(EngineDeadError())
 
 
 def _torch_threads() -> int:

@@ -24,8 +24,8 @@ logger = logging.getLogger("engine.server")
 PRIORITY_HEADER = "x-request-priority"
 
 
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_request_id(prefix: str, separator: str = "-") -> str:
+    return f"{prefix}{separator}{uuid.uuid4().hex[:24]}"
 
 
 def check_text(text: str, param: str) -> str:

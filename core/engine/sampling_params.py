@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+TOP_K_MAX = 2**31 - 1
 
 
 @dataclass
@@ -84,6 +86,9 @@ class SamplingParams:
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}.")
+        if self.top_k > TOP_K_MAX:
+            raise ValueError(f"top_k must be at most {TOP_K_MAX} (any value above the vocabulary size keeps every "
+                             f"token), got {self.top_k}.")
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
@@ -100,6 +105,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2] (0 disables it), got {value}.")
         if self.seed is not None:
             _check_int("seed", self.seed)
+            # sample i seeds a torch.Generator with seed + i, which must fit in 64 bits
+            if not SEED_MIN <= self.seed or self.seed + self.n - 1 > SEED_MAX:
+                raise ValueError(
+                    f"seed must be in [{SEED_MIN}, {SEED_MAX - self.n + 1}] (with n={self.n}, sample i uses "
+                    f"seed + i), got {self.seed}."
+                )
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:

@@ -195,11 +195,25 @@ def test_sixty_four_concurrent_streams_all_finish_right(server, offline):
 def test_priority_header_reaches_the_scheduler(server):
     import httpx
 
-    body = {"model": "tiny", "prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    headers = {"Authorization": f"Bearer {API_KEY}", "X-Request-Priority": "-3"}
-    with httpx.Client(timeout=60) as http:
-        with http.stream("POST", server.base_url + "/v1/completions", json=body, headers=headers) as response:
-            assert response.status_code == 200
-            next(response.iter_lines())
-            seen = server.engine.call(lambda engine: [r.priority for r in engine.requests.values()]).result(10)
-    assert seen == [-3]
+    recorded = []
+
+    def install(engine):
+        original = engine.add_request_group
+
+        def recording(*args, **kwargs):
+            recorded.append(kwargs.get("priority"))
+            return original(*args, **kwargs)
+
+        engine.add_request_group = recording
+
+    server.engine.call(install).result(10)
+    try:
+        body = {"model": "tiny", "prompt": "abc", "max_tokens": 3}
+        for header, expected in (("-3", -3), ("7", 7), (None, 0)):
+            headers = {"Authorization": f"Bearer {API_KEY}"}
+            if header is not None:
+                headers["X-Request-Priority"] = header
+            assert httpx.post(server.base_url + "/v1/completions", json=body, headers=headers).status_code == 200
+            assert recorded.pop() == expected
+    finally:
+        server.engine.call(lambda engine: delattr(engine, "add_request_group")).result(10)

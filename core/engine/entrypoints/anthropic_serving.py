@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
-from engine.entrypoints.errors import bad_request
+from engine.entrypoints.errors import ParamError, bad_request, refusal
 from engine.entrypoints.generation import Generation, PromptInput, check_text, new_request_id
 from engine.entrypoints.openai_serving import OpenAIServing
 from engine.entrypoints.protocol import UnsupportedParameter
@@ -53,14 +53,14 @@ class MessagesRequest(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "MessagesRequest":
         if not self.messages:
-            raise ValueError("messages must hold at least one message")
+            raise ParamError("messages", "messages must hold at least one message.")
         for name in ("tools", "tool_choice"):
             if getattr(self, name):
                 raise UnsupportedParameter(name, "tool use is not supported by this server.")
         if self.thinking and self.thinking.get("type") != "disabled":
             raise UnsupportedParameter("thinking", "extended thinking is not supported by this server.")
         if any(s == "" for s in self.stop_sequences or []):
-            raise ValueError("stop_sequences must not contain an empty string")
+            raise ParamError("stop_sequences", "stop_sequences must not contain an empty string.")
         return self
 
     def system_text(self) -> str:
@@ -100,7 +100,7 @@ class AnthropicServing:
         try:
             params = SamplingParams(**fields)
         except ValueError as exc:
-            raise bad_request(str(exc)) from None
+            raise refusal(exc) from None
         return Generation(serving.engine, serving.metrics, "messages", new_request_id("msg", "_"), [prompt], params, priority)
 
     def _message(self, generation: Generation, content: str, finish: str | None, stop: Any) -> dict:

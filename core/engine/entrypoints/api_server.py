@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.config import ServerConfig
 from engine.entrypoints.anthropic_serving import AnthropicServing, MessagesRequest
 from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError
-from engine.entrypoints.errors import APIError, bad_request, from_validation_error
+from engine.entrypoints.errors import APIError, bad_request, from_validation_error, refusal
 from engine.entrypoints.generation import Generation, finish_status, parse_priority
 from engine.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from engine.entrypoints.openai_serving import OpenAIServing
@@ -137,7 +137,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> Fas
         try:
             await generation.start()
         except ValueError as exc:  # the engine refused the request
-            raise bad_request(str(exc), param="prompt") from None
+            raise refusal(exc, default_param="prompt") from None
         except EngineDeadError as exc:
             raise APIError(503, str(exc)) from None
         if streaming:

@@ -7,12 +7,14 @@ request id).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import re
 from http import HTTPStatus
 from typing import Any
 
 from pydantic import ValidationError
 
-from engine.entrypoints.protocol import UnsupportedParameter
 
 # OpenAI error "type" per status
 _OPENAI_TYPES = {
@@ -38,6 +40,16 @@ _ANTHROPIC_TYPES = {
     500: "api_error",
     503: "overloaded_error",
 }
+
+
+class ParamError(ValueError):
+    """Raised inside request validation to name the parameter at fault (``param``)."""
+
+    code: str | None = None
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class APIError(Exception):
@@ -69,14 +81,31 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(HTTPStatus.BAD_REQUEST, message, param=param, code=code)
 
 
+def refusal(exc: ValueError, default_param: str | None = None) -> APIError:
+    """A ``ValueError`` from ``SamplingParams`` or the engine as a 400. Their messages
+    start with the field they are about ("seed must be ...", "stop_token_ids must ..."),
+    which becomes ``param``."""
+    message = str(exc)
+    match = re.match(r"[a-z][a-z_]*", message)
+    param = match.group(0) if match and match.group(0) in _sampling_fields() else default_param
+    return bad_request(message, param=param)
+
+
+@functools.lru_cache(maxsize=1)
+def _sampling_fields() -> frozenset[str]:
+    from engine.sampling_params import SamplingParams
+
+    return frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
 def from_validation_error(exc: ValidationError) -> APIError:
     """A pydantic error on a request body, as one 400 naming the first bad field."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": str(exc), "type": ""}
     ctx = first.get("ctx") or {}
     cause = ctx.get("error")
-    if isinstance(cause, UnsupportedParameter):
-        return bad_request(str(cause), param=cause.param, code="unsupported_parameter")
+    if isinstance(cause, ParamError):
+        return bad_request(str(cause), param=cause.param, code=cause.code)
     if first.get("type") == "json_invalid":
         return bad_request(f"The request body is not valid JSON: {ctx.get('error', first['msg'])}.", code="invalid_json")
     loc = [str(part) for part in first.get("loc", ()) if not _is_union_tag(part)]

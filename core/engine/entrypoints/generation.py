@@ -187,8 +187,3 @@ class Generation:
 def finish_status(generation: Generation) -> str:
     reasons = set(generation.finish_reasons.values())
     return reasons.pop() if len(reasons) == 1 else "mixed" if reasons else "abort"
-
-
-def engine_refusal(exc: Exception, param: str | None = "prompt") -> APIError:
-    """The engine refused the request (a ``ValueError`` from ``add_request``): a 400 with its words."""
-    return bad_request(str(exc), param=param)

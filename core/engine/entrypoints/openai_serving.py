@@ -8,7 +8,7 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from engine.entrypoints.async_engine import AsyncEngine
-from engine.entrypoints.errors import APIError, bad_request
+from engine.entrypoints.errors import APIError, bad_request, refusal
 from engine.entrypoints.generation import Generation, PromptInput, check_text, new_request_id
 from engine.entrypoints.metrics import ServerMetrics
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -86,7 +86,7 @@ class OpenAIServing:
         try:
             return SamplingParams(**fields)
         except ValueError as exc:
-            raise bad_request(str(exc)) from None
+            raise refusal(exc) from None
 
     # /v1/completions
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
+from engine.entrypoints.errors import ParamError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 # text, a list of token ids, or a batch of either (the batch form is refused later with a clear message)
@@ -67,12 +68,10 @@ class _SamplingFields(BaseModel):
         return self
 
 
-class UnsupportedParameter(ValueError):
+class UnsupportedParameter(ParamError):
     """A known OpenAI parameter this server does not implement: a 400 naming it."""
 
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+    code = "unsupported_parameter"
 
 
 class CompletionRequest(_SamplingFields):
@@ -139,7 +138,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
         if not self.messages:
-            raise ValueError("messages must hold at least one message")
+            raise ParamError("messages", "messages must hold at least one message.")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs set to true.")
         if self.tools:

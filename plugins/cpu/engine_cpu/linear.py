@@ -1,32 +1,88 @@
-"""Unquantized linear layers through oneDNN with prepacked weights.
+"""Unquantized bf16 linear layers on the CPU.
 
 For batch-1 decode, ``F.linear`` on bf16 reaches about a third of the memory
 bandwidth that oneDNN's matmul on a weight reordered once into its blocked
-layout does; larger batches gain less but never lose.
+layout does, and oneDNN in turn reaches a little over half of what a plain
+matrix-vector kernel streaming a [N/16][K/2][16][2] packing gets. So:
+
+- every layer keeps oneDNN's packed weight, used for 5 rows and more (prefill,
+  batched decode), where the product is compute-bound and oneDNN is fastest;
+- with the native kernels on an AVX512-BF16 CPU, it also keeps a copy packed for
+  ``gemv`` (csrc/gemv.cpp), used for 1 to 4 rows. The copy costs the weight's
+  size again, so it is made only while the copies stay under
+  ``DECODE_COPY_FRACTION`` of the machine's memory (``ENGINE_CPU_DECODE_GEMV=0``
+  turns it off).
 """
 
 from __future__ import annotations
+
+import os
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from engine.layers.linear import UnquantizedLinearMethod
 
+GEMV_MAX_ROWS = 4
+DECODE_COPY_FRACTION = 0.25
+
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-class OneDNNLinearMethod(UnquantizedLinearMethod):
-    """Reorders ``weight`` into oneDNN's layout once, after loading.
+def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 16), K / 2, 16, 2]: output columns padded with zeros to a multiple of 16."""
+    n, k = weight.shape
+    blocks = -(-n // 16)
+    padded = weight.new_zeros(blocks * 16, k)
+    padded[:n] = weight
+    return padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
-    The packed tensor replaces the layer's ``weight`` attribute (a tied
-    embedding keeps the original tensor); the result equals ``F.linear``.
+
+class OneDNNLinearMethod(UnquantizedLinearMethod):
+    """Reorders ``weight`` into oneDNN's layout once, after loading, and, given
+    ``kernels``, packs a second copy for the decode ``gemv`` kernel.
+
+    The oneDNN tensor replaces the layer's ``weight`` attribute (a tied embedding
+    keeps the original tensor); results equal ``F.linear`` up to the order of the
+    fp32 sums.
     """
 
+    def __init__(self, kernels: ModuleType | None = None, copy_budget_bytes: int | None = None) -> None:
+        self.kernels = kernels
+        self.copy_budget_bytes = copy_budget_bytes  # None: no limit
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, 1)
+        weight = layer.weight.data
+        if self._gemv_copy_fits(weight):
+            layer.gemv_weight = pack_gemv_weight(weight)
+            if self.copy_budget_bytes is not None:
+                self.copy_budget_bytes -= layer.gemv_weight.numel() * layer.gemv_weight.element_size()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         layer.weight = nn.Parameter(packed, requires_grad=False)
 
+    def _gemv_copy_fits(self, weight: torch.Tensor) -> bool:
+        if self.kernels is None or weight.dtype != torch.bfloat16 or weight.shape[1] % 8 != 0:
+            return False
+        size = weight.numel() * weight.element_size()
+        return self.copy_budget_bytes is None or size <= self.copy_budget_bytes
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        gemv_weight = getattr(layer, "gemv_weight", None)
+        if gemv_weight is not None and x.dtype == torch.bfloat16:
+            rows = x.reshape(-1, x.shape[-1])
+            if rows.shape[0] <= GEMV_MAX_ROWS and rows.stride(-1) == 1:
+                out = torch.empty(rows.shape[0], layer.weight.shape[0], dtype=x.dtype)
+                bias = layer.bias if layer.bias is not None else _EMPTY
+                self.kernels.gemv(out, rows, gemv_weight, bias)
+                return out.view(*x.shape[:-1], out.shape[-1])
         return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+
+
+_EMPTY = torch.empty(0, dtype=torch.bfloat16)
+
+
+def decode_gemv_enabled() -> bool:
+    return os.environ.get("ENGINE_CPU_DECODE_GEMV", "1") not in ("0", "false", "False")

@@ -32,10 +32,17 @@ class CpuPlatform(Platform):
         tune_malloc()
 
     def linear_method(self, dtype: str):
-        from engine_cpu.linear import OneDNNLinearMethod, onednn_available
+        from engine_cpu import native
+        from engine_cpu.linear import DECODE_COPY_FRACTION, OneDNNLinearMethod, decode_gemv_enabled, onednn_available
 
         # bf16 only: the packed fp32 path reorders the accumulation, and fp32 serves as the exact reference
-        return OneDNNLinearMethod() if dtype == "bfloat16" and onednn_available() else None
+        if dtype != "bfloat16" or not onednn_available():
+            return None
+        kernels = native.load() if decode_gemv_enabled() else None
+        if kernels is None or not kernels.gemv_supported():
+            return OneDNNLinearMethod()
+        budget = int(self.memory_info().total_bytes * DECODE_COPY_FRACTION)
+        return OneDNNLinearMethod(kernels, copy_budget_bytes=budget)
 
     def layer_ops(self, dtype: str):
         from engine_cpu import native

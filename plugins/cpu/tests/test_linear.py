@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import MergedLinear, UnquantizedLinearMethod, VocabEmbedding, apply_linear_method
-from engine_cpu.linear import OneDNNLinearMethod, onednn_available
+from engine_cpu import native
+from engine_cpu.linear import OneDNNLinearMethod, onednn_available, pack_gemv_weight
 from engine_cpu.platform import CpuPlatform
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch was built without oneDNN")
@@ -44,9 +45,15 @@ def test_tied_embedding_keeps_its_plain_weight():
     assert torch.equal(model.lm_head(hidden), logits)
 
 
-def test_platform_packs_bf16_only():
+def test_platform_packs_bf16_only(monkeypatch):
     platform = CpuPlatform()
-    assert isinstance(platform.linear_method("bfloat16"), OneDNNLinearMethod)
+    method = platform.linear_method("bfloat16")
+    assert isinstance(method, OneDNNLinearMethod)
+    kernels = native.load()
+    if kernels is not None and kernels.gemv_supported():
+        assert method.kernels is kernels and method.copy_budget_bytes == platform.memory_info().total_bytes // 4
+    monkeypatch.setenv("ENGINE_CPU_DECODE_GEMV", "0")
+    assert platform.linear_method("bfloat16").kernels is None
     assert platform.linear_method("float32") is None
 
 
@@ -57,3 +64,82 @@ def test_layers_already_given_another_method_are_left_alone():
     layer = MergedLinear(8, [8], False, torch.bfloat16, method=Other())
     assert apply_linear_method(layer, OneDNNLinearMethod()) == 0
     assert type(layer.method) is Other
+
+
+gemv_kernels = pytest.mark.skipif(
+    native.load() is None or not native.load().gemv_supported(), reason="no native gemv on this CPU or build"
+)
+
+
+def fp32_reference(x, weight, bias):
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+
+
+@gemv_kernels
+@pytest.mark.parametrize("n, k", [(64, 48), (100, 512), (7, 8), (1000, 1408)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_equals_the_fp32_product_rounded_once(n, k, rows, bias):
+    gen = torch.Generator().manual_seed(n * 10 + rows)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    native.load().gemv(out, x, pack_gemv_weight(weight), b if bias else torch.empty(0, dtype=torch.bfloat16))
+    expected = fp32_reference(x, weight, b)
+    # the fp32 sums differ from the reference's only in order; then one rounding to bf16 (8 bits of mantissa)
+    assert torch.allclose(out.float(), expected, rtol=2**-8, atol=1e-3 * expected.abs().max().item())
+
+
+@gemv_kernels
+def test_gemv_rejects_what_it_cannot_do():
+    kernels = native.load()
+    packed = pack_gemv_weight(torch.zeros(16, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        kernels.gemv(torch.empty(5, 16, dtype=torch.bfloat16), torch.zeros(5, 8, dtype=torch.bfloat16), packed,
+                     torch.empty(0, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.gemv(torch.empty(1, 16), torch.zeros(1, 8), packed, torch.empty(0))
+
+
+@gemv_kernels
+@pytest.mark.parametrize("rows", [1, 4, 5, 64])
+def test_linear_method_uses_gemv_for_few_rows_and_onednn_beyond(rows):
+    gen = torch.Generator().manual_seed(rows)
+    layer = MergedLinear(64, [48, 48], True, torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(96, 64, generator=gen))
+    layer.bias.data.copy_(torch.randn(96, generator=gen))
+    weight, bias = layer.weight.data.clone(), layer.bias.data.clone()
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    apply_linear_method(layer, OneDNNLinearMethod(native.load()))
+    assert layer.gemv_weight.shape == (6, 32, 16, 2)
+    calls = []
+    kernels = layer.method.kernels
+
+    class Spy:
+        def gemv(self, *args):
+            calls.append(args[1].shape[0])
+            return kernels.gemv(*args)
+
+    layer.method.kernels = Spy()
+    out = layer(x.view(1, rows, 64))
+    assert out.shape == (1, rows, 96)
+    assert calls == ([rows] if rows <= 4 else [])
+    expected = fp32_reference(x, weight, bias)
+    assert torch.allclose(out[0].float(), expected, rtol=2**-7, atol=1e-2 * expected.abs().max().item())
+
+
+@gemv_kernels
+def test_gemv_copies_stop_at_the_memory_budget():
+    method = OneDNNLinearMethod(native.load(), copy_budget_bytes=3000)
+    layers = [MergedLinear(32, [32], False, torch.bfloat16) for _ in range(2)]  # 2048 bytes each
+    weights = []
+    for layer in layers:
+        layer.weight.data.normal_()
+        weights.append(layer.weight.data.clone())
+        apply_linear_method(layer, method)
+    assert hasattr(layers[0], "gemv_weight") and not hasattr(layers[1], "gemv_weight")
+    x = torch.randn(1, 32).bfloat16()
+    for layer, weight in zip(layers, weights):
+        expected = fp32_reference(x, weight, None)
+        assert torch.allclose(layer(x).float(), expected, rtol=2**-7, atol=1e-2 * expected.abs().max().item())

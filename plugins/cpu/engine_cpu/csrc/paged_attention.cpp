@@ -196,7 +196,13 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cac
                        torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
                        torch::Tensor seqs, double scale, int64_t window);
 
+// gemv.cpp
+bool gemv_supported();
+void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv_supported", &gemv_supported, "whether gemv runs on this CPU and build");
+  m.def("gemv", &gemv, "out = x @ W^T + bias for 1-4 rows, W packed by pack_gemv_weight (bf16)");
   m.def("prefill_kernel_supported", &prefill_kernel_supported, "whether prefill_attention runs for this head size");
   m.def("prefill_attention", &prefill_attention, "tiled causal attention for long prefill chunks (bf16)");
   m.def("paged_attention", &paged_attention, "Paged attention over a block-table KV cache (CPU)");

@@ -1,4 +1,8 @@
-"""Built-in checkpoints made locally, so that nothing has to be downloaded.
+"""Built-in checkpoints, so that nothing has to be downloaded.
+
+``demo`` is a small trained Llama chat model shipped inside the package
+(``engine/demo_model``, rebuilt by ``tools/train_demo_model.py``): the default
+of ``engine serve``, so a fresh install answers in English.
 
 ``llama58m`` is the benchmark model of the project's workloads: random weights
 from ``torch.manual_seed(0)`` and a fixed ``LlamaConfig``, saved as safetensors
@@ -26,7 +30,11 @@ LLAMA58M_CONFIG = dict(
     max_position_embeddings=4096,
 )
 
-BUILTIN_MODELS = {"llama58m": "Llama, 58.5M parameters, random weights (seed 0); the benchmark model."}
+BUILTIN_MODELS = {
+    "demo": "Llama, a few million parameters trained on Python docstrings, with a chat template; the server's default.",
+    "llama58m": "Llama, 58.5M parameters, random weights (seed 0); the benchmark model.",
+}
+DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
 
 def cache_dir() -> Path:
@@ -37,6 +45,13 @@ def ensure(name: str) -> Path:
     """Return the directory of built-in model ``name``, creating it if missing."""
     if name not in BUILTIN_MODELS:
         raise KeyError(f"Unknown built-in model {name!r}. Available: {', '.join(BUILTIN_MODELS)}.")
+    if name == "demo":
+        if not (DEMO_MODEL_DIR / "config.json").is_file():
+            raise FileNotFoundError(
+                f"The demo model's files are missing from {DEMO_MODEL_DIR}; reinstall engine, or rebuild them with "
+                f"'python tools/train_demo_model.py --out {DEMO_MODEL_DIR}'."
+            )
+        return DEMO_MODEL_DIR
     target = cache_dir() / "models" / name
     if (target / "config.json").is_file():
         return target

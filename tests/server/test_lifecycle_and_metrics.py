@@ -180,3 +180,28 @@ def test_engine_failure_is_a_clean_5xx_and_health_says_so(chat_checkpoint):
         assert again.status_code == 503 and "Traceback" not in again.text
     finally:
         running.stop()
+
+
+def test_generation_config_sets_the_defaults_a_request_leaves_out(chat_checkpoint, tmp_path, offline):
+    import shutil
+
+    from server_helpers import engine_config
+
+    from engine.config import ServerConfig
+    from engine.entrypoints.serve import start_server
+
+    path = tmp_path / "greedy-by-default"
+    shutil.copytree(chat_checkpoint, path)
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "eos_token_id": 2}))
+    greedy = offline.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+    running = start_server(engine_config(path), ServerConfig(port=0, served_model_name="tiny"))
+    try:
+        body = {"prompt": "Hello world", "max_tokens": 12, "ignore_eos": True, "n": 2}
+        texts = [c["text"] for c in httpx.post(running.base_url + "/v1/completions", json=body, timeout=60).json()["choices"]]
+        assert texts == [greedy, greedy]
+        sampled = httpx.post(running.base_url + "/v1/completions", json={**body, "temperature": 1.0, "seed": 3},
+                             timeout=60).json()["choices"]
+        assert [c["text"] for c in sampled] != [greedy, greedy]
+    finally:
+        running.stop()

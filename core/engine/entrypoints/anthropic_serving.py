@@ -94,6 +94,8 @@ class AnthropicServing:
         prompt = PromptInput(serving.check_ids(tokenizer.encode(text, add_special_tokens=False), "messages"), text)
         max_tokens = serving.max_tokens(body.max_tokens, [prompt], "max_tokens", "messages")
         fields = dict(n=1, max_tokens=max_tokens, stop=body.stop_sequences, seed=None)
+        for name, value in serving.sampling_defaults.items():
+            fields[name] = value
         for name in ("temperature", "top_p", "top_k"):
             if getattr(body, name) is not None:
                 fields[name] = getattr(body, name)

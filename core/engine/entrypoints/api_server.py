@@ -38,11 +38,13 @@ DISCONNECT_POLL_SECONDS = 0.1
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/messages": "messages"}
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str) -> FastAPI:
-    """The app for ``engine`` serving ``model_name``. The caller owns the engine's lifetime."""
+def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
+              sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
+    """The app for ``engine`` serving ``model_name``. The caller owns the engine's lifetime.
+    ``sampling_defaults`` fill the sampling fields a request leaves out."""
     app = FastAPI(title="engine", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(model_name, lambda: engine.stats)
-    openai = OpenAIServing(engine, metrics, model_name)
+    openai = OpenAIServing(engine, metrics, model_name, sampling_defaults)
     anthropic = AnthropicServing(openai)
     public = set(PUBLIC_PATHS) | ({"/metrics"} if config.metrics_public else set())
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, config

@@ -17,10 +17,13 @@ from engine.sampling_params import SamplingParams
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_name: str,
+                 sampling_defaults: dict[str, Any] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
+        # the checkpoint's generation_config.json settings, for the fields a request leaves out
+        self.sampling_defaults = dict(sampling_defaults or {})
 
     # shared checks
 
@@ -77,6 +80,8 @@ class OpenAIServing:
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(body, name)
+            if value is None:
+                value = self.sampling_defaults.get(name)
             if value is not None:
                 fields[name] = value
         if body.min_tokens > max_tokens:

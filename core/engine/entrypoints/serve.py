@@ -42,11 +42,16 @@ def make_app(engine_config: EngineConfig, server_config: ServerConfig, *, progre
     """(FastAPI app, AsyncEngine) for these settings; the model is loaded here."""
     from engine.entrypoints.api_server import build_app
     from engine.entrypoints.async_engine import AsyncEngine
+    from engine.model_loader.checkpoint import sampling_defaults
     from engine.runtime.llm_engine import LLMEngine
 
-    engine = AsyncEngine(LLMEngine(engine_config, progress=progress))
+    llm_engine = LLMEngine(engine_config, progress=progress)
+    defaults = sampling_defaults(llm_engine.model_path)
+    if defaults:
+        logger.info("sampling defaults from generation_config.json: %s", defaults)
+    engine = AsyncEngine(llm_engine)
     model_name = server_config.served_model_name or engine_config.model
-    return build_app(engine, server_config, model_name), engine
+    return build_app(engine, server_config, model_name, defaults), engine
 
 
 def resolve_api_key(server_config: ServerConfig) -> ServerConfig:

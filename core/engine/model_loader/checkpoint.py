@@ -77,3 +77,18 @@ def eos_token_ids(model_dir: Path, config: dict) -> frozenset[int]:
     if value is None:
         return frozenset()
     return frozenset(value if isinstance(value, list) else [value])
+
+
+# generation_config.json fields that serve as a server's sampling defaults (vLLM's "auto" generation config)
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(model_dir: Path) -> dict[str, float | int]:
+    """The checkpoint's recommended sampling settings, from generation_config.json: used for
+    the fields a request leaves out. Empty when the file is absent or sets none of them."""
+    generation = model_dir / "generation_config.json"
+    if not generation.is_file():
+        return {}
+    with open(generation, encoding="utf-8") as f:
+        values = json.load(f)
+    return {name: values[name] for name in SAMPLING_DEFAULT_FIELDS if isinstance(values.get(name), (int, float))}

@@ -1,0 +1,88 @@
+"""``engine serve`` as the README's first command runs it: a separate process on the
+built-in demo model, answered over HTTP, stopped with Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", *args, "--port", str(port), "--plugins", "cpu,llama"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240  # includes compiling the CPU kernels on a cold cache
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"engine serve exited with {process.returncode}:\n{process.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    process.kill()
+    raise AssertionError("engine serve did not come up in 240 s")
+
+
+def stop(process: subprocess.Popen) -> str:
+    process.send_signal(signal.SIGINT)
+    try:
+        output, _ = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise AssertionError("engine serve did not stop within 30 s of Ctrl-C") from None
+    return output
+
+
+def test_serve_without_a_model_answers_chat_in_english():
+    process, url = start([], env={"ENGINE_API_KEY": ""})
+    try:
+        models = httpx.get(url + "/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["demo"]
+        body = {"model": "demo", "messages": [{"role": "user", "content": "What does json.dumps do?"}],
+                "max_tokens": 60, "temperature": 0}
+        reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+        text = reply["choices"][0]["message"]["content"]
+        words = re.findall(r"[A-Za-z]+", text)
+        assert len(words) >= 5, text
+        assert reply["usage"]["completion_tokens"] <= 60
+    finally:
+        output = stop(process)
+    assert process.returncode == 0, output
+    assert "request_id=chatcmpl-" in output  # one structured log line per request
+
+
+def test_serve_api_key_from_the_environment(chat_checkpoint):
+    process, url = start([str(chat_checkpoint), "--served-model-name", "tiny", "--dtype", "float32",
+                          "--kv-cache-memory", "0.02"], env={"ENGINE_API_KEY": "env-secret"})
+    try:
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer env-secret"}).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        stop(process)
+
+
+def test_serve_rejects_bad_options_in_one_line(chat_checkpoint):
+    result = subprocess.run(
+        [sys.executable, "-m", "engine.cli", "serve", str(chat_checkpoint), "--max-num-seqs", "0", "--plugins", ""],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip() == "engine serve: error: --max-num-seqs: Input should be greater than or equal to 1"

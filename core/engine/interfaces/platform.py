@@ -94,6 +94,15 @@ class Platform(ABC):
         """KV-cache size when the user sets none: half of the free memory by default."""
         return self.memory_info().free_bytes // 2
 
+    def allocate_kv_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One layer's KV cache: a zero-filled, contiguous tensor of ``shape`` (the
+        attention backend's ``kv_cache_shape``) on ``self.device()``. A platform may
+        place it where its kernels read it fastest (engine-cpu asks for huge pages).
+        Called once per layer at start-up."""
+        import torch
+
+        return torch.zeros(shape, dtype=dtype, device=self.device())
+
     def device(self, index: int = 0) -> torch.device:
         import torch
 

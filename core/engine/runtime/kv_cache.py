@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 
 from engine.interfaces.attention import AttentionBackend, AttentionSpec, CommonAttentionMetadata
@@ -27,6 +29,7 @@ class KVCache:
     def __init__(
         self, groups: list[KVCacheGroup], num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: torch.device, ops: LayerOps = REFERENCE_OPS,
+        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         self.groups = groups
         self.ops = ops
@@ -38,7 +41,9 @@ class KVCache:
         for g, group in enumerate(groups):
             shape = group.backend.kv_cache_shape(num_blocks)
             for layer in group.layer_indices:
-                self.layer_caches[layer] = torch.zeros(shape, dtype=dtype, device=device)
+                self.layer_caches[layer] = (
+                    allocate(shape, dtype) if allocate is not None else torch.zeros(shape, dtype=dtype, device=device)
+                )
                 self.layer_backends[layer] = group.backend
                 self.layer_group[layer] = g
 

@@ -124,7 +124,10 @@ class LLMEngine:
                 f"--kv-cache-memory or lower --max-model-len."
             )
         ops = self.platform.layer_ops(self.dtype_name) or REFERENCE_OPS
-        return KVCache(groups, len(specs), num_blocks, config.block_size, self.dtype, self.device, ops)
+        return KVCache(
+            groups, len(specs), num_blocks, config.block_size, self.dtype, self.device, ops,
+            allocate=self.platform.allocate_kv_cache,
+        )
 
     # requests
 

@@ -34,11 +34,15 @@ def onednn_available() -> bool:
 
 def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N / 16), K / 2, 16, 2]: output columns padded with zeros to a multiple of 16."""
+    from engine_cpu.memory import huge_page_zeros
+
     n, k = weight.shape
     blocks = -(-n // 16)
     padded = weight.new_zeros(blocks * 16, k)
     padded[:n] = weight
-    return padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    packed = huge_page_zeros((blocks, k // 2, 16, 2), weight.dtype)  # streamed whole every decode step
+    packed.copy_(padded.view(blocks, 16, k // 2, 2).permute(0, 2, 1, 3))
+    return packed
 
 
 class OneDNNLinearMethod(UnquantizedLinearMethod):

@@ -51,6 +51,11 @@ class CpuPlatform(Platform):
         kernels = native.load()
         return NativeLayerOps(kernels) if kernels is not None else None
 
+    def allocate_kv_cache(self, shape, dtype):
+        from engine_cpu.memory import huge_page_zeros
+
+        return huge_page_zeros(tuple(shape), dtype)
+
     def default_kv_cache_bytes(self) -> int:
         # the cache is zero-filled host memory shared with everything else on the machine
         return min(self.memory_info().free_bytes // 2, DEFAULT_KV_CACHE_CAP)

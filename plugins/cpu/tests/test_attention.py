@@ -139,6 +139,25 @@ def test_bfloat16(path):
              head_size=64, block_size=16, window=None, dtype=torch.bfloat16, path=path)
 
 
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize(
+    "context_lens,query_lens,num_heads,num_kv_heads,window",
+    [
+        ([0, 5, 17, 300], [1, 1, 1, 1], 4, 4, None),  # decodes, ragged contexts up to 19 blocks of 16
+        ([31, 64, 2], [1, 3, 15], 4, 2, None),  # decodes and short chunks, GQA
+        ([100, 40], [1, 7], 8, 1, None),  # MQA
+        ([100, 40, 9], [1, 2, 1], 4, 2, 23),  # sliding window across block edges
+    ],
+)
+def test_bf16_decode_and_short_chunks(path, head_size, block_size, context_lens, query_lens, num_heads, num_kv_heads,
+                                      window):
+    """Rows of fewer than 16 queries in bf16 go to the paged kernel: heads of 64 and 128, every block size."""
+    run_case(seed=31, context_lens=context_lens, query_lens=query_lens, num_heads=num_heads,
+             num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size, window=window,
+             dtype=torch.bfloat16, path=path)
+
+
 def test_validate_reports_unsupported_requests():
     spec = AttentionSpec(kind="mla", num_heads=4, num_kv_heads=4, head_size=16, scale=0.25)
     reasons = CpuPagedAttention.validate(spec, platform="rocm", dtype="float8", block_size=16)

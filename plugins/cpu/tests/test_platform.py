@@ -48,3 +48,46 @@ def test_cpu_malloc_tuning_is_accepted_and_can_be_disabled(monkeypatch):
     assert tune_malloc() is True
     monkeypatch.setenv("ENGINE_CPU_MALLOC_TUNING", "0")
     assert tune_malloc() is False
+
+
+def test_kv_cache_is_zeroed_and_advised_onto_huge_pages(monkeypatch):
+    from engine_cpu import memory
+
+    calls = []
+
+    def fake_madvise(address, length, advice):
+        calls.append((address, length, advice))
+        return 0
+
+    monkeypatch.setattr(memory, "_madvise", lambda: fake_madvise)
+    shape = (2, 300, 16, 4, 64)  # 4.9 MB of bf16
+    cache = CpuPlatform().allocate_kv_cache(shape, torch.bfloat16)
+    assert cache.shape == shape and cache.dtype == torch.bfloat16 and cache.is_contiguous()
+    assert not cache.any()
+    (address, length, advice), = calls
+    assert advice == memory.MADV_HUGEPAGE
+    assert address % memory.HUGE_PAGE == 0 and address == cache.data_ptr()
+    assert length == cache.numel() * 2 // memory.HUGE_PAGE * memory.HUGE_PAGE
+    # small buffers and a disabled switch get plain memory
+    calls.clear()
+    assert not CpuPlatform().allocate_kv_cache((2, 4, 16, 4, 64), torch.bfloat16).any()
+    assert calls == []
+
+
+def test_huge_pages_can_be_turned_off(monkeypatch):
+    from engine_cpu import memory
+
+    memory._madvise.cache_clear()
+    monkeypatch.setenv("ENGINE_CPU_HUGE_PAGES", "0")
+    try:
+        assert memory._madvise() is None
+        assert not memory.huge_page_zeros((4, 1 << 20), torch.float32).any()
+    finally:
+        memory._madvise.cache_clear()
+
+
+def test_default_platform_allocation_is_plain_zeros():
+    from engine.interfaces.platform import Platform
+
+    cache = Platform.allocate_kv_cache(CpuPlatform(), (2, 3, 4), torch.float32)
+    assert torch.equal(cache, torch.zeros(2, 3, 4))

@@ -157,8 +157,20 @@ def test_every_hookspec_has_a_registry():
     assert set(CLASS_FOR_KIND) == {kind.attr for kind in KINDS}
 
 
-@pytest.mark.parametrize("kind", KINDS, ids=[kind.attr for kind in KINDS])
-def test_each_hook_registers_a_component_that_resolves_by_name(factory, kind):
+# every hook by name, so that a new hook without a test here is noticed (tests/test_plugins_md.py)
+HOOKS = [
+    "register_platforms", "register_models", "register_attention_backends", "register_quantizers",
+    "register_spec_proposers", "register_kv_tiers",
+]
+
+
+def test_the_hook_list_above_is_complete():
+    assert sorted(HOOKS) == sorted(kind.hook for kind in KINDS)
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_each_hook_registers_a_component_that_resolves_by_name(factory, hook):
+    kind = next(k for k in KINDS if k.hook == hook)
     comps = factory.module(factory.name("comps"), COMPONENTS_MODULE)
     cls_name = CLASS_FOR_KIND[kind.attr]
     body = f"""

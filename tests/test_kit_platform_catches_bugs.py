@@ -1,0 +1,126 @@
+"""PlatformTests fails a broken platform: each deliberately broken variant below is
+caught by the kit check named next to it, and the CPU platform passes them all."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+PLUGIN = '''
+import dataclasses
+
+import engine
+from engine.interfaces.platform import Availability
+from engine_cpu.attention import CpuPagedAttention
+from engine_cpu.platform import CpuPlatform
+
+NAMES = ("good_cpu", "silent", "bad_dtype", "ghost_pref", "dirty_cache")
+
+
+class Backend(CpuPagedAttention):
+    name = "for_test_platforms"
+    capabilities = dataclasses.replace(CpuPagedAttention.capabilities, platforms=frozenset(NAMES))
+
+
+class Good(CpuPlatform):
+    name = "good_cpu"
+    attention_backends = {"mha": ("for_test_platforms",), "sliding_window": ("for_test_platforms",)}
+
+
+class SilentProbe(Good):
+    name = "silent"
+
+    @classmethod
+    def is_available(cls):
+        return Availability(True, "")
+
+
+class ClaimsHalfButBreaksIt(Good):
+    name = "bad_dtype"
+    supported_dtypes = ("float32", "bfloat16", "complex64x")
+
+
+class PrefersAGhost(Good):
+    name = "ghost_pref"
+    attention_backends = {"mha": ("no_such_backend",)}
+
+
+class DirtyCache(Good):
+    name = "dirty_cache"
+
+    def allocate_kv_cache(self, shape, dtype):
+        import torch
+        return torch.ones(shape, dtype=dtype)
+
+
+@engine.hookimpl
+def register_platforms(register):
+    for cls in (Good, SilentProbe, ClaimsHalfButBreaksIt, PrefersAGhost, DirtyCache):
+        register(cls)
+
+
+@engine.hookimpl
+def register_attention_backends(register):
+    register(Backend)
+'''
+
+TESTS = '''
+from engine.testing.kit import PlatformTests
+
+class TestGood(PlatformTests):
+    plugin = "broken_platforms"
+    platform_name = "good_cpu"
+
+class TestSilent(PlatformTests):
+    plugin = "broken_platforms"
+    platform_name = "silent"
+
+class TestBadDtype(PlatformTests):
+    plugin = "broken_platforms"
+    platform_name = "bad_dtype"
+
+class TestGhostPref(PlatformTests):
+    plugin = "broken_platforms"
+    platform_name = "ghost_pref"
+
+class TestDirtyCache(PlatformTests):
+    plugin = "broken_platforms"
+    platform_name = "dirty_cache"
+'''
+
+# broken variant -> the kit check that must fail for it
+CAUGHT_BY = {
+    "TestSilent": "test_availability_answers_with_a_reason",
+    "TestBadDtype": "test_declared_dtypes_work",
+    "TestGhostPref": "test_backend_preferences_resolve_to_registered_backends",
+    "TestDirtyCache": "test_kv_cache_allocation",
+}
+
+
+def run_kit(pytester) -> dict[tuple[str, str], str]:
+    """Run the kit on the broken plugin in a fresh process (torch cannot be imported twice
+    in one); returns {(class, check): outcome}."""
+    pytester.makepyfile(broken_platforms=PLUGIN, test_platform_kit=textwrap.dedent(TESTS))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "-rA", "-p", "no:randomly")
+    outcomes = {}
+    for line in result.outlines:
+        status, _, nodeid = line.partition(" ")
+        if status in ("PASSED", "FAILED", "SKIPPED", "ERROR") and "::" in nodeid:
+            _, cls, check = nodeid.split(" ")[0].split("::")
+            outcomes[(cls, check)] = status.lower()
+    return outcomes
+
+
+def test_every_broken_platform_is_caught_by_its_check_and_only_there(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    outcomes = run_kit(pytester)
+    for cls, check in CAUGHT_BY.items():
+        assert outcomes[(cls, check)] == "failed", f"{cls}: {check} did not fail"
+    good = {check: outcome for (cls, check), outcome in outcomes.items() if cls == "TestGood"}
+    assert len(good) == 7 and set(good.values()) == {"passed"}, good
+    for (cls, check), outcome in outcomes.items():
+        if cls in CAUGHT_BY and check != CAUGHT_BY[cls]:
+            assert outcome == "passed", (cls, check, outcome)

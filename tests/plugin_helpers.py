@@ -58,23 +58,27 @@ class PluginFactory:
         importlib.invalidate_caches()
         return name
 
-    def distribution(self, dist: str, entry_points: dict[str, str], version: str = "1.0") -> None:
-        """Write ``<dist>-<version>.dist-info`` with these ``engine.plugins`` entry points."""
+    def distribution(self, dist: str, entry_points: dict[str, str], version: str = "1.0",
+                     requires: tuple[str, ...] = ()) -> None:
+        """Write ``<dist>-<version>.dist-info`` with these ``engine.plugins`` entry points
+        (and ``Requires-Dist`` lines)."""
         info = self.root / f"{dist.replace('-', '_')}-{version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        requires_lines = "".join(f"Requires-Dist: {r}\n" for r in requires)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n{requires_lines}")
         lines = ["[engine.plugins]"] + [f"{ep} = {target}" for ep, target in entry_points.items()]
         (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
         importlib.invalidate_caches()
 
-    def plugin(self, base: str, source: str, *, dist: str | None = None, version: str = "1.0") -> str:
+    def plugin(self, base: str, source: str, *, dist: str | None = None, version: str = "1.0",
+               requires: tuple[str, ...] = ()) -> str:
         """An installed plugin: module ``<base>_<suffix>`` under entry point of the same name.
 
         Returns the entry-point name (which is also the module name).
         """
         name = self.name(base)
         self.module(name, source)
-        self.distribution(dist or f"dist-{name.replace('_', '-')}", {name: name}, version)
+        self.distribution(dist or f"dist-{name.replace('_', '-')}", {name: name}, version, requires)
         return name
 
     def env(self) -> dict[str, str]:

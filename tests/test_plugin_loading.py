@@ -306,3 +306,28 @@ def test_a_hook_that_raises_is_reported_with_the_plugin(factory):
     message = str(excinfo.value)
     assert f"Plugin {name!r} (raising-dist 2.0) failed in register_kv_tiers" in message
     assert "ValueError: misconfigured tier" in message
+
+
+# -------------------------------------------------------------------------
+# engine version ranges
+# -------------------------------------------------------------------------
+
+
+def test_plugin_for_another_engine_range_loads_with_a_clear_warning(factory):
+    from engine.plugins.manager import PluginVersionWarning
+    from engine.version import __version__
+
+    plugin = factory.plugin("future", "x = 1\n", dist="engine-future", version="3.0",
+                            requires=("torch>=2", "engine>=9,<10"))
+    with pytest.warns(PluginVersionWarning) as record:
+        pm = get_plugin_manager(plugins=plugin)
+    message = str(record[0].message)
+    assert f"Plugin {plugin!r} (engine-future 3.0) supports engine<10,>=9" in message
+    assert f"this is engine {__version__}" in message
+    assert pm.info_for(plugin).loaded
+
+
+def test_plugin_within_its_engine_range_loads_silently(factory, recwarn):
+    plugin = factory.plugin("current", "x = 1\n", requires=("engine>=0.1,<0.2", 'engine<0 ; python_version < "3"'))
+    get_plugin_manager(plugins=plugin)
+    assert not [w for w in recwarn if "supports engine" in str(w.message)]

@@ -31,6 +31,10 @@ class PluginLoadError(RuntimeError):
     """A plugin that was asked for could not be loaded or is malformed."""
 
 
+class PluginVersionWarning(UserWarning):
+    """A plugin was built for a range of engine versions that excludes this one."""
+
+
 class PluginLoadWarning(UserWarning):
     """An autoloaded plugin failed; the others were loaded."""
 
@@ -208,12 +212,38 @@ def _load_entry_point(pm: EnginePluginManager, ep: md.EntryPoint, *, requested: 
         requested=requested,
     )
     pm.plugin_infos.append(info)
+    if dist is not None:
+        _check_engine_range(info, dist)
     try:
         plugin = ep.load()
     except Exception as exc:  # any import-time failure of third-party code
         _fail(info, f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}", exc)
         return
     _register(pm, info, plugin)
+
+
+def _check_engine_range(info: PluginInfo, dist: md.Distribution) -> None:
+    """Warn when the plugin's distribution declares an ``engine`` range that excludes this engine."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    from engine.version import __version__
+
+    for line in dist.requires or []:
+        try:
+            requirement = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if requirement.name.lower() != "engine" or requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        if requirement.specifier and not requirement.specifier.contains(__version__, prereleases=True):
+            message = (
+                f"Plugin {info.name!r} ({info.distribution_label}) supports engine{requirement.specifier}, but this is engine "
+                f"{__version__}: it may fail or misbehave. Install a version of {info.distribution} made for "
+                f"engine {__version__}, or an engine in its range."
+            )
+            warnings.warn(message, PluginVersionWarning, stacklevel=4)
+            logger.warning(message)
+        return
 
 
 def _load_module(pm: EnginePluginManager, module_path: str) -> None:

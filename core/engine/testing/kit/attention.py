@@ -1,0 +1,356 @@
+"""Conformance checks for attention backends (hook ``register_attention_backends``).
+
+The backend runs as the engine runs it: ``cls(spec, block_size, dtype, device)``,
+a cache tensor of its own ``kv_cache_shape`` and, per step, the
+:class:`CommonAttentionMetadata` the model runner builds, over shuffled block
+tables. The cache layout stays private: cached prefixes get into the cache
+through the backend's own ``forward`` (a prefill step of the prefixes) before
+the step under test. Every step's output is compared with
+:func:`engine.testing.oracles.naive_attention` over the unpaged K/V.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+
+from engine.interfaces.attention import (
+    ATTENTION_KINDS,
+    MHA,
+    SLIDING_WINDOW,
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionSpec,
+    CommonAttentionMetadata,
+)
+from engine.testing.kit.base import KitTests, capability_skip
+from engine.testing.oracles import naive_attention
+
+KINDS_WITHOUT_ORACLE = [kind for kind in ATTENTION_KINDS if kind not in (MHA, SLIDING_WINDOW)]  # mla, linear, ...
+KIT_BLOCK_SIZES = (1, 4, 16)
+KIT_HEAD_SIZES = (16, 32, 64)
+HEAD_LAYOUTS = {"mha": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "mqa": (4, 1)}  # (num_heads, num_kv_heads)
+BATCHES = ("decode", "prefill", "mixed")
+# sliding windows, as a function of the block size: a single key, just across a block edge, across
+# two edges, and wider than every sequence (the same as full causal attention)
+WINDOWS = {"w1": lambda bs: 1, "block+1": lambda bs: bs + 1, "2blocks+3": lambda bs: 2 * bs + 3,
+           "wide": lambda bs: 1000}
+
+
+def make_common_metadata(
+    context_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
+    device: torch.device,
+) -> CommonAttentionMetadata:
+    """One step's metadata, computed as the engine's model runner does (runtime/model_runner.py).
+
+    Sequence ``b`` has ``context_lens[b]`` cached tokens and ``query_lens[b]`` new ones, and
+    owns the physical blocks ``block_tables[b]`` (rows padded with block 0).
+    """
+    width = max(len(table) for table in block_tables)
+    tables = torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int64)
+    context = torch.tensor(context_lens, dtype=torch.int64)  # [B]
+    query = torch.tensor(query_lens, dtype=torch.int64)  # [B]
+    seq_lens = context + query
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int64)  # [B + 1]
+    query_start_loc[1:] = query.cumsum(0)
+    seq_idx = torch.repeat_interleave(torch.arange(len(query_lens)), query)  # [T]
+    positions = torch.arange(int(query.sum())) - query_start_loc[seq_idx] + context[seq_idx]  # [T]
+    slot_mapping = tables[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc.to(device), query_lens=query.to(device), context_lens=context.to(device),
+        seq_lens=seq_lens.to(device), block_tables=tables.to(device), slot_mapping=slot_mapping.to(device),
+        max_query_len=int(query.max()), max_seq_len=int(seq_lens.max()), block_size=block_size,
+    )
+
+
+def random_batch(batch: str, gen: torch.Generator) -> tuple[list[int], list[int]]:
+    """(context_lens, query_lens) of a random ragged batch of kind ``batch``."""
+
+    def randint(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+    if batch == "decode":  # ragged cached contexts, one new token each
+        n = randint(3, 6)
+        return [randint(0, 40) for _ in range(n)], [1] * n
+    if batch == "prefill":  # chunks of 2..24 tokens, most after a cached prefix
+        n = randint(1, 3)
+        return [randint(0, 24) for _ in range(n)], [randint(2, 24) for _ in range(n)]
+    # mixed: decodes and chunks interleaved, at least one of each
+    n = randint(3, 5)
+    rows = [(randint(1, 40), 1), (randint(0, 20), randint(2, 20))]
+    rows += [(randint(0, 30), 1 if randint(0, 1) else randint(2, 20)) for _ in range(n - 2)]
+    order = torch.randperm(n, generator=gen).tolist()
+    return [rows[i][0] for i in order], [rows[i][1] for i in order]
+
+
+def shuffled_block_tables(seq_lens: list[int], block_size: int, gen: torch.Generator,
+                          spare: int = 3) -> tuple[list[list[int]], int]:
+    """Each sequence's blocks, drawn at random from a pool with ``spare`` unused blocks."""
+    counts = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(counts) + spare
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, start = [], 0
+    for count in counts:
+        tables.append(perm[start : start + count])
+        start += count
+    return tables, num_blocks
+
+
+@dataclass
+class PagedCase:
+    """A backend under test with its cache, and every sequence's q/k/v by position."""
+
+    spec: AttentionSpec  # the kit's spec: the oracle's truth, whatever the backend keeps
+    block_size: int
+    dtype: str
+    backend: AttentionBackend
+    cache: torch.Tensor  # the backend's kv_cache_shape(num_blocks)
+    tables: list[list[int]]  # each sequence's physical blocks, for all its positions
+    num_blocks: int
+    q: list[torch.Tensor]  # per sequence [L, H, D]
+    k: list[torch.Tensor]  # per sequence [L, Hkv, D]
+    v: list[torch.Tensor]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of ``t``'s elements, as integers (for byte-exact comparisons)."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()])
+
+
+class AttentionBackendTests(KitTests):
+    """Kit for an attention backend. Set ``plugin`` and ``backend_name``; ``dtypes`` lists the
+    compute dtypes to check (each must be declared in ``capabilities.dtypes``, else the checks
+    skip). ``tolerances`` maps a dtype to ``(atol, rtol)`` against the float32 oracle."""
+
+    registry_name = "attention_backends"
+    backend_name: ClassVar[str | None] = None
+    dtypes: ClassVar[tuple[str, ...]] = ("float32",)
+    tolerances: ClassVar[dict[str, tuple[float, float]]] = {
+        "float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2), "float16": (2e-3, 2e-3),
+    }
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """Checks taking a ``dtype`` argument run once per entry of this class's ``dtypes``."""
+        if "dtype" in metafunc.fixturenames:
+            metafunc.parametrize("dtype", list(metafunc.cls.dtypes))
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def backend_class(self) -> type[AttentionBackend]:
+        """The registered backend class, resolved once per kit class (cached on the class)."""
+        cls = type(self)
+        if "_kit_backend_class" not in cls.__dict__:
+            cls._kit_backend_class = self.resolve(self.required("backend_name"))
+        return cls._kit_backend_class
+
+    def torch_device(self, engine_device: str) -> torch.device:
+        """The torch device of the platform ``engine_device`` (from any installed plugin)."""
+        if engine_device == "cpu":
+            return torch.device("cpu")
+        from engine.plugins.manager import get_plugin_manager
+
+        platforms = self.components().platforms
+        if engine_device not in platforms:
+            platforms = get_plugin_manager([], autoload=True).components().platforms
+        platform = platforms.get(engine_device)
+        availability = platform.is_available()
+        if not availability:
+            pytest.skip(f"platform {engine_device} is not available: {availability.reason}")
+        return platform().device()
+
+    def setup_backend(
+        self, kind: str, dtype: str, engine_device: str, block_size: int
+    ) -> tuple[type[AttentionBackend], torch.device]:
+        """Skip unless the backend declares kind, dtype, platform and block size."""
+        cls = self.backend_class()
+        caps = cls.capabilities
+        if kind not in caps.kinds:
+            capability_skip(f"attention kind {kind}")
+        if dtype not in caps.dtypes:
+            capability_skip(f"dtype {dtype}")
+        if engine_device not in caps.platforms:
+            capability_skip(f"platform {engine_device}")
+        if caps.block_sizes is not None and block_size not in caps.block_sizes:
+            capability_skip(f"block size {block_size}")
+        return cls, self.torch_device(engine_device)
+
+    def head_size(self, index: int) -> int:
+        """The ``index``-th (cyclically) head size to check: 16/32/64 where declared."""
+        declared = self.backend_class().capabilities.head_sizes
+        sizes = [h for h in KIT_HEAD_SIZES if declared is None or h in declared] or sorted(declared)[:3]
+        return sizes[index % len(sizes)]
+
+    def new_case(self, cls: type[AttentionBackend], spec: AttentionSpec, block_size: int, dtype: str,
+                 device: torch.device, seq_lens: list[int], gen: torch.Generator, stale_cache: bool) -> PagedCase:
+        """A backend, its cache (zeros as the engine allocates it, or stale values as blocks freed
+        by finished requests hold) and random q/k/v for every position of each sequence."""
+        torch_dtype = getattr(torch, dtype)
+        backend = cls(spec, block_size, torch_dtype, device)
+        tables, num_blocks = shuffled_block_tables(seq_lens, block_size, gen)
+        shape = backend.kv_cache_shape(num_blocks)
+        cache = torch.randn(shape, generator=gen) if stale_cache else torch.zeros(shape)
+        cache = cache.to(torch_dtype).to(device)
+
+        def rand(heads: int) -> list[torch.Tensor]:  # per sequence [L, heads, D]
+            return [torch.randn(n, heads, spec.head_size, generator=gen).to(torch_dtype).to(device) for n in seq_lens]
+
+        q, k, v = rand(spec.num_heads), rand(spec.num_kv_heads), rand(spec.num_kv_heads)
+        return PagedCase(spec, block_size, dtype, backend, cache, tables, num_blocks, q, k, v)
+
+    def run_step(self, case: PagedCase, label: str, seqs: list[int], starts: list[int], lens: list[int]) -> None:
+        """One engine step: batch row ``i`` is sequence ``seqs[i]`` with ``starts[i]`` cached
+        tokens and ``lens[i]`` new ones. Checks the output against the oracle (with the kit's
+        spec, whatever the backend did with it) and that q/k/v are left alone."""
+        spec, bs, (atol, rtol) = case.spec, case.block_size, self.tolerances[case.dtype]
+        ends = [s + n for s, n in zip(starts, lens)]
+        step_tables = [case.tables[b][: -(-end // bs)] for b, end in zip(seqs, ends)]  # blocks allocated so far
+        common = make_common_metadata(starts, lens, step_tables, bs, case.cache.device)
+        # q: [T, H, D]; k, v: [T, Hkv, D]
+        q, k, v = (torch.cat([full[b][s:e] for b, s, e in zip(seqs, starts, ends)])
+                   for full in (case.q, case.k, case.v))
+        inputs = [t.clone() for t in (q, k, v)]
+        with torch.inference_mode():
+            out = case.backend.forward(q, k, v, case.cache, case.backend.build_metadata(common))
+        assert out.shape == q.shape and out.dtype == q.dtype, f"{label}: output {out.dtype} {tuple(out.shape)}"
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v))), f"{label}: forward modified q, k or v"
+        expected = torch.cat([
+            naive_attention(case.q[b][s:e], case.k[b], case.v[b], s, spec.scale, spec.sliding_window)
+            for b, s, e in zip(seqs, starts, ends)
+        ])
+        rows = common.query_start_loc.tolist()
+        errors = [(b, s, n, round(float((out[r0:r1].float() - expected[r0:r1]).abs().max()), 6))
+                  for b, s, n, r0, r1 in zip(seqs, starts, lens, rows, rows[1:])]
+        torch.testing.assert_close(
+            out.float(), expected, atol=atol, rtol=rtol,
+            msg=lambda m: f"{label}, {spec}, block size {bs}: (seq, cached, new, max abs err) = {errors}\n{m}",
+        )
+
+    def check_random_case(self, kind: str, batch: str, block_size: int, heads: str, window: str | None,
+                          dtype: str, engine_device: str) -> None:
+        """Two steps over a random ragged batch in a stale cache: a prefill of the cached
+        prefixes, then the new tokens after them; both steps must match the oracle."""
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{batch}/{block_size}/{heads}/{window}".encode()))
+        # every head layout meets every head size across the block sizes
+        head_size = self.head_size(list(HEAD_LAYOUTS).index(heads) + KIT_BLOCK_SIZES.index(block_size))
+        cls, device = self.setup_backend(kind, dtype, engine_device, block_size)
+        # a scale other than the usual head_size ** -0.5, so that a backend ignoring spec.scale fails
+        scale = head_size**-0.5 * (0.5 + float(torch.rand((), generator=gen)))
+        sliding_window = WINDOWS[window](block_size) if window else None
+        spec = AttentionSpec(kind, *HEAD_LAYOUTS[heads], head_size, scale, sliding_window)
+        context_lens, query_lens = random_batch(batch, gen)
+        seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+        case = self.new_case(cls, spec, block_size, dtype, device, seq_lens, gen, stale_cache=True)
+        prefixed = [b for b, c in enumerate(context_lens) if c > 0]
+        if prefixed:
+            self.run_step(case, "step 1 (prefill of the cached prefixes)", prefixed, [0] * len(prefixed),
+                          [context_lens[b] for b in prefixed])
+        self.run_step(case, "step 2 (new tokens after the cached prefixes)", list(range(len(seq_lens))),
+                      context_lens, query_lens)
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def test_discoverable(self) -> None:
+        """The plugin registers ``backend_name``, resolving to an AttentionBackend of that name
+        that declares its capabilities."""
+        name = self.required("backend_name")
+        cls = self.resolve(name)
+        assert isinstance(cls, type) and issubclass(cls, AttentionBackend), cls
+        assert cls.name == name, f"registered as {name!r} but its name attribute is {cls.name!r}"
+        assert isinstance(cls.capabilities, AttentionCapabilities), cls.capabilities
+
+    @pytest.mark.parametrize("batch", BATCHES)
+    @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
+    @pytest.mark.parametrize("heads", list(HEAD_LAYOUTS))
+    def test_mha(self, batch: str, block_size: int, heads: str, dtype: str, engine_device: str) -> None:
+        """Full causal attention (MHA, GQA 2 and 4, MQA) over shuffled paged blocks matches the
+        oracle for decode-only, prefill-after-prefix and mixed ragged batches."""
+        self.check_random_case(MHA, batch, block_size, heads, None, dtype, engine_device)
+
+    @pytest.mark.parametrize("window", list(WINDOWS))
+    @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
+    def test_sliding_window(self, window: str, block_size: int, dtype: str, engine_device: str) -> None:
+        """Only the last ``sliding_window`` keys are attended to: windows of one key, just
+        across one and two block edges, and wider than the sequence."""
+        index = list(WINDOWS).index(window) + KIT_BLOCK_SIZES.index(block_size)
+        batch, heads = BATCHES[index % len(BATCHES)], list(HEAD_LAYOUTS)[index % len(HEAD_LAYOUTS)]
+        self.check_random_case(SLIDING_WINDOW, batch, block_size, heads, window, dtype, engine_device)
+
+    @pytest.mark.parametrize("kind", KINDS_WITHOUT_ORACLE)
+    def test_kind_without_oracle(self, kind: str) -> None:
+        """Kinds the kit cannot check yet are reported, never passed silently."""
+        if kind not in self.backend_class().capabilities.kinds:
+            capability_skip(f"attention kind {kind}")
+        pytest.skip(f"no oracle for attention kind {kind} in this kit version")
+
+    @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
+    def test_kv_cache_write(self, block_size: int, dtype: str, engine_device: str) -> None:
+        """forward writes the new keys and values into a zeroed cache byte-exact (after the cast)
+        and writes nothing else; in the engine's conventional layout ``[2, blocks, block_size,
+        Hkv, D]`` each lands in its own slot. Any layout: a later step whose batch rows are other
+        sequences sharing those blocks (as prefix caching does) reads them back."""
+        kind = next((k for k in (MHA, SLIDING_WINDOW) if k in self.backend_class().capabilities.kinds), MHA)
+        cls, device = self.setup_backend(kind, dtype, engine_device, block_size)
+        gen = torch.Generator().manual_seed(zlib.crc32(f"write/{block_size}/{dtype}".encode()))
+        head_size = self.head_size(1)
+        spec = AttentionSpec(kind, 4, 2, head_size, head_size**-0.5, 1000 if kind == SLIDING_WINDOW else None)
+        lens = [5, 1, 2 * block_size + 1]  # prefilled first, then one decode each
+        case = self.new_case(cls, spec, block_size, dtype, device, [n + 1 for n in lens], gen, stale_cache=False)
+        for t in case.k + case.v:  # no exact zeros, which would look unwritten
+            t.add_(t.sign() * 0.25)
+
+        def check_written(label: str, upto: list[int]) -> None:
+            """The cache holds exactly positions 0..upto[b]-1 of every sequence's k and v."""
+            k = torch.cat([case.k[b][:n] for b, n in enumerate(upto)])  # [T, Hkv, D]
+            v = torch.cat([case.v[b][:n] for b, n in enumerate(upto)])
+            written = bits(case.cache).flatten()
+            written = written[written != 0].sort().values
+            expected = bits(torch.cat([k.flatten(), v.flatten()])).sort().values
+            assert written.shape == expected.shape and torch.equal(written, expected), (
+                f"{label}: the cache's nonzero elements are not exactly the new keys and values "
+                f"({written.numel()} written, {expected.numel()} expected)"
+            )
+            if tuple(case.cache.shape) == (2, case.num_blocks, block_size, spec.num_kv_heads, head_size):
+                slots = make_common_metadata([0] * 3, upto, case.tables, block_size, device).slot_mapping
+                at_slots = case.cache.view(2, -1, spec.num_kv_heads, head_size)[:, slots]
+                assert torch.equal(bits(at_slots[0]), bits(k)) and torch.equal(bits(at_slots[1]), bits(v)), (
+                    f"{label}: keys/values not at their slots {slots.tolist()}"
+                )
+
+        self.run_step(case, "write step (prefill)", [0, 1, 2], [0] * 3, lens)
+        check_written("after the prefill", lens)
+        # batch row i is now another sequence: only the block tables lead to its keys
+        self.run_step(case, "read-back step (decodes over the written blocks)", [2, 1, 0], lens[::-1], [1] * 3)
+        check_written("after the decodes", [n + 1 for n in lens])
+
+    @pytest.mark.parametrize("undeclared", ["nothing", "kind", "platform", "dtype"])
+    def test_validate(self, undeclared: str) -> None:
+        """validate() gives no reasons for a request within the declared capabilities, and some
+        for one whose attention kind, platform or dtype is not declared."""
+        cls = self.backend_class()
+        caps = cls.capabilities
+        kind = next((k for k in ATTENTION_KINDS if k in caps.kinds), min(caps.kinds))
+        platform, dtype = min(caps.platforms), min(caps.dtypes)
+        block_size = 16 if caps.block_sizes is None or 16 in caps.block_sizes else min(caps.block_sizes)
+        if undeclared == "kind":
+            kind = next((k for k in ATTENTION_KINDS if k not in caps.kinds), "kit_undeclared_kind")
+        elif undeclared == "platform":
+            platform = "kit_undeclared_platform"
+        elif undeclared == "dtype":
+            dtypes = ("float64", "float16", "bfloat16", "float32")
+            dtype = next((d for d in dtypes if d not in caps.dtypes), "kit_undeclared_dtype")
+        spec = AttentionSpec(kind, 4, 2, self.head_size(0), 0.25, 8 if kind == SLIDING_WINDOW else None)
+        reasons = cls.validate(spec, platform=platform, dtype=dtype, block_size=block_size)
+        assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons), reasons
+        request = f"{spec}, platform {platform}, dtype {dtype}, block size {block_size}"
+        if undeclared == "nothing":
+            assert reasons == [], f"validate refused a declared request ({request}): {reasons}"
+        else:
+            assert reasons, f"validate accepted an undeclared {undeclared} ({request})"
+
+
+__all__ = ["AttentionBackendTests", "make_common_metadata"]

@@ -1,0 +1,41 @@
+"""Reference oracles of the conformance kit: the plainest torch that states what a
+component must compute, written for clarity, not speed. Math runs in float32."""
+
+from __future__ import annotations
+
+import torch
+
+
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float, window: int | None
+) -> torch.Tensor:
+    """Causal softmax attention of one sequence over its unpaged keys and values.
+
+    q: [n, H, D], the queries at positions ``context_len .. context_len + n - 1``;
+    k, v: [L, Hkv, D] for positions ``0 .. L - 1`` (L >= context_len + n; later
+    positions are ignored). ``H`` must be a multiple of ``Hkv``: query head ``h``
+    reads KV head ``h // (H // Hkv)`` (GQA; ``Hkv == 1`` is MQA). The query at
+    position ``p`` attends to keys ``0 .. p``, and with ``window`` only to the last
+    ``window`` of them, ``p - window < j <= p`` (its own key included).
+
+    Returns [n, H, D] in float32, whatever the input dtype.
+    """
+    n, num_heads = q.shape[:2]
+    num_kv_heads = k.shape[1]
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    seq_len = context_len + n
+    assert k.shape[0] >= seq_len and v.shape[0] >= seq_len, (k.shape, v.shape, context_len, n)
+    group = num_heads // num_kv_heads
+    # [L, Hkv, D] -> [L, H, D]: each KV head serves `group` consecutive query heads
+    keys = k[:seq_len].float().repeat_interleave(group, dim=1)
+    values = v[:seq_len].float().repeat_interleave(group, dim=1)
+    # scores: [H, n, L]
+    scores = torch.einsum("nhd,lhd->hnl", q.float(), keys) * scale
+    query_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]  # [n, 1]
+    key_pos = torch.arange(seq_len, device=q.device)[None, :]  # [1, L]
+    allowed = key_pos <= query_pos  # [n, L]
+    if window is not None:
+        allowed &= key_pos > query_pos - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    # [H, n, L] @ [L, H, D] -> [n, H, D]
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values)

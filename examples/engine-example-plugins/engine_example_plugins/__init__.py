@@ -1,0 +1,1 @@
+"""An example third-party plugin for engine (see README.md)."""

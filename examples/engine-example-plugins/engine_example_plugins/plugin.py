@@ -1,0 +1,9 @@
+"""Hook implementations only: nothing heavy is imported here."""
+
+import engine
+
+
+@engine.hookimpl
+def register_attention_backends(register):
+    # imported on first use, not when the plugin loads
+    register("example_torch_paged", "engine_example_plugins.attention:TorchPagedAttention")

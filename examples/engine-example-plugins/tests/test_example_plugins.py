@@ -1,0 +1,36 @@
+"""The example plugin passes engine's conformance kit, loaded through its entry point
+and through its module path, and serves a model end to end."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.testing.kit import AttentionBackendTests
+
+
+class TestViaEntryPoint(AttentionBackendTests):
+    plugin = "example"
+    backend_name = "example_torch_paged"
+    dtypes = ("float32", "bfloat16")
+
+
+class TestViaModulePath(AttentionBackendTests):
+    plugin = "engine_example_plugins.plugin"
+    backend_name = "example_torch_paged"
+    dtypes = ("float32",)
+
+
+def test_serves_a_model_like_transformers(tiny_checkpoint):
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    path, hf_model = tiny_checkpoint("LlamaForCausalLM")
+    llm = LLM(str(path), plugins=["cpu", "llama", "example"], attention_backend="example_torch_paged",
+              dtype="float32", kv_cache_memory=0.01, progress=False)
+    prompt = [5, 17, 42, 7, 99]
+    output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    with torch.no_grad():
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                     min_new_tokens=12)[0, len(prompt):].tolist()
+    assert output.token_ids == expected

@@ -1,0 +1,20 @@
+"""engine-cpu through the plugin conformance kit (engine.testing.kit)."""
+
+from __future__ import annotations
+
+from engine.testing.kit import AttentionBackendTests, PlatformTests
+
+
+# attention backend
+class TestCpuPagedAttentionKit(AttentionBackendTests):
+    plugin = "cpu"
+    backend_name = "cpu_paged"
+    dtypes = ("float32", "bfloat16")
+
+
+# platform
+
+
+class TestCpuPlatformKit(PlatformTests):
+    plugin = "cpu"
+    platform_name = "cpu"

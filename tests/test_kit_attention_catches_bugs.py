@@ -1,0 +1,211 @@
+"""The attention kit can fail: it runs against deliberately broken backends and must
+catch each bug in the checks meant for it, while a correct backend passes it all.
+
+The backends live in a throwaway plugin module (``PLUGIN_SOURCE``): a small
+pure-torch paged backend with its own cache layout (correct) and copies with one
+bug each, plus a subclass of the real ``cpu_paged`` with a wrong scale. Each
+variant gets a generated kit class; all run in one pytest subprocess. (In-process
+``pytester`` runs drop the modules they imported from ``sys.modules`` afterwards;
+the second such run, re-importing engine-cpu, died with a segfault.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from xml.etree import ElementTree
+
+import pytest
+
+PLUGIN_MODULE = "kit_attention_bug_zoo"
+
+PLUGIN_SOURCE = '''
+"""Throwaway plugin: a pure-torch paged attention backend and deliberately broken copies."""
+import dataclasses
+
+import torch
+
+import engine
+from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionBackend, AttentionCapabilities
+from engine_cpu.attention import CpuPagedAttention
+
+
+class ReferencePaged(AttentionBackend):
+    """Correct. Cache layout [block, K/V, offset, Hkv, D] (not cpu_paged's); one loop over
+    sequences; cached keys come from the cache, this step's from k/v."""
+
+    name = "kit_ref"
+    capabilities = AttentionCapabilities(
+        kinds=frozenset({MHA, SLIDING_WINDOW}), platforms=frozenset({"cpu"}), dtypes=frozenset({"float32"})
+    )
+
+    def kv_cache_shape(self, num_blocks):
+        return (num_blocks, 2, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
+
+    def build_metadata(self, common):
+        return common
+
+    def scale(self):
+        return self.spec.scale
+
+    def allowed(self, query_pos, key_pos):  # [n, 1], [1, L] -> [n, L]
+        mask = key_pos <= query_pos
+        if self.spec.sliding_window is not None:
+            mask &= query_pos - key_pos < self.spec.sliding_window
+        return mask
+
+    def write(self, kv_cache, slots, k, v):
+        kv_cache[slots // self.block_size, 0, slots % self.block_size] = k
+        kv_cache[slots // self.block_size, 1, slots % self.block_size] = v
+
+    def forward(self, q, k, v, kv_cache, common):
+        self.write(kv_cache, common.slot_mapping, k, v)
+        bs, group = self.block_size, self.spec.num_heads // self.spec.num_kv_heads
+        out = torch.empty_like(q)
+        starts = common.query_start_loc.tolist()
+        for b, (context, seq_len) in enumerate(zip(common.context_lens.tolist(), common.seq_lens.tolist())):
+            rows = slice(starts[b], starts[b + 1])
+            pos = torch.arange(context)
+            blocks, offsets = common.block_tables[b, pos // bs], pos % bs
+            # keys, values: [L, Hkv, D] -> [H, L, D]
+            keys = torch.cat([kv_cache[blocks, 0, offsets], k[rows]]).repeat_interleave(group, 1).transpose(0, 1)
+            values = torch.cat([kv_cache[blocks, 1, offsets], v[rows]]).repeat_interleave(group, 1).transpose(0, 1)
+            scores = q[rows].transpose(0, 1).float() @ keys.float().transpose(1, 2) * self.scale()  # [H, n, L]
+            mask = self.allowed(torch.arange(context, seq_len)[:, None], torch.arange(seq_len)[None, :])
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            out[rows] = (probs @ values.float()).transpose(0, 1).to(q.dtype)
+        return out
+
+
+class WrongScale(ReferencePaged):
+    name = "kit_bug_scale"
+
+    def scale(self):
+        return 1.0 / self.spec.head_size
+
+
+class DefaultScale(ReferencePaged):
+    name = "kit_bug_default_scale"
+
+    def scale(self):
+        return self.spec.head_size ** -0.5
+
+
+class CausalSeesNextKey(ReferencePaged):
+    name = "kit_bug_causal_next"
+
+    def allowed(self, query_pos, key_pos):
+        return super().allowed(query_pos, key_pos) | (key_pos == query_pos + 1)
+
+
+class CausalDropsDiagonal(ReferencePaged):
+    name = "kit_bug_causal_diagonal"
+
+    def allowed(self, query_pos, key_pos):
+        return super().allowed(query_pos, key_pos) & (key_pos != query_pos)
+
+
+class IgnoresWindow(ReferencePaged):
+    name = "kit_bug_window"
+
+    def allowed(self, query_pos, key_pos):
+        return key_pos <= query_pos
+
+
+class NoCacheWrite(ReferencePaged):
+    name = "kit_bug_no_write"
+
+    def write(self, kv_cache, slots, k, v):
+        pass
+
+
+class CpuWrongScale(CpuPagedAttention):
+    """The real CPU backend (native kernels) with spec.scale replaced by 1/head_size."""
+
+    name = "kit_bug_cpu_scale"
+
+    def __init__(self, spec, block_size, dtype, device):
+        super().__init__(dataclasses.replace(spec, scale=1.0 / spec.head_size), block_size, dtype, device)
+
+
+@engine.hookimpl
+def register_attention_backends(register):
+    for cls in (ReferencePaged, WrongScale, DefaultScale, CausalSeesNextKey, CausalDropsDiagonal, IgnoresWindow,
+                NoCacheWrite, CpuWrongScale):
+        register(cls)
+'''
+
+# backend -> (the bug, kit checks that must fail, kit checks that must pass)
+ATTENTION_CHECKS = {"test_mha", "test_sliding_window", "test_kv_cache_write"}
+OTHER_CHECKS = {"test_discoverable", "test_validate"}
+VARIANTS = {
+    "kit_ref": ("none: the correct reference", set(), ATTENTION_CHECKS | OTHER_CHECKS),
+    "kit_bug_scale": ("softmax scale 1/head_size instead of spec.scale", ATTENTION_CHECKS, OTHER_CHECKS),
+    "kit_bug_default_scale": ("head_size ** -0.5 instead of spec.scale", {"test_mha", "test_sliding_window"},
+                              OTHER_CHECKS),
+    "kit_bug_cpu_scale": ("cpu_paged subclass, scale 1/head_size", ATTENTION_CHECKS, OTHER_CHECKS),
+    "kit_bug_causal_next": ("causal mask lets a query see the next key", {"test_mha", "test_sliding_window"},
+                            OTHER_CHECKS),
+    "kit_bug_causal_diagonal": ("causal mask drops the diagonal (own key)", ATTENTION_CHECKS, OTHER_CHECKS),
+    "kit_bug_window": ("ignores the sliding window", {"test_sliding_window"},
+                       {"test_mha", "test_kv_cache_write"} | OTHER_CHECKS),
+    "kit_bug_no_write": ("does not write the new K/V into the cache", ATTENTION_CHECKS, OTHER_CHECKS),
+}
+
+
+@pytest.fixture(scope="module")
+def kit_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, list[str]]]]:
+    """Run the kit against every variant, in one pytest subprocess (the plugin module and the
+    engine-cpu kernels are imported there, never into this process):
+    {backend: {check: {"passed"/"failed"/"skipped": [param ids], "how": {failure labels}}}}."""
+    folder = tmp_path_factory.mktemp("kit_bugs")
+    (folder / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE)
+    classes = "".join(
+        f"\n\nclass Test_{backend}(AttentionBackendTests):\n    plugin = {PLUGIN_MODULE!r}\n"
+        f"    backend_name = {backend!r}\n"
+        for backend in VARIANTS
+    )
+    (folder / "test_generated_kit.py").write_text(
+        "from engine.testing.kit.attention import AttentionBackendTests" + classes
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ENGINE_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")  # tiny shapes: threads only add overhead
+    xml = folder / "report.xml"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=line", f"--junitxml={xml}",
+         "--rootdir", str(folder), "test_generated_kit.py"],
+        check=False, cwd=folder, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert xml.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    outcomes: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list, how=set())))
+    for case in ElementTree.parse(xml).iter("testcase"):
+        backend = case.get("classname").rsplit(".", 1)[-1].removeprefix("Test_")
+        name, _, params = case.get("name").partition("[")
+        by = outcomes[backend][name]
+        failures = [child for child in case if child.tag in ("failure", "error")]
+        skipped = any(child.tag == "skipped" for child in case)
+        by["failed" if failures else "skipped" if skipped else "passed"].append(params.rstrip("]") or "-")
+        for failure in failures:  # "AssertionError: step 2 (...), AttentionSpec(...": keep "step 2 (...)"
+            message = (failure.get("message") or "").removeprefix("AssertionError: ")
+            by["how"].add(message.split(", ")[0].split(": ")[0][:80])
+    return outcomes
+
+
+@pytest.mark.parametrize("backend", list(VARIANTS))
+def test_kit_catches_bug(kit_outcomes, backend: str, record_property) -> None:
+    """Each broken variant fails exactly where expected; the correct reference fails nowhere."""
+    bug, must_fail, must_pass = VARIANTS[backend]
+    outcomes = kit_outcomes[backend]
+    assert outcomes, f"no kit results for {backend}"
+    failing = {name for name, by in outcomes.items() if by["failed"]}
+    caught = {name: f"{len(by['failed'])}/{len(by['failed']) + len(by['passed'])} cases: {sorted(by['how'])}"
+              for name, by in sorted(outcomes.items()) if by["failed"]}
+    print(f"\n{backend} ({bug}): caught by {caught or 'nothing'}")
+    record_property("caught_by", caught)
+    assert must_fail <= failing, f"{backend} ({bug}) slipped through {sorted(must_fail - failing)}: {caught}"
+    wrongly = failing & must_pass
+    assert not wrongly, f"{backend}: {sorted(wrongly)} failed: {[dict(outcomes[n]) for n in sorted(wrongly)]}"
+    assert all(outcomes[name]["passed"] for name in must_pass), {n: dict(outcomes[n]) for n in must_pass}

@@ -1,0 +1,95 @@
+"""PLUGINS.md's tutorial, followed verbatim: its files are written as shown, its
+commands run in a fresh virtual environment where engine is installed, and the
+plugin it builds loads and passes the conformance kit."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PATH_IN_PROSE = re.compile(r"`(engine-mybackend/[\w./-]+\.\w+)`")
+
+
+def tutorial() -> tuple[dict[str, str], str]:
+    """({relative path: content}, commands) from the tutorial section of PLUGINS.md.
+
+    A fenced block is the file named by the first backticked ``engine-mybackend/...``
+    path in the prose since the previous block; the commands are the block after
+    ``<!-- tutorial-commands -->``."""
+    text = (ROOT / "PLUGINS.md").read_text(encoding="utf-8")
+    section = text[text.index("## Tutorial") : text.index("\n## ", text.index("## Tutorial") + 1)]
+    files: dict[str, str] = {}
+    commands = None
+    pending: str | None = None
+    commands_next = False
+    lines = iter(section.splitlines())
+    for line in lines:
+        if line.startswith("```"):
+            block = []
+            for inner in lines:
+                if inner.startswith("```"):
+                    break
+                block.append(inner)
+            content = "\n".join(block) + "\n"
+            if commands_next:
+                commands, commands_next = content, False
+            elif pending is not None:
+                files[pending] = content
+            pending = None
+            continue
+        if line.strip() == "<!-- tutorial-commands -->":
+            commands_next = True
+        match = PATH_IN_PROSE.search(line)
+        if match and pending is None:
+            pending = match.group(1)
+    assert commands is not None, "PLUGINS.md's tutorial has no <!-- tutorial-commands --> block"
+    return files, commands
+
+
+def test_the_tutorial_names_every_file_it_shows():
+    files, commands = tutorial()
+    assert set(files) == {
+        "engine-mybackend/pyproject.toml", "engine-mybackend/engine_mybackend/__init__.py",
+        "engine-mybackend/engine_mybackend/plugin.py", "engine-mybackend/engine_mybackend/attention.py",
+        "engine-mybackend/tests/test_kit.py",
+    }
+    assert "pip install -e ./engine-mybackend" in commands
+
+
+@pytest.mark.slow
+def test_following_the_tutorial_verbatim_gives_a_working_plugin(tmp_path):
+    files, commands = tutorial()
+    for relative, content in files.items():
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content, encoding="utf-8")
+
+    # a fresh venv "where engine is installed": engine itself installed into it (editable, from
+    # this checkout, without dependencies), its dependencies (torch, transformers, ...) seen from
+    # this environment so that nothing large is downloaded
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    Path(purelib, "parent_env.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)],
+                   check=True, capture_output=True)
+
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
+           "HF_HUB_OFFLINE": "1"}
+    env.pop("ENGINE_PLUGINS", None)
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", commands], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "mybackend  (engine-mybackend 0.1.0, entry_point) loaded" in output
+    assert "attention_backends: my_backend" in output
+    assert re.search(r"\d+ passed", output) and " failed" not in output, output

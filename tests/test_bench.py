@@ -222,7 +222,8 @@ def run_bench_json(capsys, *args: str) -> dict:
 
 
 EXPECTED_FIGURES = {
-    "latency": {"w1": ["ttft_ms", "decode_tok_s", "decode_step_ms", "weight_read_ms", "step_over_weight_read"]},
+    "latency": {"w1": ["ttft_ms", "decode_tok_s", "decode_step_ms", "weight_read_ms", "step_over_weight_read",
+                        "weight_stream_ms", "step_over_weight_stream"]},
     "throughput": {"w2": ["output_tok_s", "total_tok_s", "wall_s"]},
     "prefix": {"w3": ["ttft_first_ms", "ttft_rest_ms", "ttft_ratio", "wall_s"]},
 }

@@ -143,6 +143,14 @@ def run_latency(options: BenchOptions) -> Report:
     section.add("step_over_weight_read", "decode step / weight read (our overhead)", "x",
                 {r: ratio(step[r], read[r]) for r in step},
                 "decode step time / weight-read time: 1.0 is a batch-1 step at this machine's matvec bandwidth.", ".2f")
+    memory_read = {r: weight_read_seconds(b, bandwidth.read_gb_per_s) for r, b in weights.items()}
+    section.add("weight_stream_ms", "weights read once at memory read bandwidth", "ms",
+                {r: s * 1e3 for r, s in memory_read.items()},
+                "weight bytes / the plain streaming-read bandwidth measured in this run (note below): "
+                "the memory's own limit, which a decode kernel can approach but not beat.", ".2f")
+    section.add("step_over_weight_stream", "decode step / memory read", "x",
+                {r: ratio(step[r], memory_read[r]) for r in step},
+                "decode step time / memory-read time: 1.0 would be a step that only streams the weights.", ".2f")
     if breakdown is not None:
         section.add("model_ms", "model time per decode step", "ms", {ENGINE: breakdown.model_seconds * 1e3},
                     f"mean time in model.forward + model.compute_logits over the {breakdown.num_steps} decode steps "
@@ -151,11 +159,12 @@ def run_latency(options: BenchOptions) -> Report:
                     "(step - model) / step over the same steps: scheduling, inputs, sampling, bookkeeping.")
     section.facts = {
         "matvec_gb_per_s": bandwidth.gb_per_s, "matvec_shape": list(bandwidth.shape), "matvec_dtype": bandwidth.dtype,
-        "matvec_seconds": bandwidth.seconds, "weight_bytes": weights,
+        "matvec_seconds": bandwidth.seconds, "read_gb_per_s": bandwidth.read_gb_per_s, "weight_bytes": weights,
     }
     section.notes.append(
         f"Matrix-vector bandwidth {bandwidth.gb_per_s:.1f} GB/s: F.linear of x[1, {bandwidth.shape[1]}] by "
-        f"W{list(bandwidth.shape)} {bandwidth.dtype}, median of {bandwidth.reps}, bytes of W / time. Weights read per "
+        f"W{list(bandwidth.shape)} {bandwidth.dtype}, median of {bandwidth.reps}, bytes of W / time; memory read "
+        f"bandwidth {bandwidth.read_gb_per_s:.1f} GB/s: a sum over the same bytes read as fp32 words. Weights read per "
         "step: " + ", ".join(f"{r} {b / MB:.1f} MB" for r, b in weights.items())
         + " (every parameter except the embedding table, which is only gathered)."
     )

@@ -22,28 +22,39 @@ class MatvecBandwidth:
     shape: tuple[int, int]
     dtype: str
     reps: int
+    read_gb_per_s: float = 0.0  # a plain streaming read of the same bytes: the memory's own limit
 
 
 def measure_matvec_bandwidth(
     size: int = MATVEC_SIZE, dtype: torch.dtype = torch.bfloat16, reps: int = 20, warmup: int = 3
 ) -> MatvecBandwidth:
-    """Time ``F.linear(x[1, size], W[size, size])`` (the decode path of a Linear layer)
-    ``reps`` times after ``warmup`` untimed runs; bandwidth = bytes of W / median time."""
+    """Time ``F.linear(x[1, size], W[size, size])`` (torch's decode path of a Linear layer)
+    ``reps`` times after ``warmup`` untimed runs; bandwidth = bytes of W / median time.
+    Also times a plain streaming read of the same bytes (their sum as fp32 words)."""
     weight = torch.full((size, size), 0.01, dtype=dtype)
     x = torch.full((1, size), 0.01, dtype=dtype)
-    times = []
-    with torch.inference_mode():
-        for _ in range(warmup):
-            torch.nn.functional.linear(x, weight)
-        for _ in range(reps):
-            start = time.perf_counter()
-            torch.nn.functional.linear(x, weight)
-            times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
     num_bytes = weight.numel() * weight.element_size()
+    with torch.inference_mode():
+        seconds = _median_seconds(lambda: torch.nn.functional.linear(x, weight), reps, warmup)
+        # the same bytes summed as fp32 words (two 0.01 bf16 halves read as one finite fp32 value):
+        # a streaming read that torch runs at the memory's speed
+        words = weight.view(torch.float32) if weight.element_size() == 2 else weight
+        read_seconds = _median_seconds(words.sum, reps, warmup)
     return MatvecBandwidth(
-        bandwidth_gb_per_s(num_bytes, seconds), seconds, num_bytes, (size, size), str(dtype).removeprefix("torch."), reps
+        bandwidth_gb_per_s(num_bytes, seconds), seconds, num_bytes, (size, size), str(dtype).removeprefix("torch."), reps,
+        read_gb_per_s=bandwidth_gb_per_s(num_bytes, read_seconds),
     )
+
+
+def _median_seconds(fn, reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import math
 
-import pytest
 
 from server_helpers import API_KEY, free_blocks
 

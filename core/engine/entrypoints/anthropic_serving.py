@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 
 from engine.entrypoints.errors import ParamError, bad_request, refusal
 from engine.entrypoints.generation import Generation, PromptInput, check_text, new_request_id
-from engine.entrypoints.openai_serving import OpenAIServing
+from engine.entrypoints.openai_serving import OpenAIServing, collect
 from engine.entrypoints.protocol import UnsupportedParameter
 from engine.sampling_params import SamplingParams
 
@@ -114,12 +114,8 @@ class AnthropicServing:
         }
 
     async def whole(self, generation: Generation) -> dict:
-        text, finish, stop = "", None, None
-        async for _, delta in generation.deltas():
-            text += delta.text
-            if delta.finish_reason is not None:
-                finish, stop = delta.finish_reason, delta.stop_reason
-        return self._message(generation, text, finish, stop)
+        sample = (await collect(generation))[0]
+        return self._message(generation, sample.text, sample.finish_reason, sample.stop_reason)
 
     async def stream(self, generation: Generation) -> AsyncIterator[str]:
         start = self._message(generation, "", None, None)

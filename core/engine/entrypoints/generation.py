@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from engine.entrypoints.async_engine import AsyncEngine, RequestStream, SampleDelta
-from engine.entrypoints.errors import APIError, bad_request
+from engine.entrypoints.errors import bad_request
 from engine.entrypoints.metrics import ServerMetrics
 from engine.sampling_params import SamplingParams
 

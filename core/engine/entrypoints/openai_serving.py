@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
 from engine.entrypoints.async_engine import AsyncEngine
@@ -224,6 +225,29 @@ def usage_of(generation: Generation) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
+@dataclass
+class Sample:
+    """One choice, whole: its text, logprob entries (when asked for) and how it ended."""
+
+    text: str = ""
+    logprobs: list[LogprobEntry] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+async def collect(generation: Generation) -> list[Sample]:
+    """Run ``generation`` to the end; one ``Sample`` per choice index."""
+    samples = [Sample() for _ in range(len(generation.prompts) * generation.params.n)]
+    async for index, delta in generation.deltas():
+        sample = samples[index]
+        sample.text += delta.text
+        if delta.logprobs is not None:
+            sample.logprobs = (sample.logprobs or []) + list(delta.logprobs)
+        if delta.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = delta.finish_reason, delta.stop_reason
+    return samples
+
+
 class _Formatter:
     """Completions: whole responses and stream chunks."""
 
@@ -231,18 +255,10 @@ class _Formatter:
         self.chunk, self.choice, self.logprobs_of = chunk, choice, logprobs_of
 
     async def whole(self, generation: Generation) -> dict:
-        num = len(generation.prompts) * generation.params.n
-        texts = [""] * num
-        logprobs: list[list[LogprobEntry] | None] = [None] * num
-        finish: list[tuple[str | None, Any]] = [(None, None)] * num
-        async for index, delta in generation.deltas():
-            texts[index] += delta.text
-            if delta.logprobs is not None:
-                logprobs[index] = (logprobs[index] or []) + list(delta.logprobs)
-            if delta.finish_reason is not None:
-                finish[index] = (delta.finish_reason, delta.stop_reason)
+        samples = await collect(generation)
         choices = [
-            self.choice(i, texts[i], self.logprobs_of(logprobs[i], 0), *finish[i]) for i in range(num)
+            self.choice(i, s.text, self.logprobs_of(s.logprobs, 0), s.finish_reason, s.stop_reason)
+            for i, s in enumerate(samples)
         ]
         return self.chunk(choices, usage_of(generation))
 
@@ -266,20 +282,10 @@ class _ChatFormatter:
         self.chunk, self.logprobs_of = chunk, logprobs_of
 
     async def whole(self, generation: Generation) -> dict:
-        num = generation.params.n
-        texts = [""] * num
-        logprobs: list[list[LogprobEntry] | None] = [None] * num
-        finish: list[tuple[str | None, Any]] = [(None, None)] * num
-        async for index, delta in generation.deltas():
-            texts[index] += delta.text
-            if delta.logprobs is not None:
-                logprobs[index] = (logprobs[index] or []) + list(delta.logprobs)
-            if delta.finish_reason is not None:
-                finish[index] = (delta.finish_reason, delta.stop_reason)
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": texts[i]},
-             "logprobs": self.logprobs_of(logprobs[i], 0), "finish_reason": finish[i][0], "stop_reason": finish[i][1]}
-            for i in range(num)
+            {"index": i, "message": {"role": "assistant", "content": s.text},
+             "logprobs": self.logprobs_of(s.logprobs, 0), "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
+            for i, s in enumerate(await collect(generation))
         ]
         return self.chunk(choices, usage_of(generation), stream=False)
 

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0, help="1 disables.")
     generate.add_argument("--seed", type=int, default=None, help="Per-request sampling seed.")
     generate.add_argument("--ignore-eos", action="store_true", help="Do not stop at the model's EOS token.")
-    generate.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    generate.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                          help="Compute dtype; auto: the checkpoint's, where the platform supports it.")
     generate.add_argument("--device", default=None, help="Platform name; default: the only accelerator, else cpu.")
     generate.add_argument("--attention-backend", default=None, help="Backend name or module.path:Class.")
     generate.add_argument("--max-model-len", type=int, default=None, help="Default: from config.json.")
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Key required on every endpoint but /health; default: $ENGINE_API_KEY, else none.")
     serve.add_argument("--served-model-name", default=None, help="Model name clients send; default: MODEL.")
     serve.add_argument("--metrics-public", action="store_true", help="Serve /metrics without the API key.")
-    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    serve.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                          help="Compute dtype; auto: the checkpoint's, where the platform supports it.")
     serve.add_argument("--device", default=None, help="Platform name; default: the only accelerator, else cpu.")
     serve.add_argument("--attention-backend", default=None, help="Backend name or module.path:Class.")
     serve.add_argument("--max-model-len", type=int, default=None, help="Longest prompt + output; default: config.json.")

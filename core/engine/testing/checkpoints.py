@@ -48,6 +48,10 @@ def make_tiny_checkpoint(
 ) -> Any:
     """Save a random ``architecture`` model to ``path``; return the HF model (eval mode).
 
+    Every parameter is random, norm weights and biases included (see
+    :func:`randomize_constant_parameters`), so a model that fails to load one
+    cannot match the reference by accident.
+
     ``overrides`` change fields of the tiny config; ``max_shard_size`` (e.g.
     "100KB") writes a sharded checkpoint with ``model.safetensors.index.json``.
     """
@@ -60,12 +64,27 @@ def make_tiny_checkpoint(
     config = config_cls(**{**TINY_CONFIGS[architecture], **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).to(getattr(torch, dtype)).eval()
+    randomize_constant_parameters(model, seed + 1)
     path = Path(path)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     if with_tokenizer:
         make_tiny_tokenizer(config.vocab_size).save_pretrained(path)
     return model
+
+
+def randomize_constant_parameters(hf_model: Any, seed: int) -> None:
+    """HF initialises norm weights to 1 and biases to 0: give every constant parameter
+    random values around its constant (noise of std 0.1)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in hf_model.parameters():
+            flat = param.detach().flatten()
+            if param.is_floating_point() and bool((flat == flat[0]).all()):
+                noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                param.add_(0.1 * noise.to(param.dtype))
 
 
 _TRAINING_TEXT = [

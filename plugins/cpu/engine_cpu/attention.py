@@ -144,9 +144,8 @@ class CpuPagedAttention(AttentionBackend):
         spec, common = self.spec, metadata.common
         key_cache = kv_cache[0].view(-1, spec.num_kv_heads, spec.head_size)
         value_cache = kv_cache[1].view(-1, spec.num_kv_heads, spec.head_size)
-        key_cache.index_copy_(0, common.slot_mapping, k)
-        value_cache.index_copy_(0, common.slot_mapping, v)
         if self.kernels is not None:
+            self.kernels.cache_write(key_cache, value_cache, common.slot_mapping, k.contiguous(), v.contiguous())
             q = q.contiguous()
             out = torch.empty_like(q)
             if metadata.kernel_tokens is not None:
@@ -172,6 +171,8 @@ class CpuPagedAttention(AttentionBackend):
                     enable_gqa=spec.num_heads != spec.num_kv_heads,
                 )[0].transpose(0, 1)
             return out
+        key_cache.index_copy_(0, common.slot_mapping, k)
+        value_cache.index_copy_(0, common.slot_mapping, v)
         return self._forward_torch(q, key_cache, value_cache, metadata)
 
     def _forward_torch(

@@ -190,3 +190,17 @@ def test_long_prefill_chunks_in_bf16(path, block_size, context_lens, query_lens,
 def test_long_and_short_chunks_and_decodes_in_one_batch(path):
     run_case(seed=22, context_lens=[0, 40, 7, 100], query_lens=[48, 1, 5, 20], num_heads=4, num_kv_heads=2,
              head_size=64, block_size=16, window=None, dtype=torch.bfloat16, path=path)
+
+
+def test_native_cache_write_refuses_a_slot_outside_the_cache():
+    from engine_cpu import native
+
+    kernels = native.load()
+    if kernels is None:
+        pytest.skip("native kernels unavailable")
+    cache = torch.zeros(8, 2, 4)
+    k = torch.ones(1, 2, 4)
+    with pytest.raises(RuntimeError, match="slot 8 out of range"):
+        kernels.cache_write(cache, cache.clone(), torch.tensor([8]), k, k)
+    kernels.cache_write(cache, cache.clone(), torch.tensor([3]), k, k)
+    assert cache[3].eq(1).all() and cache.sum() == 8

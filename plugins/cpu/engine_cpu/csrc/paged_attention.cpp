@@ -184,6 +184,34 @@ void paged_attention(
   });
 }
 
+// key_cache[slot_mapping[t]] = k[t], value_cache[slot_mapping[t]] = v[t] for every new token t, with
+// the token rows shared out over the threads (index_copy_ runs on one); caches are [slots, Hkv, D] views.
+void cache_write(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slot_mapping, torch::Tensor k,
+                 torch::Tensor v) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "cache_write: contiguous tensors");
+  TORCH_CHECK(key_cache.scalar_type() == k.scalar_type() && value_cache.scalar_type() == v.scalar_type(),
+              "cache_write: dtype mismatch");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "cache_write: int64 slots");
+  const int64_t num_tokens = k.size(0), row_bytes = k.numel() / std::max<int64_t>(num_tokens, 1) * k.element_size();
+  const int64_t num_slots = key_cache.size(0);
+  TORCH_CHECK(key_cache.numel() / std::max<int64_t>(num_slots, 1) * key_cache.element_size() == row_bytes,
+              "cache_write: row sizes differ");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "cache_write: slot ", slots[t], " out of range");
+  auto* kc = static_cast<char*>(key_cache.data_ptr());
+  auto* vc = static_cast<char*>(value_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(kc + slots[t] * row_bytes, kp + t * row_bytes, row_bytes);
+      std::memcpy(vc + slots[t] * row_bytes, vp + t * row_bytes, row_bytes);
+    }
+  });
+}
+
 // layer_ops.cpp
 void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -201,6 +229,7 @@ bool gemv_supported();
 void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("cache_write", &cache_write, "write the new tokens' K and V into their cache slots");
   m.def("gemv_supported", &gemv_supported, "whether gemv runs on this CPU and build");
   m.def("gemv", &gemv, "out = x @ W^T + bias for 1-4 rows, W packed by pack_gemv_weight (bf16)");
   m.def("prefill_kernel_supported", &prefill_kernel_supported, "whether prefill_attention runs for this head size");

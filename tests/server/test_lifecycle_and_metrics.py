@@ -205,3 +205,30 @@ def test_generation_config_sets_the_defaults_a_request_leaves_out(chat_checkpoin
         assert [c["text"] for c in sampled] != [greedy, greedy]
     finally:
         running.stop()
+
+
+def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path):
+    from server_helpers import engine_config
+
+    from engine.config import ServerConfig
+    from engine.entrypoints.serve import start_server
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    hf_model = make_tiny_checkpoint("LlamaForCausalLM", tmp_path)
+    running = start_server(engine_config(tmp_path), ServerConfig(port=0, served_model_name="tiny"))
+    try:
+        body = {"prompt": [3, 1, 4, 1, 5], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        choice = httpx.post(running.base_url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        import torch
+
+        with torch.no_grad():
+            expected = hf_model.generate(torch.tensor([body["prompt"]]), max_new_tokens=5, min_new_tokens=5,
+                                         do_sample=False)[0, 5:].tolist()
+        assert choice["text"] == "" and choice["token_ids"] == expected
+        chat = httpx.post(running.base_url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 400 and "no tokenizer" in chat.json()["error"]["message"]
+        text = httpx.post(running.base_url + "/v1/completions", json={**body, "prompt": "words"}, timeout=60)
+        assert text.status_code == 400 and "send token ids" in text.json()["error"]["message"]
+    finally:
+        running.stop()

@@ -216,3 +216,17 @@ def test_priority_header_reaches_the_scheduler(server):
             assert recorded.pop() == expected
     finally:
         server.engine.call(lambda engine: delattr(engine, "add_request_group")).result(10)
+
+
+def test_return_token_ids(client, offline):
+    response = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=6, temperature=0, n=2,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+    expected = offline_text(offline, [5, 6, 7], max_tokens=6)
+    for choice in response.choices:
+        assert choice.token_ids == expected.token_ids and choice.prompt_token_ids == [5, 6, 7]
+    chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True}))
+    streamed = [t for c in chunks for t in c.choices[0].token_ids]
+    assert streamed == offline_text(offline, "Hello", max_tokens=6).token_ids
+    plain = client.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0)
+    assert getattr(plain.choices[0], "token_ids", None) is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from engine.entrypoints.async_engine import AsyncEngine
@@ -136,9 +136,18 @@ class OpenAIServing:
                 out["usage"] = usage
             return out
 
-        def choice(index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: Any = None) -> dict:
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                    "stop_reason": stop_reason}
+        # token ids ride along when asked for (vLLM's return_token_ids) and always for a model without a
+        # tokenizer, whose text is empty
+        with_ids = body.return_token_ids or tokenizer is None
+
+        def choice(index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: Any,
+                   token_ids: list[int]) -> dict:
+            out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                   "stop_reason": stop_reason}
+            if with_ids:
+                out["token_ids"] = token_ids
+                out["prompt_token_ids"] = generation.prompts[index // generation.params.n].token_ids
+            return out
 
         def logprobs_of(entries: list[LogprobEntry] | None, offset: int) -> dict | None:
             if entries is None or body.logprobs is None:
@@ -230,6 +239,7 @@ class Sample:
     """One choice, whole: its text, logprob entries (when asked for) and how it ended."""
 
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] | None = None
     finish_reason: str | None = None
     stop_reason: Any = None
@@ -241,6 +251,7 @@ async def collect(generation: Generation) -> list[Sample]:
     async for index, delta in generation.deltas():
         sample = samples[index]
         sample.text += delta.text
+        sample.token_ids += delta.token_ids
         if delta.logprobs is not None:
             sample.logprobs = (sample.logprobs or []) + list(delta.logprobs)
         if delta.finish_reason is not None:
@@ -257,7 +268,7 @@ class _Formatter:
     async def whole(self, generation: Generation) -> dict:
         samples = await collect(generation)
         choices = [
-            self.choice(i, s.text, self.logprobs_of(s.logprobs, 0), s.finish_reason, s.stop_reason)
+            self.choice(i, s.text, self.logprobs_of(s.logprobs, 0), s.finish_reason, s.stop_reason, s.token_ids)
             for i, s in enumerate(samples)
         ]
         return self.chunk(choices, usage_of(generation))
@@ -270,7 +281,7 @@ class _Formatter:
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(delta.text)
             choice = self.choice(index, delta.text, self.logprobs_of(delta.logprobs, offset), delta.finish_reason,
-                                 delta.stop_reason)
+                                 delta.stop_reason, delta.token_ids)
             yield sse(self.chunk([choice]))
         if include_usage:
             yield sse(self.chunk([], usage_of(generation)))

@@ -80,6 +80,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
+    return_token_ids: StrictBool = False  # vLLM: each choice also carries its token ids and its prompt's
     best_of: StrictInt | None = None
     suffix: str | None = None
 

@@ -10,27 +10,20 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 from engine.entrypoints.errors import ParamError, bad_request, refusal
 from engine.entrypoints.generation import Generation, PromptInput, check_text, new_request_id
 from engine.entrypoints.openai_serving import OpenAIServing, collect
-from engine.entrypoints.protocol import UnsupportedParameter
+from engine.entrypoints.protocol import TextPart, UnsupportedParameter, join_text
 from engine.sampling_params import SamplingParams
 
 _STOP_REASONS = {"length": "max_tokens"}
-
-
-class TextBlock(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    type: Literal["text"]
-    text: str
 
 
 class AnthropicMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | list[TextPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        return join_text(self.content)
 
 
 class MessagesRequest(BaseModel):
@@ -39,7 +32,7 @@ class MessagesRequest(BaseModel):
     model: str
     max_tokens: StrictInt
     messages: list[AnthropicMessage]
-    system: str | list[TextBlock] | None = None
+    system: str | list[TextPart] | None = None
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
@@ -64,9 +57,7 @@ class MessagesRequest(BaseModel):
         return self
 
     def system_text(self) -> str:
-        if self.system is None:
-            return ""
-        return self.system if isinstance(self.system, str) else "".join(b.text for b in self.system)
+        return join_text(self.system)
 
 
 class AnthropicServing:

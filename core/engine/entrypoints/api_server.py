@@ -48,6 +48,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
     anthropic = AnthropicServing(openai)
     public = set(PUBLIC_PATHS) | ({"/metrics"} if config.metrics_public else set())
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
+    app_started = time.time()
 
     def error_response(path: str, error: APIError) -> JSONResponse:
         body = error.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else error.openai_body()
@@ -112,19 +113,18 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await parse(request, CompletionRequest)
-        generation, formatter = await openai.completions(body, parse_priority(request.headers))
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, generation, formatter.whole, lambda g: formatter.stream(g, include_usage),
-                             body.stream, "completions")
+        return await openai_route(request, CompletionRequest, openai.completions, "completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        body = await parse(request, ChatCompletionRequest)
-        generation, formatter = await openai.chat(body, parse_priority(request.headers))
+        return await openai_route(request, ChatCompletionRequest, openai.chat, "chat")
+
+    async def openai_route(request: Request, model: type[BaseModel], start: Callable, endpoint: str) -> Response:
+        body = await parse(request, model)
+        generation, formatter = await start(body, parse_priority(request.headers))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return await respond(request, generation, formatter.whole, lambda g: formatter.stream(g, include_usage),
-                             body.stream, "chat")
+                             body.stream, endpoint)
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
@@ -182,7 +182,6 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
             generation.close()  # a disconnect cancels this generator: abort at once
             generation.record(status)
 
-    app_started = time.time()
     return app
 
 

@@ -66,6 +66,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     num_samples: int
+    running: set[str] = field(default_factory=set)  # engine ids of the samples not finished yet
     emitted_tokens: dict[int, int] = field(default_factory=dict)  # sample index -> output tokens sent
     emitted_logprobs: dict[int, int] = field(default_factory=dict)
 
@@ -239,6 +240,7 @@ class AsyncEngine:
         self._streams[request_id] = stream
         for request in samples:
             self._group_of[request.request_id] = request_id
+            stream.running.add(request.request_id)
         future.set_result(None)
         self._refresh_stats()
 
@@ -246,9 +248,8 @@ class AsyncEngine:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return  # finished already, or never added
-        samples = [rid for rid, group in self._group_of.items() if group == request_id]
         self.engine.abort(request_id)
-        for rid in samples:
+        for rid in stream.running:
             del self._group_of[rid]
         self._refresh_stats()
 
@@ -266,8 +267,11 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, deltas)
         for request in finished:
             group_id = self._group_of.pop(request.request_id, None)
-            if group_id is not None and group_id not in self._group_of.values():
-                self._streams.pop(group_id, None)
+            stream = self._streams.get(group_id) if group_id is not None else None
+            if stream is not None:
+                stream.running.discard(request.request_id)
+                if not stream.running:
+                    del self._streams[group_id]
 
     @staticmethod
     def _delta(stream: _Stream, request: Request, finished: bool) -> SampleDelta:

@@ -102,6 +102,13 @@ class TextPart(BaseModel):
     text: str
 
 
+def join_text(content: str | list[TextPart] | None) -> str:
+    """A message's text: the string itself, or its text parts joined."""
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -110,11 +117,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return join_text(self.content)
 
 
 class ResponseFormat(BaseModel):

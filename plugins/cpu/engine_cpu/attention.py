@@ -1,16 +1,23 @@
 """Paged attention for MHA/GQA on the CPU.
 
-Decode tokens and short prefill chunks go to the native paged kernel
-(``csrc/paged_attention.cpp``), which reads keys and values in place through
-the block tables, one batched call per step with no loop over sequences.
-Prefill chunks of at least ``LONG_PREFILL_MIN_QUERY`` tokens go, in bf16 with
-head size 32, 64 or 128 on a CPU with AVX512-BF16, to the tiled prefill kernel
-(``csrc/prefill_attention.cpp``), one call for all of them; otherwise each runs
-torch's flash attention over its sequence's gathered keys and values.
+In bf16, with head size 16/32/64/128/256 and a block size that is a multiple of
+16, on a CPU with AVX512-BF16, the cache is *packed* for the native kernels: per
+(block, kv head), keys as [D/2][block_size][2] (16 keys' values of one pair of
+dims side by side) and values as [block_size/2][D][2] (two keys' values of one
+dim side by side), so that both products of attention run as bf16 dot-product
+instructions without horizontal sums (``csrc/packed_attention.cpp``). Decode
+tokens and short prefill chunks go to ``paged_attention_packed``, one batched
+call per step with no loop over sequences; prefill chunks of at least
+``LONG_PREFILL_MIN_QUERY`` tokens to the tiled ``prefill_attention``, one call
+for all of them. :meth:`CpuPagedAttention.gather_kv` and :meth:`scatter_kv` read
+and write any slots of either layout with plain torch indexing.
 
-Where the native kernels cannot be built, the torch path gathers every
-sequence's keys and values into a padded [B, max_seq_len] view and runs one
-masked scaled-dot-product attention for the whole batch.
+Otherwise (other dtypes or sizes) the cache is [block, offset in block, kv head,
+head dim]: decode tokens and short chunks go to the native ``paged_attention``
+and each long prefill chunk runs torch's flash attention over its sequence's
+gathered keys and values. Where the native kernels cannot be built, the torch
+path gathers every sequence's keys and values into a padded [B, max_seq_len]
+view and runs one masked scaled-dot-product attention for the whole batch.
 """
 
 from __future__ import annotations
@@ -47,8 +54,8 @@ class CpuAttentionMetadata:
     common: CommonAttentionMetadata
     token_seq: torch.Tensor  # [T] sequence of each token
     # the native path: the token rows for the paged kernel (an empty tensor: every row, None: no
-    # row), and long prefill chunks either as sequences for the tiled prefill kernel (bf16) or as
-    # chunks for torch's flash attention
+    # row), and long prefill chunks either as sequences for the tiled prefill kernel (packed
+    # cache) or as chunks for torch's flash attention
     kernel_tokens: torch.Tensor | None = None
     prefill_seqs: torch.Tensor | None = None
     prefill_chunks: list[PrefillChunk] | None = None
@@ -71,13 +78,55 @@ class CpuPagedAttention(AttentionBackend):
         from engine_cpu import native
 
         self.kernels = native.load()
-        self.tiled_prefill = (
-            self.kernels is not None and dtype == torch.bfloat16 and self.kernels.prefill_kernel_supported(spec.head_size)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the cache has the packed layout (fixed for a cache's lifetime: it follows the
+        backend's dtype, sizes and kernels)."""
+        return (
+            self.kernels is not None
+            and self.dtype == torch.bfloat16
+            and self.kernels.packed_kv_supported(self.spec.head_size, self.block_size)
         )
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        spec = self.spec
+        if self.packed:  # [K/V, block, kv head, the head's block segment (see the module docstring)]
+            return (2, num_blocks, spec.num_kv_heads, self.block_size * spec.head_size)
         # [K/V, block, offset in block, kv head, head dim]
-        return (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
+        return (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
+
+    def _packed_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K as [block, kv head, D/2, offset, 2] and V as [block, kv head, offset/2, D, 2]."""
+        spec, bs = self.spec, self.block_size
+        num_blocks = kv_cache.shape[1]
+        keys = kv_cache[0].view(num_blocks, spec.num_kv_heads, spec.head_size // 2, bs, 2)
+        values = kv_cache[1].view(num_blocks, spec.num_kv_heads, bs // 2, spec.head_size, 2)
+        return keys, values
+
+    def gather_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values ([n, Hkv, D] each) held in cache ``slots``, in either layout."""
+        spec = self.spec
+        if not self.packed:
+            key_cache, value_cache = (kv_cache[i].view(-1, spec.num_kv_heads, spec.head_size) for i in (0, 1))
+            return key_cache[slots], value_cache[slots]
+        keys, values = self._packed_views(kv_cache)
+        block, offset = slots // self.block_size, slots % self.block_size
+        k = keys[block, :, :, offset].reshape(-1, spec.num_kv_heads, spec.head_size)
+        v = values[block, :, offset // 2, :, offset % 2]
+        return k, v
+
+    def scatter_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Writes ``k`` and ``v`` ([n, Hkv, D]) into cache ``slots``, in either layout."""
+        spec = self.spec
+        if not self.packed:
+            kv_cache[0].view(-1, spec.num_kv_heads, spec.head_size)[slots] = k
+            kv_cache[1].view(-1, spec.num_kv_heads, spec.head_size)[slots] = v
+            return
+        keys, values = self._packed_views(kv_cache)
+        block, offset = slots // self.block_size, slots % self.block_size
+        keys[block, :, :, offset] = k.reshape(-1, spec.num_kv_heads, spec.head_size // 2, 2)
+        values[block, :, offset // 2, :, offset % 2] = v
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         device = common.slot_mapping.device
@@ -116,7 +165,7 @@ class CpuPagedAttention(AttentionBackend):
             start, end = starts[b], starts[b + 1]
             if query_len < LONG_PREFILL_MIN_QUERY:
                 kernel_rows.append(torch.arange(start, end))
-            elif self.tiled_prefill:
+            elif self.packed:
                 long_seqs.append(b)
             else:
                 metadata.prefill_chunks.append(self._sdpa_chunk(common, b, start, end, context_len, query_len))
@@ -142,6 +191,8 @@ class CpuPagedAttention(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuAttentionMetadata
     ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
+        if self.packed:
+            return self._forward_packed(q, k, v, kv_cache, metadata)
         key_cache = kv_cache[0].view(-1, spec.num_kv_heads, spec.head_size)
         value_cache = kv_cache[1].view(-1, spec.num_kv_heads, spec.head_size)
         if self.kernels is not None:
@@ -153,11 +204,6 @@ class CpuPagedAttention(AttentionBackend):
                     out, q, kv_cache[0], kv_cache[1], common.block_tables, common.query_start_loc,
                     common.context_lens, metadata.token_seq, metadata.kernel_tokens, spec.scale,
                     spec.sliding_window or 0,
-                )
-            if metadata.prefill_seqs is not None:
-                self.kernels.prefill_attention(
-                    out, q, kv_cache[0], kv_cache[1], common.block_tables, common.query_start_loc,
-                    common.context_lens, metadata.prefill_seqs, spec.scale, spec.sliding_window or 0,
                 )
             for chunk in metadata.prefill_chunks:
                 # [1, H, query_len, D] against [1, Hkv, seq_len, D]
@@ -174,6 +220,26 @@ class CpuPagedAttention(AttentionBackend):
         key_cache.index_copy_(0, common.slot_mapping, k)
         value_cache.index_copy_(0, common.slot_mapping, v)
         return self._forward_torch(q, key_cache, value_cache, metadata)
+
+    def _forward_packed(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuAttentionMetadata
+    ) -> torch.Tensor:
+        spec, common = self.spec, metadata.common
+        self.kernels.cache_write_packed(kv_cache, common.slot_mapping, k.contiguous(), v.contiguous())
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        window = spec.sliding_window or 0
+        if metadata.kernel_tokens is not None:
+            self.kernels.paged_attention_packed(
+                out, q, kv_cache, common.block_tables, common.query_start_loc, common.context_lens,
+                metadata.token_seq, metadata.kernel_tokens, spec.scale, window,
+            )
+        if metadata.prefill_seqs is not None:
+            self.kernels.prefill_attention(
+                out, q, kv_cache, common.block_tables, common.query_start_loc, common.context_lens,
+                metadata.prefill_seqs, spec.scale, window,
+            )
+        return out
 
     def _forward_torch(
         self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: CpuAttentionMetadata

@@ -17,7 +17,10 @@ from types import ModuleType
 logger = logging.getLogger("engine.cpu")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_attention.cpp", "layer_ops.cpp", "prefill_attention.cpp", "gemv.cpp")]
+SOURCES = [
+    CSRC / name
+    for name in ("paged_attention.cpp", "packed_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp", "gemv.cpp")
+]
 
 
 @functools.lru_cache(maxsize=None)

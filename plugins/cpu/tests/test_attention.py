@@ -43,6 +43,30 @@ def make_backend(spec, block_size, dtype, path):
     return backend
 
 
+def slot_views(backend, cache, slot):
+    """Views of one slot's K and V ([Hkv, D] each, or [Hkv, D/2, 2] for packed keys), by the
+    layout the module docstring describes."""
+    spec, bs = backend.spec, backend.block_size
+    block, offset = divmod(slot, bs)
+    if not backend.packed:  # [K/V, block, offset, kv head, D]
+        return cache[0, block, offset], cache[1, block, offset]
+    # per (block, kv head): keys [D/2][block_size][2], values [block_size/2][D][2]
+    keys = cache[0, block].view(spec.num_kv_heads, spec.head_size // 2, bs, 2)[:, :, offset]
+    values = cache[1, block].view(spec.num_kv_heads, bs // 2, spec.head_size, 2)[:, offset // 2, :, offset % 2]
+    return keys, values
+
+
+def write_slot(backend, cache, slot, k, v):
+    keys, values = slot_views(backend, cache, slot)
+    keys.copy_(k.view(keys.shape))
+    values.copy_(v)
+
+
+def read_slot(backend, cache, slot):
+    keys, values = slot_views(backend, cache, slot)
+    return keys.reshape(values.shape), values
+
+
 def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, window, dtype, path):
     gen = torch.Generator().manual_seed(seed)
     spec = AttentionSpec(
@@ -69,11 +93,9 @@ def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_si
     def slot(seq, pos):
         return tables[seq][pos // block_size] * block_size + pos % block_size
 
-    flat_cache = cache.view(2, -1, num_kv_heads, head_size)
     for b, c in enumerate(context_lens):  # the cached prefix, written independently of the backend
         for pos in range(c):
-            flat_cache[0, slot(b, pos)] = full_k[b][pos]
-            flat_cache[1, slot(b, pos)] = full_v[b][pos]
+            write_slot(backend, cache, slot(b, pos), full_k[b][pos], full_v[b][pos])
 
     qs = [torch.randn(n, num_heads, head_size, generator=gen).to(dtype) for n in query_lens]
     q = torch.cat(qs)
@@ -101,8 +123,10 @@ def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_si
     assert out.shape == q.shape
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
     # the new keys and values were written into their slots
-    torch.testing.assert_close(flat_cache[0, slot_mapping], k)
-    torch.testing.assert_close(flat_cache[1, slot_mapping], v)
+    for i, s in enumerate(slot_mapping.tolist()):
+        written_k, written_v = read_slot(backend, cache, s)
+        torch.testing.assert_close(written_k, k[i])
+        torch.testing.assert_close(written_v, v[i])
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -169,7 +193,7 @@ def test_validate_reports_unsupported_requests():
     assert CpuPagedAttention.validate(ok, platform="cpu", dtype="bfloat16", block_size=16) == []
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize(
     "context_lens,query_lens,num_heads,num_kv_heads,window",
     [
@@ -185,6 +209,47 @@ def test_long_prefill_chunks_in_bf16(path, block_size, context_lens, query_lens,
     run_case(seed=21, context_lens=context_lens, query_lens=query_lens, num_heads=num_heads,
              num_kv_heads=num_kv_heads, head_size=64, block_size=block_size, window=window,
              dtype=torch.bfloat16, path=path)
+
+
+@pytest.mark.parametrize("head_size", [16, 32, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 48])
+def test_packed_cache_head_sizes(path, head_size, block_size):
+    """Every head size of the packed layout, decodes and long and short chunks after cached prefixes."""
+    run_case(seed=23, context_lens=[0, 40, 7, 61], query_lens=[33, 1, 5, 20], num_heads=4, num_kv_heads=2,
+             head_size=head_size, block_size=block_size, window=None, dtype=torch.bfloat16, path=path)
+
+
+@pytest.mark.parametrize("dtype,head_size,block_size,packed", [
+    (torch.bfloat16, 64, 16, True), (torch.bfloat16, 64, 8, False), (torch.bfloat16, 48, 16, False),
+    (torch.float32, 64, 16, False),
+])
+def test_gather_and_scatter_kv_follow_the_layout(dtype, head_size, block_size, packed):
+    """gather_kv / scatter_kv read and write the slots where the kernels expect them."""
+    spec = AttentionSpec(kind=MHA, num_heads=4, num_kv_heads=2, head_size=head_size, scale=0.125)
+    backend = make_backend(spec, block_size, dtype, "native")
+    assert backend.packed == (packed and backend.kernels.packed_kv_supported(64, 16))
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.zeros(backend.kv_cache_shape(6), dtype=dtype)
+    slots = torch.tensor([0, 7, block_size + 3, 5 * block_size + block_size - 1])
+    k, v = (torch.randn(len(slots), 2, head_size, generator=gen).to(dtype) for _ in range(2))
+    backend.scatter_kv(cache, slots, k, v)
+    for i, s in enumerate(slots.tolist()):
+        torch.testing.assert_close(read_slot(backend, cache, s), (k[i], v[i]))
+    gathered = backend.gather_kv(cache, slots)
+    torch.testing.assert_close(gathered, (k, v))
+    assert cache.count_nonzero() == k.count_nonzero() + v.count_nonzero()  # nothing else written
+
+
+def test_native_cache_write_packed_refuses_a_slot_outside_the_cache():
+    from engine_cpu import native
+
+    kernels = native.load()
+    if kernels is None or not kernels.packed_kv_supported(16, 16):
+        pytest.skip("packed layout unavailable on this CPU")
+    cache = torch.zeros(2, 2, 1, 16 * 16, dtype=torch.bfloat16)
+    k = torch.ones(1, 1, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="slot 32 out of range"):
+        kernels.cache_write_packed(cache, torch.tensor([32]), k, k)
 
 
 def test_long_and_short_chunks_and_decodes_in_one_batch(path):

@@ -218,11 +218,17 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
 void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 
+// packed_attention.cpp
+bool packed_kv_supported(int64_t head_size, int64_t block_size);
+void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                            torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
+                            torch::Tensor tokens, double scale, int64_t window);
+void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor k, torch::Tensor v);
+
 // prefill_attention.cpp
-bool prefill_kernel_supported(int64_t head_size);
-void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                       torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
-                       torch::Tensor seqs, double scale, int64_t window);
+void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                       torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor seqs, double scale,
+                       int64_t window);
 
 // gemv.cpp
 bool gemv_supported();
@@ -232,8 +238,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cache_write", &cache_write, "write the new tokens' K and V into their cache slots");
   m.def("gemv_supported", &gemv_supported, "whether gemv runs on this CPU and build");
   m.def("gemv", &gemv, "out = x @ W^T + bias for 1-4 rows, W packed by pack_gemv_weight (bf16)");
-  m.def("prefill_kernel_supported", &prefill_kernel_supported, "whether prefill_attention runs for this head size");
-  m.def("prefill_attention", &prefill_attention, "tiled causal attention for long prefill chunks (bf16)");
+  m.def("packed_kv_supported", &packed_kv_supported,
+        "whether the packed bf16 cache layout and its kernels run for this head and block size");
+  m.def("cache_write_packed", &cache_write_packed, "write the new tokens' K and V into the packed cache");
+  m.def("paged_attention_packed", &paged_attention_packed, "paged attention over the packed cache (decode, short chunks)");
+  m.def("prefill_attention", &prefill_attention, "tiled causal attention for long prefill chunks over the packed cache");
   m.def("paged_attention", &paged_attention, "Paged attention over a block-table KV cache (CPU)");
   m.def("rms_norm", &rms_norm, "out = weight * rms-normalised x");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms-normalised residual (in place)");

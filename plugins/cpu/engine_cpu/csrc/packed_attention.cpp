@@ -1,0 +1,253 @@
+// Paged attention over the packed bf16 KV cache (AVX512-BF16): decode tokens and short chunks.
+//
+// Packed layout (kv_cache [2, num_blocks, Hkv, block_size * D]): one block's keys of one kv
+// head form a segment laid out as [D/2][block_size][2], so 16 consecutive keys' values of one
+// pair of dims fill a zmm and one dpbf16 scores 16 keys against a pair of query dims (no
+// horizontal sums); values as [block_size/2][D][2], so one dpbf16 adds two keys' values,
+// weighted by their bf16 probabilities, to 16 output dims (P in bf16, as the softmax output
+// is rounded before P @ V in the model's own dtype). A work item is a query token (or, when
+// there are few, a range of its kv heads): it streams the segments of its heads block by block,
+// prefetching a couple of blocks ahead because the blocks of a sequence lie anywhere in the
+// cache and hardware prefetchers stop at page boundaries.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "vec.h"
+
+bool packed_kv_supported(int64_t head_size, int64_t block_size) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const bool head_ok = head_size == 16 || head_size == 32 || head_size == 64 || head_size == 128 || head_size == 256;
+  return head_ok && block_size > 0 && block_size % 16 == 0;
+#else
+  (void)head_size;
+  (void)block_size;
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+namespace {
+
+constexpr int64_t kPrefetchBlocks = 2;  // into L2: a block of all heads' K and V can exceed L1
+
+inline void prefetch_segment(const at::BFloat16* seg, int64_t elements) {
+  const char* p = reinterpret_cast<const char*>(seg);
+  for (int64_t off = 0; off < elements * 2; off += 64) _mm_prefetch(p + off, _MM_HINT_T2);
+}
+
+// Attention of the query heads of kv heads [g0, g1) (query heads [g0 * group, g1 * group)) of
+// one token at position pos over keys [lo, pos] of its sequence; the caches are the K and V
+// halves of the packed cache. Blocks are the outer loop, so that the segments of [g0, g1) of a
+// block, contiguous in the cache, are read as one stream; per query head the running max,
+// sum and output (fp32) live in m, l, acc_mem.
+template <int D>
+void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* key_cache,
+                 const at::BFloat16* value_cache, const int64_t* table, int64_t pos, int64_t lo, int64_t g0,
+                 int64_t g1, int64_t group, int64_t num_kv_heads, int64_t block_size, float scale, float* acc_mem,
+                 float* m, float* l) {
+  constexpr int64_t P = D / 2, C = D / 16;
+  const int64_t seg = block_size * D, heads = (g1 - g0) * group;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t h = 0; h < heads; ++h) {
+    m[h] = -std::numeric_limits<float>::infinity();
+    l[h] = 0.f;
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc_mem + h * D + c * 16, _mm512_setzero_ps());
+  }
+  const int64_t first_block = lo / block_size, last_block = pos / block_size;
+  auto prefetch = [&](int64_t n) {
+    const int64_t base = (table[n] * num_kv_heads + g0) * seg;
+    prefetch_segment(key_cache + base, (g1 - g0) * seg);
+    prefetch_segment(value_cache + base, (g1 - g0) * seg);
+  };
+  for (int64_t n = first_block; n < std::min(first_block + kPrefetchBlocks, last_block + 1); ++n) prefetch(n);
+  for (int64_t n = first_block; n <= last_block; ++n) {
+    if (n + kPrefetchBlocks <= last_block) prefetch(n + kPrefetchBlocks);
+    const int64_t block_start = n * block_size;
+    for (int64_t o = 0; o < block_size; o += 16) {
+      const int64_t chunk = block_start + o;  // position of lane 0
+      if (chunk > pos) break;
+      if (chunk + 15 < lo) continue;
+      const int64_t hi = std::min<int64_t>(15, pos - chunk), lane_lo = std::max<int64_t>(0, lo - chunk);
+      const __mmask16 valid = static_cast<__mmask16>(((1u << (hi + 1)) - 1) & ~((1u << lane_lo) - 1));
+      const int64_t pair_lo = lane_lo / 2, pair_hi = hi / 2;
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t base = (table[n] * num_kv_heads + g) * seg;
+        const uint32_t* kw = reinterpret_cast<const uint32_t*>(key_cache + base) + o;  // pair p of key o+i: kw[p*bs+i]
+        const uint32_t* vw = reinterpret_cast<const uint32_t*>(value_cache + base) + (o / 2) * D;  // pair j: vw + j*D
+        for (int64_t h = (g - g0) * group; h < (g - g0 + 1) * group; ++h) {
+          const uint32_t* qw = reinterpret_cast<const uint32_t*>(q + h * D);
+          __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(),
+                 s3 = _mm512_setzero_ps();
+          int64_t p = 0;
+          for (; p + 4 <= P; p += 4) {
+            s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[p])),
+                                  (__m512bh)_mm512_loadu_si512(kw + p * block_size));
+            s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[p + 1])),
+                                  (__m512bh)_mm512_loadu_si512(kw + (p + 1) * block_size));
+            s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[p + 2])),
+                                  (__m512bh)_mm512_loadu_si512(kw + (p + 2) * block_size));
+            s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[p + 3])),
+                                  (__m512bh)_mm512_loadu_si512(kw + (p + 3) * block_size));
+          }
+          for (; p < P; ++p) {
+            s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[p])),
+                                  (__m512bh)_mm512_loadu_si512(kw + p * block_size));
+          }
+          __m512 s = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
+          s = _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(s, vscale));
+          const float new_max = std::max(m[h], _mm512_reduce_max_ps(s));
+          const float corr = std::exp(m[h] - new_max);  // m = -inf at first: 0, and acc is 0
+          const __m512 e =
+              _mm512_maskz_mov_ps(valid, engine_cpu::exp512(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+          l[h] = l[h] * corr + _mm512_reduce_add_ps(e);
+          m[h] = new_max;
+          alignas(32) uint32_t pw[8];
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pw), (__m256i)_mm512_cvtneps_pbh(e));
+          float* acc_h = acc_mem + h * D;
+          __m512 acc[C];
+          const __m512 vcorr = _mm512_set1_ps(corr);
+          for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(acc_h + c * 16), vcorr);
+          for (int64_t j = pair_lo; j <= pair_hi; ++j) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[j]));
+            for (int64_t c = 0; c < C; ++c)
+              acc[c] = _mm512_dpbf16_ps(acc[c], w, (__m512bh)_mm512_loadu_si512(vw + j * D + c * 16));
+          }
+          for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc_h + c * 16, acc[c]);
+        }
+      }
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m512 inv = _mm512_set1_ps(1.f / l[h]);
+    for (int64_t c = 0; c < C; ++c)
+      engine_cpu::store_bf16(out + h * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc_mem + h * D + c * 16), inv));
+  }
+}
+
+}  // namespace
+#endif
+
+// out, q: [T, H, D] bf16; kv_cache: [2, num_blocks, Hkv, block_size * D] packed; tokens: the token
+// rows to compute (int64), or empty for all T. Rows of out not computed are untouched.
+void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                            torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
+                            torch::Tensor tokens, double scale, int64_t window) {
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_size = q.size(2);
+  const int64_t num_kv_heads = kv_cache.size(2), block_size = kv_cache.size(3) / head_size;
+  TORCH_CHECK(packed_kv_supported(head_size, block_size), "paged_attention_packed: unsupported head or block size");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16, "paged_attention_packed: bf16 only");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous(), "contiguous tensors");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables: int64");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous(), "tokens: contiguous int64");
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const int64_t* token_ptr = tokens.numel() > 0 ? tokens.data_ptr<int64_t>() : nullptr;
+  const int64_t num_rows = token_ptr ? tokens.numel() : num_tokens;
+  const int64_t group = num_heads / num_kv_heads;
+  const int num_threads = at::get_num_threads();
+  // an item is (row, range of kv heads): whole rows stream each block's segments in one piece;
+  // rows are split by kv heads when there are too few of them to balance the threads
+  const int64_t wanted = 8 * num_threads;
+  const int64_t splits = std::clamp<int64_t>((wanted + num_rows - 1) / std::max<int64_t>(num_rows, 1), 1, num_kv_heads);
+  const int64_t heads_per_item = (num_kv_heads + splits - 1) / splits;
+  const int64_t items_per_row = (num_kv_heads + heads_per_item - 1) / heads_per_item;
+  const int64_t num_items = num_rows * items_per_row;
+  const int64_t max_blocks = block_tables.size(1);
+  const at::BFloat16* key_cache = kv_cache.data_ptr<at::BFloat16>();
+  const at::BFloat16* value_cache = key_cache + kv_cache.numel() / 2;
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int64_t* ctx = context_lens.data_ptr<int64_t>();
+  const int64_t* seq_of = token_seq.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  at::BFloat16* out_ptr = out.data_ptr<at::BFloat16>();
+  const at::BFloat16* q_ptr = q.data_ptr<at::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+  auto position = [&](int64_t row) {
+    const int64_t t = token_ptr ? token_ptr[row] : row;
+    return ctx[seq_of[t]] + (t - qsl[seq_of[t]]);
+  };
+  // longest rows first, taken by whichever thread is free (a row's cost is its key count)
+  std::vector<int64_t> order(num_rows);
+  for (int64_t row = 0; row < num_rows; ++row) order[row] = row;
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return position(a) > position(b); });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(heads_per_item * group * head_size), m(heads_per_item * group), l(heads_per_item * group);
+    for (int64_t tid = begin; tid < end; ++tid) {
+      for (int64_t item = next++; item < num_items; item = next++) {
+        const int64_t row = order[item / items_per_row], g0 = item % items_per_row * heads_per_item;
+        const int64_t g1 = std::min(num_kv_heads, g0 + heads_per_item);
+        const int64_t t = token_ptr ? token_ptr[row] : row;
+        const int64_t b = seq_of[t];
+        const int64_t pos = ctx[b] + (t - qsl[b]);
+        const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+        const int64_t offset = (t * num_heads + g0 * group) * head_size;
+        auto run = [&](auto d) {
+          decode_item<decltype(d)::value>(out_ptr + offset, q_ptr + offset, key_cache, value_cache,
+                                          tables + b * max_blocks, pos, lo, g0, g1, group, num_kv_heads, block_size,
+                                          fscale, acc.data(), m.data(), l.data());
+        };
+        switch (head_size) {
+          case 16: run(std::integral_constant<int, 16>{}); break;
+          case 32: run(std::integral_constant<int, 32>{}); break;
+          case 64: run(std::integral_constant<int, 64>{}); break;
+          case 128: run(std::integral_constant<int, 128>{}); break;
+          default: run(std::integral_constant<int, 256>{}); break;
+        }
+      }
+    }
+  });
+#endif
+}
+
+// Writes the new tokens' K and V ([T, Hkv, D] bf16) into their slots of the packed cache, with
+// the tokens shared out over the threads.
+void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2, "cache_write_packed: kv_cache [2, blocks, Hkv, bs * D]");
+  TORCH_CHECK(kv_cache.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "cache_write_packed: contiguous");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "cache_write_packed: bf16 only");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "cache_write_packed: int64 slots");
+  const int64_t num_tokens = k.size(0), num_kv_heads = k.size(1), head_size = k.size(2);
+  TORCH_CHECK(kv_cache.size(2) == num_kv_heads && kv_cache.size(3) % head_size == 0 && head_size % 2 == 0,
+              "cache_write_packed: cache and k/v shapes differ");
+  const int64_t block_size = kv_cache.size(3) / head_size, num_blocks = kv_cache.size(1);
+  TORCH_CHECK(block_size % 2 == 0, "cache_write_packed: even block size");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_blocks * block_size, "cache_write_packed: slot ", slots[t],
+                " out of range");
+  const int64_t seg = block_size * head_size, half = kv_cache.numel() / 2;
+  auto* kc = reinterpret_cast<uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
+  auto* vc = kc + half;
+  const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slots[t] / block_size, off = slots[t] % block_size;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t base = (block * num_kv_heads + h) * seg;
+        const uint16_t* krow = kp + (t * num_kv_heads + h) * head_size;
+        const uint16_t* vrow = vp + (t * num_kv_heads + h) * head_size;
+        uint32_t* kseg = reinterpret_cast<uint32_t*>(kc + base);  // [D/2][bs] pairs
+        for (int64_t p = 0; p < head_size / 2; ++p) {
+          uint32_t pair;
+          std::memcpy(&pair, krow + 2 * p, sizeof(pair));
+          kseg[p * block_size + off] = pair;
+        }
+        uint16_t* vseg = vc + base + (off / 2) * 2 * head_size + (off & 1);  // [bs/2][D][2]
+        for (int64_t d = 0; d < head_size; ++d) vseg[2 * d] = vrow[d];
+      }
+    }
+  });
+}

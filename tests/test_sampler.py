@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.layers.ops import LayerOps
 from engine.runtime.request import Request
 from engine.runtime.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, pad_token_ids
 from engine.sampling_params import SamplingParams
@@ -56,6 +57,36 @@ def test_greedy_is_argmax():
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(1))
     tokens = Sampler(torch.device("cpu"))(logits, [make_request(i, temperature=0.0) for i in range(5)]).token_ids
     assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+class CountingOps(LayerOps):
+    def __init__(self) -> None:
+        self.argmax_dtypes: list[torch.dtype] = []
+
+    def argmax(self, logits):
+        self.argmax_dtypes.append(logits.dtype)
+        return super().argmax(logits)
+
+
+def test_plain_greedy_batches_take_ops_argmax_on_the_model_dtype():
+    """Greedy with nothing else to do: the platform's argmax on the bf16 logits, no fp32 copy;
+    logprobs, penalties or a pending min_tokens take the fp32 path."""
+    ops = CountingOps()
+    sampler = Sampler(torch.device("cpu"), ops)
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2)).bfloat16()
+    greedy = [make_request(i, temperature=0.0) for i in range(3)]
+    assert sampler(logits, greedy).token_ids.tolist() == logits.float().argmax(-1).tolist()
+    assert ops.argmax_dtypes == [torch.bfloat16]
+    for extra in ({"logprobs": 1}, {"repetition_penalty": 1.2}, {"min_tokens": 1}):
+        requests = [make_request(0, temperature=0.0, **extra)]
+        sampler(logits[:1], requests)
+        assert ops.argmax_dtypes == [torch.bfloat16], extra
+    # min_tokens already reached: plain greedy again
+    done = make_request(0, temperature=0.0, min_tokens=1)
+    done.append_token(5)
+    assert done.num_output_tokens == 1
+    sampler(logits[:1], [done])
+    assert ops.argmax_dtypes == [torch.bfloat16, torch.bfloat16]
 
 
 def test_sampling_follows_the_tempered_distribution():

@@ -1,4 +1,4 @@
-"""Elementwise layer operations a platform may replace with fused kernels.
+"""Elementwise layer operations (and greedy sampling's argmax) a platform may replace with fused kernels.
 
 :class:`LayerOps` is the reference: plain torch, with the same roundings as HF
 transformers' modules (each torch op on a bf16 tensor rounds its result to bf16).
@@ -38,6 +38,11 @@ class LayerOps:
         """x: [T, 2d] holding gate then up -> silu(gate) * up: [T, d]."""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [N, V] in any float dtype -> [N] int64, the first index of each row's
+        maximum (a NaN counts as the maximum), as ``torch.argmax``. Greedy sampling."""
+        return logits.argmax(dim=-1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
-        self.sampler = Sampler(device)
+        self.sampler = Sampler(device, kv_cache.ops)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         """input_ids [T], positions [T] and the step's attention metadata."""
@@ -86,7 +86,7 @@ class ModelRunner:
         if not sampling:
             return [], []
         sample_rows = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[sample_rows]).float()
+        logits = self.model.compute_logits(hidden[sample_rows])
         requests = [batch.requests[i] for i in sampling]
         sampled = self.sampler(logits, requests)
         if sampled.logprobs is not None:

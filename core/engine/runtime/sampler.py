@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.layers.ops import REFERENCE_OPS, LayerOps
 from engine.runtime.logprobs import LogprobsTensors, gather_logprobs
 from engine.runtime.request import Request
 
@@ -83,6 +84,11 @@ def pad_token_ids(rows: list[list[int]], pad: int, device: torch.device) -> torc
     return torch.from_numpy(out).to(device)
 
 
+def _min_tokens_pending(request: Request) -> bool:
+    min_tokens = request.sampling_params.min_tokens
+    return bool(min_tokens) and request.num_output_tokens < min_tokens
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [N] int64
@@ -90,12 +96,20 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, ops: LayerOps = REFERENCE_OPS) -> None:
         self.device = device
+        self.ops = ops  # ops.argmax: greedy rows of a batch that needs nothing else
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """logits: [N, V] fp32, row i for requests[i] (not modified) -> the sampled tokens."""
+        """logits: [N, V] in the model's dtype, row i for requests[i] (not modified) -> the sampled
+        tokens. A batch of greedy requests with no logprobs, penalties or pending ``min_tokens``
+        takes ``ops.argmax`` on the logits as they are; anything else works on them in fp32."""
         params = [r.sampling_params for r in requests]
+        if all(p.greedy and p.logprobs is None and not p.has_penalties for p in params) and not any(
+            _min_tokens_pending(r) for r in requests
+        ):
+            return SamplerOutput(self.ops.argmax(logits))
+        logits = logits.float()
         # logprobs describe the model's own distribution: taken before any processing
         raw_logprobs = logits.log_softmax(dim=-1) if any(p.logprobs is not None for p in params) else None
         logits = self._apply_min_tokens(logits, requests)
@@ -115,7 +129,7 @@ class Sampler:
         vocab = logits.shape[-1]
         for i, request in enumerate(requests):
             p = request.sampling_params
-            if p.min_tokens and request.num_output_tokens < p.min_tokens:
+            if _min_tokens_pending(request):
                 stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | request.eos_token_ids
                 stops = [t for t in stops if t < vocab]
                 rows += [i] * len(stops)

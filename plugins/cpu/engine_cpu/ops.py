@@ -43,3 +43,10 @@ class NativeLayerOps(LayerOps):
         out = torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype)
         self.kernels.silu_and_mul(out, x)
         return out
+
+    def argmax(self, logits):
+        if logits.dtype not in NATIVE_DTYPES or logits.dim() != 2 or not logits.is_contiguous() or logits.shape[1] == 0:
+            return super().argmax(logits)
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self.kernels.argmax(out, logits)
+        return out

@@ -79,3 +79,28 @@ def test_other_dtypes_fall_back_to_the_reference(ops):
     x = torch.randn(4, 16, dtype=torch.float16)
     w = torch.ones(16, dtype=torch.float16)
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), REFERENCE_OPS.rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,vocab", [(1, 5), (3, 16), (7, 37), (67, 32000), (2, 1)])
+def test_argmax_matches_torch(ops, dtype, rows, vocab):
+    """First index of the maximum, ties included (bf16 rounding makes many), as torch.argmax."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).round().to(dtype)  # many exact ties
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+    logits[:, -1] = 100  # the maximum in the tail, past the last whole vector
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_nan_and_infinities_as_torch(ops, dtype):
+    logits = torch.zeros(5, 40, dtype=dtype)
+    logits[0, 33] = float("nan")  # NaN in the tail counts as the maximum
+    logits[0, 3] = float("inf")
+    logits[1, 20] = float("nan")  # NaN in the vector part, two of them
+    logits[1, 25] = float("nan")
+    logits[2] = float("-inf")  # all -inf: index 0
+    logits[3, 17] = float("inf")
+    logits[3, 18] = float("inf")
+    logits[4, 0] = float("nan")
+    assert ops.argmax(logits).tolist() == logits.argmax(dim=-1).tolist() == [33, 20, 0, 17, 0]

@@ -177,3 +177,68 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
     });
   });
 }
+
+namespace {
+
+// first index of the maximum of x[0..n), a NaN counting as the maximum (torch.argmax)
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
+  int64_t i = 0, best = 0;
+  float best_value = n > 0 ? load(x) : 0.f;
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    auto load16 = [&](int64_t at) {
+      if constexpr (std::is_same_v<T, at::BFloat16>) return engine_cpu::load_bf16(x + at);
+      else return _mm512_loadu_ps(x + at);
+    };
+    // per lane: the largest value seen and the first index holding it (strictly greater replaces)
+    __m512 vmax = load16(0);
+    __m512i vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i cur = vidx;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 nan = _mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n; i += 16) {
+      cur = _mm512_add_epi32(cur, step);
+      const __m512 v = load16(i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+      vmax = _mm512_mask_mov_ps(vmax, gt, v);
+      vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+    }
+    if (nan) {
+      for (int64_t j = 0; j < n; ++j)
+        if (std::isnan(load(x + j))) return j;
+    }
+    best_value = _mm512_reduce_max_ps(vmax);
+    const __mmask16 at_max = _mm512_cmp_ps_mask(vmax, _mm512_set1_ps(best_value), _CMP_EQ_OQ);
+    best = _mm512_mask_reduce_min_epi32(at_max, vidx);
+  }
+#endif
+  for (; i < n; ++i) {  // the tail (no NaN before it) or a short row
+    const float v = load(x + i);
+    if (std::isnan(v)) return i;
+    if (v > best_value) {
+      best_value = v;
+      best = i;
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+// out[r] = argmax(logits[r]) for [N, V] contiguous fp32 or bf16 logits (greedy sampling)
+void argmax(torch::Tensor out, torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "argmax: contiguous [N, V] logits");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == logits.size(0),
+              "argmax: out is [N] int64");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(n > 0, "argmax: empty rows");
+  int64_t* op = out.data_ptr<int64_t>();
+  DISPATCH_F32_BF16(logits.scalar_type(), "argmax", [&] {
+    const scalar_t* xp = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) op[r] = argmax_row(xp + r * n, n);
+    });
+  });
+}

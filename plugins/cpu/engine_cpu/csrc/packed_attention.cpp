@@ -232,7 +232,8 @@ void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torc
   auto* vc = kc + half;
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+  // the writes miss the cache (a decode token's segment rows are lines of their own): share them out
+  at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = slots[t] / block_size, off = slots[t] % block_size;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
@@ -240,13 +241,31 @@ void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torc
         const uint16_t* krow = kp + (t * num_kv_heads + h) * head_size;
         const uint16_t* vrow = vp + (t * num_kv_heads + h) * head_size;
         uint32_t* kseg = reinterpret_cast<uint32_t*>(kc + base);  // [D/2][bs] pairs
-        for (int64_t p = 0; p < head_size / 2; ++p) {
+        uint16_t* vpairs = vc + base + (off / 2) * 2 * head_size;  // [D][2] of keys off & ~1, off | 1
+        int64_t p = 0, d = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+        if (head_size % 32 == 0) {
+          // 16 key pairs (dims 2p..2p+31) to rows p..p+15 of the segment, column off
+          const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                  _mm512_set1_epi32(static_cast<int>(block_size)));
+          for (; p < head_size / 2; p += 16)
+            _mm512_i32scatter_epi32(kseg + p * block_size + off, rows, _mm512_loadu_si512(krow + 2 * p), 4);
+          // 16 values into the even or odd halves of 16 (even, odd) pairs
+          const __mmask32 half = (off & 1) ? 0xAAAAAAAAu : 0x55555555u;
+          for (; d + 16 <= head_size; d += 16) {
+            __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + d)));
+            if (off & 1) w = _mm512_slli_epi32(w, 16);
+            uint16_t* dst = vpairs + 2 * d;
+            _mm512_storeu_si512(dst, _mm512_mask_blend_epi16(half, _mm512_loadu_si512(dst), w));
+          }
+        }
+#endif
+        for (; p < head_size / 2; ++p) {
           uint32_t pair;
           std::memcpy(&pair, krow + 2 * p, sizeof(pair));
           kseg[p * block_size + off] = pair;
         }
-        uint16_t* vseg = vc + base + (off / 2) * 2 * head_size + (off & 1);  // [bs/2][D][2]
-        for (int64_t d = 0; d < head_size; ++d) vseg[2 * d] = vrow[d];
+        for (; d < head_size; ++d) vpairs[2 * d + (off & 1)] = vrow[d];
       }
     }
   });

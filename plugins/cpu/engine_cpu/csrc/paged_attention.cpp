@@ -217,6 +217,7 @@ void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double e
 void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
+void argmax(torch::Tensor out, torch::Tensor logits);
 
 // packed_attention.cpp
 bool packed_kv_supported(int64_t head_size, int64_t block_size);
@@ -248,4 +249,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms-normalised residual (in place)");
   m.def("rotary", &rotary, "rotate-half RoPE on q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up");
+  m.def("argmax", &argmax, "out[r] = first index of the maximum of logits[r] (fp32 / bf16)");
 }

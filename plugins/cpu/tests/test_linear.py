@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.layers.linear import MergedLinear, UnquantizedLinearMethod, VocabEmbedding, apply_linear_method
 from engine_cpu import native
-from engine_cpu.linear import OneDNNLinearMethod, onednn_available, pack_gemv_weight
+from engine_cpu.linear import GEMV_MAX_ROWS, OneDNNLinearMethod, onednn_available, pack_gemv_weight
 from engine_cpu.platform import CpuPlatform
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch was built without oneDNN")
@@ -77,7 +77,7 @@ def fp32_reference(x, weight, bias):
 
 @gemv_kernels
 @pytest.mark.parametrize("n, k", [(64, 48), (100, 512), (7, 8), (1000, 1408)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 40])  # passes of up to 16 rows
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_the_fp32_product_rounded_once(n, k, rows, bias):
     gen = torch.Generator().manual_seed(n * 10 + rows)
@@ -95,15 +95,15 @@ def test_gemv_equals_the_fp32_product_rounded_once(n, k, rows, bias):
 def test_gemv_rejects_what_it_cannot_do():
     kernels = native.load()
     packed = pack_gemv_weight(torch.zeros(16, 8, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="1 to 4 rows"):
-        kernels.gemv(torch.empty(5, 16, dtype=torch.bfloat16), torch.zeros(5, 8, dtype=torch.bfloat16), packed,
+    with pytest.raises(RuntimeError, match="rows differ"):
+        kernels.gemv(torch.empty(5, 16, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16), packed,
                      torch.empty(0, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="bf16"):
         kernels.gemv(torch.empty(1, 16), torch.zeros(1, 8), packed, torch.empty(0))
 
 
 @gemv_kernels
-@pytest.mark.parametrize("rows", [1, 4, 5, 64])
+@pytest.mark.parametrize("rows", [1, 4, 5, 64, 65, 300])
 def test_linear_method_uses_gemv_for_few_rows_and_onednn_beyond(rows):
     gen = torch.Generator().manual_seed(rows)
     layer = MergedLinear(64, [48, 48], True, torch.bfloat16)
@@ -124,7 +124,7 @@ def test_linear_method_uses_gemv_for_few_rows_and_onednn_beyond(rows):
     layer.method.kernels = Spy()
     out = layer(x.view(1, rows, 64))
     assert out.shape == (1, rows, 96)
-    assert calls == ([rows] if rows <= 4 else [])
+    assert calls == ([rows] if rows <= GEMV_MAX_ROWS else [])
     expected = fp32_reference(x, weight, bias)
     assert torch.allclose(out[0].float(), expected, rtol=2**-7, atol=1e-2 * expected.abs().max().item())
 

@@ -238,7 +238,7 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tenso
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cache_write", &cache_write, "write the new tokens' K and V into their cache slots");
   m.def("gemv_supported", &gemv_supported, "whether gemv runs on this CPU and build");
-  m.def("gemv", &gemv, "out = x @ W^T + bias for 1-4 rows, W packed by pack_gemv_weight (bf16)");
+  m.def("gemv", &gemv, "out = x @ W^T + bias for a few rows, W packed by pack_gemv_weight (bf16)");
   m.def("packed_kv_supported", &packed_kv_supported,
         "whether the packed bf16 cache layout and its kernels run for this head and block size");
   m.def("cache_write_packed", &cache_write_packed, "write the new tokens' K and V into the packed cache");

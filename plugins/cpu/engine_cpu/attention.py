@@ -65,6 +65,11 @@ class CpuAttentionMetadata:
     mask: torch.Tensor | None = None  # [B, 1, max_query_len, max_seq_len] True where attention is allowed
 
 
+def _rows_of_heads(x: torch.Tensor) -> bool:
+    """[T, H, D] with each token's heads contiguous, any stride between tokens."""
+    return x.stride(-1) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
+
+
 class CpuPagedAttention(AttentionBackend):
     name = "cpu_paged"
     capabilities = AttentionCapabilities(
@@ -225,9 +230,10 @@ class CpuPagedAttention(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuAttentionMetadata
     ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
-        self.kernels.cache_write_packed(kv_cache, common.slot_mapping, k.contiguous(), v.contiguous())
-        q = q.contiguous()
-        out = torch.empty_like(q)
+        # the kernels take q, k and v as slices of a fused projection: no copies
+        q, k, v = (x if _rows_of_heads(x) else x.contiguous() for x in (q, k, v))
+        self.kernels.cache_write_packed(kv_cache, common.slot_mapping, k, v)
+        out = torch.empty(q.shape, dtype=q.dtype)
         window = spec.sliding_window or 0
         if metadata.kernel_tokens is not None:
             self.kernels.paged_attention_packed(

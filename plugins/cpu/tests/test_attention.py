@@ -67,7 +67,8 @@ def read_slot(backend, cache, slot):
     return keys.reshape(values.shape), values
 
 
-def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, window, dtype, path):
+def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, window, dtype, path,
+             fused_qkv=False):
     gen = torch.Generator().manual_seed(seed)
     spec = AttentionSpec(
         kind=SLIDING_WINDOW if window else MHA, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -114,6 +115,11 @@ def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_si
         max_seq_len=max(seq_lens),
         block_size=block_size,
     )
+    if fused_qkv:  # q, k and v as column slices of one projection's output, as models pass them
+        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
+        parts = qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
+        q, k, v = (part.view(-1, heads, head_size) for part, heads in zip(parts, (num_heads, num_kv_heads, num_kv_heads)))
+        assert not q.is_contiguous()
     out = backend.forward(q, k, v, cache, backend.build_metadata(common))
 
     expected = torch.cat(
@@ -252,9 +258,10 @@ def test_native_cache_write_packed_refuses_a_slot_outside_the_cache():
         kernels.cache_write_packed(cache, torch.tensor([32]), k, k)
 
 
-def test_long_and_short_chunks_and_decodes_in_one_batch(path):
+@pytest.mark.parametrize("fused_qkv", [False, True])
+def test_long_and_short_chunks_and_decodes_in_one_batch(path, fused_qkv):
     run_case(seed=22, context_lens=[0, 40, 7, 100], query_lens=[48, 1, 5, 20], num_heads=4, num_kv_heads=2,
-             head_size=64, block_size=16, window=None, dtype=torch.bfloat16, path=path)
+             head_size=64, block_size=16, window=None, dtype=torch.bfloat16, path=path, fused_qkv=fused_qkv)
 
 
 def test_native_cache_write_refuses_a_slot_outside_the_cache():

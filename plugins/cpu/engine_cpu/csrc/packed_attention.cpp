@@ -22,6 +22,12 @@
 
 #include "vec.h"
 
+// [T, H, D] with each token's heads contiguous (any stride between tokens: q, k and v may be
+// column slices of one fused projection)
+bool rows_of_heads(const torch::Tensor& t) {
+  return t.dim() == 3 && t.stride(2) == 1 && (t.size(1) == 1 || t.stride(1) == t.size(2));
+}
+
 bool packed_kv_supported(int64_t head_size, int64_t block_size) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   const bool head_ok = head_size == 16 || head_size == 32 || head_size == 64 || head_size == 128 || head_size == 256;
@@ -146,7 +152,8 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   TORCH_CHECK(packed_kv_supported(head_size, block_size), "paged_attention_packed: unsupported head or block size");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16, "paged_attention_packed: bf16 only");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous(), "contiguous tensors");
+  TORCH_CHECK(rows_of_heads(q) && out.is_contiguous() && kv_cache.is_contiguous(),
+              "paged_attention_packed: q rows of contiguous heads, out and kv_cache contiguous");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables: int64");
   TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous(), "tokens: contiguous int64");
@@ -171,6 +178,7 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   at::BFloat16* out_ptr = out.data_ptr<at::BFloat16>();
   const at::BFloat16* q_ptr = q.data_ptr<at::BFloat16>();
+  const int64_t q_row = q.stride(0);
   const float fscale = static_cast<float>(scale);
   auto position = [&](int64_t row) {
     const int64_t t = token_ptr ? token_ptr[row] : row;
@@ -192,8 +200,9 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
         const int64_t pos = ctx[b] + (t - qsl[b]);
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         const int64_t offset = (t * num_heads + g0 * group) * head_size;
+        const int64_t q_offset = t * q_row + g0 * group * head_size;
         auto run = [&](auto d) {
-          decode_item<decltype(d)::value>(out_ptr + offset, q_ptr + offset, key_cache, value_cache,
+          decode_item<decltype(d)::value>(out_ptr + offset, q_ptr + q_offset, key_cache, value_cache,
                                           tables + b * max_blocks, pos, lo, g0, g1, group, num_kv_heads, block_size,
                                           fscale, acc.data(), m.data(), l.data());
         };
@@ -214,7 +223,8 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
 // the tokens shared out over the threads.
 void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor k, torch::Tensor v) {
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2, "cache_write_packed: kv_cache [2, blocks, Hkv, bs * D]");
-  TORCH_CHECK(kv_cache.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "cache_write_packed: contiguous");
+  TORCH_CHECK(kv_cache.is_contiguous() && rows_of_heads(k) && rows_of_heads(v),
+              "cache_write_packed: kv_cache contiguous, k and v rows of contiguous heads");
   TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
                   v.scalar_type() == at::kBFloat16, "cache_write_packed: bf16 only");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "cache_write_packed: int64 slots");
@@ -232,14 +242,15 @@ void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torc
   auto* vc = kc + half;
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  const int64_t k_row = k.stride(0), v_row = v.stride(0);
   // the writes miss the cache (a decode token's segment rows are lines of their own): share them out
   at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = slots[t] / block_size, off = slots[t] % block_size;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
         const int64_t base = (block * num_kv_heads + h) * seg;
-        const uint16_t* krow = kp + (t * num_kv_heads + h) * head_size;
-        const uint16_t* vrow = vp + (t * num_kv_heads + h) * head_size;
+        const uint16_t* krow = kp + t * k_row + h * head_size;
+        const uint16_t* vrow = vp + t * v_row + h * head_size;
         uint32_t* kseg = reinterpret_cast<uint32_t*>(kc + base);  // [D/2][bs] pairs
         uint16_t* vpairs = vc + base + (off / 2) * 2 * head_size;  // [D][2] of keys off & ~1, off | 1
         int64_t p = 0, d = 0;

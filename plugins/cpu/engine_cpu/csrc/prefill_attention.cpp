@@ -19,6 +19,7 @@
 #include "vec.h"
 
 bool packed_kv_supported(int64_t head_size, int64_t block_size);
+bool rows_of_heads(const torch::Tensor& t);
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 namespace {
@@ -32,7 +33,7 @@ template <int D>
 void prefill_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* key_cache,
                   const at::BFloat16* value_cache, const int64_t* table, int64_t q_start, int64_t rows,
                   int64_t first_pos, int64_t g, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                  float scale, int64_t window) {
+                  float scale, int64_t window, int64_t q_row) {
   constexpr int64_t P = D / 2, C = D / 16;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t seg = block_size * D;
@@ -45,7 +46,7 @@ void prefill_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* 
       const int64_t nr = std::min(kRows, rows - r0);
       const uint32_t* qrow[kRows];
       for (int64_t r = 0; r < kRows; ++r) {
-        qrow[r] = reinterpret_cast<const uint32_t*>(q + ((q_start + r0 + std::min(r, nr - 1)) * num_heads + head) * D);
+        qrow[r] = reinterpret_cast<const uint32_t*>(q + (q_start + r0 + std::min(r, nr - 1)) * q_row + head * D);
       }
       __m512 acc[kRows][C];
       float m[kRows], l[kRows];
@@ -148,7 +149,8 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cach
   TORCH_CHECK(packed_kv_supported(head_size, block_size), "prefill_attention: unsupported head or block size, or CPU");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16, "prefill_attention: bf16 only");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && kv_cache.is_contiguous(), "contiguous tensors");
+  TORCH_CHECK(rows_of_heads(q) && out.is_contiguous() && kv_cache.is_contiguous(),
+              "prefill_attention: q rows of contiguous heads, out and kv_cache contiguous");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
@@ -177,7 +179,7 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cach
           prefill_item<decltype(d)::value>(
               out.data_ptr<at::BFloat16>(), q.data_ptr<at::BFloat16>(), key_cache, value_cache,
               tables + it.b * max_blocks, start, rows, ctx[it.b] + it.tile * kQueryTile, it.g, num_heads,
-              num_kv_heads, block_size, static_cast<float>(scale), window);
+              num_kv_heads, block_size, static_cast<float>(scale), window, q.stride(0));
         };
         switch (head_size) {
           case 16: run(std::integral_constant<int, 16>{}); break;

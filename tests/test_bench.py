@@ -273,3 +273,23 @@ def test_latency_table_names_each_method(capsys, tiny_llama):
 def test_unknown_peer_is_a_clear_error(capsys, tiny_llama):
     assert main(["bench", "latency", "--model", tiny_llama, "--peers", "vllm"]) == 1
     assert "Unknown peer(s) vllm. Available: hf." in capsys.readouterr().err
+
+
+def test_repeat_reports_the_median_run_and_lists_every_wall(capsys, tiny_llama):
+    report = run_bench_json(capsys, "prefix", "--model", tiny_llama, "--peers", "hf", "--repeat", "3")
+    section = report["sections"]["w3"]
+    note = next(n for n in section["notes"] if n.startswith("--repeat 3"))
+    walls = {runner: [float(w) for w in text.split(" ", 1)[1].removesuffix(" s").split(", ")]
+             for runner, text in (("engine", note.split("walls: ")[1].split("; ")[0]),
+                                  ("hf", note.split("walls: ")[1].split("; ")[1].removesuffix(".")))}
+    for runner, values in walls.items():
+        assert len(values) == 3
+        assert section["figures"]["wall_s"]["values"][runner] == pytest.approx(sorted(values)[1], abs=0.006)
+    # every engine run began with an empty prefix cache: request 1 computed its whole prompt each time,
+    # so it stays far slower than the later requests that reuse its prefix
+    assert section["figures"]["ttft_ratio"]["values"]["engine"] < 1
+
+
+def test_repeat_must_be_positive(capsys, tiny_llama):
+    assert main(["bench", "latency", "--model", tiny_llama, "--repeat", "0"]) == 1
+    assert "--repeat must be at least 1, got 0." in capsys.readouterr().err

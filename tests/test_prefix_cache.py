@@ -118,3 +118,19 @@ def test_greedy_outputs_unchanged_by_prefix_cache_hits(checkpoint):
     # every prompt after the first found at least the 9 full blocks of the shared prefix
     assert stats.hits >= 5 * 36 + 6 * 36
     assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_cache.num_blocks
+
+
+def test_reset_prefix_cache_makes_the_next_prompt_miss(checkpoint):
+    path, _ = checkpoint
+    llm = LLM(str(path), plugins=["cpu", "llama"], dtype="float32", progress=False, kv_cache_memory=0.05, block_size=4)
+    prompt = list(range(3, 40))  # 9 full blocks
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    stats = llm.engine.kv_manager.stats
+    reference = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert stats.hits == 0
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == reference
+    assert stats.hits == 36
+    llm.engine.reset_prefix_cache()
+    assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == reference
+    assert stats.hits == 36  # computed afresh
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_cache.num_blocks

@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--scale", type=float, default=1.0,
         help="Multiply every request count and length by this (smoke tests); 1 is the WORKLOADS.md workload.",
     )
+    bench.add_argument(
+        "--repeat", type=int, default=1,
+        help="Run the workload this many times on each runner and report each runner's run of median wall time "
+        "(for machines whose speed drifts between runs).",
+    )
     bench.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     return parser
 
@@ -297,6 +302,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model=args.model, plugins=args.plugins, dtype=args.dtype,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, scale=args.scale,
+        repeat=args.repeat,
     )
     report = run_bench(args.workload, options)
     print(report.as_json() if args.json else report.as_text())

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol, TypeVar
 
 import torch
 
@@ -33,6 +33,13 @@ HF_BATCH_SIZE = 16
 MB = 1e6
 
 
+class _Run(Protocol):
+    wall: float
+
+
+R = TypeVar("R", bound=_Run)
+
+
 @dataclass(frozen=True)
 class BenchOptions:
     model: str = "llama58m"
@@ -42,6 +49,7 @@ class BenchOptions:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     scale: float = 1.0
+    repeat: int = 1
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.peers if p not in PEERS]
@@ -49,6 +57,8 @@ class BenchOptions:
             raise ValueError(f"Unknown peer(s) {', '.join(unknown)}. Available: {', '.join(PEERS)}.")
         if self.scale <= 0:
             raise ValueError(f"--scale must be positive, got {self.scale}.")
+        if self.repeat < 1:
+            raise ValueError(f"--repeat must be at least 1, got {self.repeat}.")
 
 
 class _Session:
@@ -62,6 +72,7 @@ class _Session:
         with open(self.model_path / "config.json", encoding="utf-8") as f:
             self.vocab_size = int(json.load(f)["vocab_size"])
         self.warmup = warmup_request(self.vocab_size)
+        self.repeat_walls: dict[str, list[str]] = {}
         self.report = Report(command, [ENGINE, *options.peers], {
             "model": options.model if str(self.model_path) == options.model else f"{options.model} ({self.model_path})",
             "dtype": options.dtype,
@@ -78,6 +89,27 @@ class _Session:
             self.report.notes.append(
                 f"--scale {options.scale}: counts and lengths are scaled, so these are NOT the WORKLOADS.md "
                 "workloads; a smoke test only."
+            )
+
+    def median_run(self, section: str, runner: str, run: Callable[[], R], reset: Callable[[], None] | None = None) -> R:
+        """``run()`` ``--repeat`` times (``reset()`` before each) and the run of median wall time
+        (the lower of the middle two for an even count); the walls go into the section's note."""
+        runs = []
+        for _ in range(self.options.repeat):
+            if reset is not None:
+                reset()
+            runs.append(run())
+        if len(runs) > 1:
+            walls = ", ".join(f"{r.wall:.2f}" for r in runs)
+            self.repeat_walls.setdefault(section, []).append(f"{runner} {walls} s")
+        return sorted(runs, key=lambda r: r.wall)[(len(runs) - 1) // 2]
+
+    def repeat_note(self, section: Section) -> None:
+        walls = self.repeat_walls.get(section.key)
+        if walls:
+            section.notes.append(
+                f"--repeat {self.options.repeat}: every figure of this section comes from each runner's run of "
+                f"median wall time (engine runs start from an empty prefix cache); walls: {'; '.join(walls)}."
             )
 
     def engine(self) -> EngineRunner:
@@ -117,14 +149,14 @@ def run_latency(options: BenchOptions) -> Report:
     bandwidth = measure_matvec_bandwidth(dtype=getattr(torch, options.dtype))
 
     engine = session.engine()
-    run = engine.run(workload.requests, SEQUENTIAL)
+    run = session.median_run("w1", ENGINE, lambda: engine.run(workload.requests, SEQUENTIAL), engine.reset_prefix_cache)
     timings: dict[str, RequestTiming] = {ENGINE: run.timings[0]}
     weights = {ENGINE: engine.weight_bytes()}
     breakdown = decode_breakdown(run.steps, 1, engine.timer.labels())
     engine.close()
     peer = session.hf()
     if peer is not None:
-        timings[peer.name] = peer.run_sequential(workload.requests).timings[0]
+        timings[peer.name] = session.median_run("w1", peer.name, lambda: peer.run_sequential(workload.requests)).timings[0]
         weights[peer.name] = peer.weight_bytes()
 
     section = Section("w1", workload.name, workload.description)
@@ -168,6 +200,7 @@ def run_latency(options: BenchOptions) -> Report:
         "step: " + ", ".join(f"{r} {b / MB:.1f} MB" for r, b in weights.items())
         + " (every parameter except the embedding table, which is only gathered)."
     )
+    session.repeat_note(section)
     session.report.sections.append(section)
     return session.report
 
@@ -183,7 +216,7 @@ def run_throughput(options: BenchOptions) -> Report:
     decode = decode_workload(session.vocab_size, scale=options.scale)
 
     engine = session.engine()
-    w2 = engine.run(workload.requests, ALL_AT_ONCE)
+    w2 = session.median_run("w2", ENGINE, lambda: engine.run(workload.requests, ALL_AT_ONCE), engine.reset_prefix_cache)
     w2_model_seconds = sum(s.model_seconds for s in w2.steps)
     decode_run = engine.run(decode.requests, ALL_AT_ONCE)
     labels = engine.timer.labels()
@@ -192,7 +225,9 @@ def run_throughput(options: BenchOptions) -> Report:
     walls = {ENGINE: w2.wall}
     peer = session.hf()
     if peer is not None:
-        walls[peer.name] = peer.run_static_batches(workload.requests, HF_BATCH_SIZE).wall
+        walls[peer.name] = session.median_run(
+            "w2", peer.name, lambda: peer.run_static_batches(workload.requests, HF_BATCH_SIZE)
+        ).wall
 
     section = Section("w2", workload.name, workload.description)
     out_tokens, all_tokens = workload.num_output_tokens, workload.num_prompt_tokens + workload.num_output_tokens
@@ -211,6 +246,7 @@ def run_throughput(options: BenchOptions) -> Report:
                 {ENGINE: sum(s.seconds for s in prefill_steps)},
                 f"step() time of the {len(prefill_steps)} steps that computed prompt tokens (alone or with decodes); "
                 f"the other {len(w2.steps) - len(prefill_steps)} steps only decoded.", ".2f")
+    session.repeat_note(section)
     session.report.sections.append(section)
     session.report.sections.append(_overhead_section(decode.name, decode.description, breakdown, labels))
     return session.report
@@ -256,13 +292,13 @@ def run_prefix(options: BenchOptions) -> Report:
     workload = prefix_workload(session.vocab_size, scale=options.scale)
 
     engine = session.engine()
-    run = engine.run(workload.requests, SEQUENTIAL)
+    run = session.median_run("w3", ENGINE, lambda: engine.run(workload.requests, SEQUENTIAL), engine.reset_prefix_cache)
     first_prefill = _until_first_token(run.steps)
     engine.close()
     runs = {ENGINE: (run.timings, run.wall)}
     peer = session.hf()
     if peer is not None:
-        peer_run = peer.run_sequential(workload.requests)
+        peer_run = session.median_run("w3", peer.name, lambda: peer.run_sequential(workload.requests))
         runs[peer.name] = (peer_run.timings, peer_run.wall)
 
     figures = {r: prefix_figures(timings) for r, (timings, _) in runs.items()}
@@ -288,6 +324,7 @@ def run_prefix(options: BenchOptions) -> Report:
         section.add("first_prefill_attention_ms", "  of which attention layers", "ms",
                     {ENGINE: sum(s.timed.get(ATTENTION, 0.0) for s in first_prefill) * 1e3},
                     "time in the Attention layers' forward in the same step(s).")
+    session.repeat_note(section)
     session.report.sections.append(section)
     return session.report
 

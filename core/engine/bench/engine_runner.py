@@ -118,6 +118,10 @@ class EngineRunner:
 
     # runs
 
+    def reset_prefix_cache(self) -> None:
+        """Before a repeated run: its prompts must not hit the cache an earlier run filled."""
+        self.engine.reset_prefix_cache()
+
     def warm_up(self, request: BenchRequest) -> None:
         self.run([request], ALL_AT_ONCE)
 

@@ -224,6 +224,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block, so that later prompts are computed afresh (running
+        requests keep their blocks and contents; they just stop being shared)."""
+        self.kv_manager.reset_prefix_cache()
+
     # the loop
 
     def step(self) -> StepResult:

@@ -276,3 +276,23 @@ def test_native_cache_write_refuses_a_slot_outside_the_cache():
         kernels.cache_write(cache, cache.clone(), torch.tensor([8]), k, k)
     kernels.cache_write(cache, cache.clone(), torch.tensor([3]), k, k)
     assert cache[3].eq(1).all() and cache.sum() == 8
+
+
+def test_native_packed_cache_write_is_exact_when_threads_share_blocks():
+    """Tokens of one value pair written by different threads at the same time lose nothing:
+    the threads take halves of the tokens, and token i of the first half and token i of the
+    second go to the two keys of one pair."""
+    spec = AttentionSpec(kind=MHA, num_heads=2, num_kv_heads=2, head_size=64, scale=0.125)
+    backend = make_backend(spec, 16, torch.bfloat16, "native")
+    if not backend.packed:
+        pytest.skip("packed layout unavailable on this CPU")
+    gen = torch.Generator().manual_seed(9)
+    num_tokens = 4096
+    half = torch.arange(num_tokens // 2)
+    slots = torch.cat([2 * half, 2 * half + 1])
+    k, v = (torch.randn(num_tokens, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    for _ in range(20):
+        cache = torch.zeros(backend.kv_cache_shape(num_tokens // 16 + 2), dtype=torch.bfloat16)
+        backend.kernels.cache_write_packed(cache, slots, k, v)
+        got_k, got_v = backend.gather_kv(cache, slots)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v)

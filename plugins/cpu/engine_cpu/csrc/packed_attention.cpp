@@ -261,13 +261,13 @@ void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torc
                                                   _mm512_set1_epi32(static_cast<int>(block_size)));
           for (; p < head_size / 2; p += 16)
             _mm512_i32scatter_epi32(kseg + p * block_size + off, rows, _mm512_loadu_si512(krow + 2 * p), 4);
-          // 16 values into the even or odd halves of 16 (even, odd) pairs
+          // 16 values into the even or odd halves of 16 (even, odd) pairs: a masked store, which
+          // leaves the other halves alone (another thread may be writing the pair's other token)
           const __mmask32 half = (off & 1) ? 0xAAAAAAAAu : 0x55555555u;
           for (; d + 16 <= head_size; d += 16) {
             __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + d)));
             if (off & 1) w = _mm512_slli_epi32(w, 16);
-            uint16_t* dst = vpairs + 2 * d;
-            _mm512_storeu_si512(dst, _mm512_mask_blend_epi16(half, _mm512_loadu_si512(dst), w));
+            _mm512_mask_storeu_epi16(vpairs + 2 * d, half, w);
           }
         }
 #endif

@@ -135,6 +135,8 @@ def test_plugins_text_lists_plugins_hooks_and_components(capsys):
         "  hooks: register_attention_backends, register_platforms",
         "  platforms: cpu",
         "  attention_backends: cpu_paged",
+        "built into the engine:",
+        "  kv_tiers: cpu",
     ]
 
 
@@ -223,8 +225,12 @@ def test_plugins_with_an_empty_selection_loads_none(capsys, monkeypatch, how):
     assert rc == 0
     report = json.loads(out)
     assert report["plugins"] == []
-    assert all(entries == [] for entries in report["components"].values())
+    # only what the engine itself provides: the cpu KV tier
+    assert {kind: [e["name"] for e in entries] for kind, entries in report["components"].items() if entries} == {
+        "kv_tiers": ["cpu"]
+    }
+    assert report["components"]["kv_tiers"][0]["plugin"] == "engine"
 
     rc, out, _ = run_engine_plugins(capsys, "--plugins", "")
-    assert out == "No plugins loaded.\n"
+    assert out == "No plugins loaded.\nbuilt into the engine:\n  kv_tiers: cpu\n"
 

@@ -22,6 +22,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.manager = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.manager.record_evictions = True
+        self.tier: set[bytes] = set()  # hashes a secondary tier holds: every block the cache evicted
         self.running: dict[str, Request] = {}
         self.waiting: dict[str, Request] = {}
         self.ids = 0
@@ -87,6 +89,34 @@ class KVCacheMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.running) + sorted(self.waiting)))
         request = self.running.pop(rid, None) or self.waiting.pop(rid)
         self.manager.free(request)
+
+    @rule(tokens=TOKENS, loads=st.integers(0, 4))
+    def tier_prefetch_then_add(self, tokens, loads):
+        """A request whose blocks after its primary hit come back from the tier, as
+        KVTierConnector.prefetch does; the tier returns only the first ``loads`` of them."""
+        manager = self.manager
+        self.tier.update(h for _, h in manager.take_evicted())
+        request = Request(self._new_id(), tokens, SamplingParams())
+        manager.update_hashes(request)
+        hashes = request.block_hashes[: (request.num_tokens - 1) // BLOCK_SIZE]
+        hit = 0
+        while hit < len(hashes) and hashes[hit] in manager.cached:
+            hit += 1
+        keys = []
+        for h in hashes[hit:]:
+            if h not in self.tier:
+                break
+            keys.append(h)
+        n = min(len(keys), manager.num_free_blocks - manager.protect(hashes[:hit]))
+        if n > 0:
+            blocks = manager.take_free_blocks(n)
+            self.tier.update(h for _, h in manager.take_evicted())
+            loaded = min(n, loads)
+            manager.publish_loaded(blocks[:loaded], keys[:loaded])
+            manager.return_free_blocks(blocks[loaded:])
+            # the primary hit survived, and the loaded run joined it
+            assert all(h in manager.cached for h in hashes[: hit + loaded])
+        self._admit(request)
 
     @invariant()
     def reference_counts_match_owners(self):

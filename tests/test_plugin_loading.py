@@ -89,7 +89,7 @@ def test_selection_loads_exactly_the_named_plugins(factory, monkeypatch, form):
 
     assert [info.name for info in pm.plugin_infos] == [x, y]
     assert all(info.loaded and info.requested for info in pm.plugin_infos)
-    assert pm.components().kv_tiers.names() == ["x", "y"]
+    assert pm.components().kv_tiers.names() == ["cpu", "x", "y"]  # cpu: built into the engine
     assert len(pm.components().platforms) == 0  # cpu was not loaded
 
 
@@ -113,8 +113,8 @@ def test_empty_selection_loads_no_plugin(factory, monkeypatch, form):
 
     assert pm.plugin_infos == []
     components = pm.components()
-    for kind in KINDS:
-        assert components.registry(kind.attr).names() == [], kind.attr
+    for kind in KINDS:  # only what the engine ships itself
+        assert components.registry(kind.attr).names() == (["cpu"] if kind.attr == "kv_tiers" else []), kind.attr
 
 
 def test_dotted_module_path_loads_without_entry_point(factory):

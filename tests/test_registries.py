@@ -23,6 +23,7 @@ if str(Path(__file__).parent) not in sys.path:
 from plugin_helpers import PluginFactory, hooks_source  # noqa: E402
 
 KV_TIER = "engine.interfaces.kv_tier:KVTier"
+BUILT_INS = {"kv_tiers": ["cpu"]}  # what the engine registers itself, with no plugin
 
 
 TIER_MODULE = """
@@ -185,7 +186,7 @@ def test_each_hook_registers_a_component_that_resolves_by_name(factory, hook):
 
     cls = sys.modules[comps].__dict__[cls_name]
     assert not inspect.isabstract(cls)
-    assert registry.names() == sorted([cls.name, f"lazy_{kind.attr}"])
+    assert registry.names() == sorted([cls.name, f"lazy_{kind.attr}", *BUILT_INS.get(kind.attr, [])])
     assert registry.get(cls.name) is cls
     assert registry.get(f"lazy_{kind.attr}") is cls
     module, _, interface = kind.interface.partition(":")
@@ -195,7 +196,7 @@ def test_each_hook_registers_a_component_that_resolves_by_name(factory, hook):
     assert pm.info_for(plugin).hooks == [kind.hook]
     for other in KINDS:
         if other is not kind:
-            assert len(pm.components().registry(other.attr)) == 0, other.attr
+            assert pm.components().registry(other.attr).names() == BUILT_INS.get(other.attr, []), other.attr
 
 
 def test_single_argument_register_needs_a_class_with_a_name(factory):
@@ -292,14 +293,21 @@ def test_unknown_name_in_the_real_registries(factory):
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[kind.attr for kind in KINDS])
-def test_unknown_name_in_an_empty_registry_says_none(kind):
+def test_unknown_name_with_no_plugin_lists_only_the_built_ins(kind):
     registry = get_plugin_manager(plugins="").components().registry(kind.attr)
     with pytest.raises(ComponentError) as excinfo:
         registry.get("dsk")
+    available = ", ".join(BUILT_INS.get(kind.attr, [])) or "none"
     assert str(excinfo.value) == (
-        f"Unknown {kind.label} 'dsk'. Available: none. "
+        f"Unknown {kind.label} 'dsk'. Available: {available}. "
         "Install a plugin that provides it or pass module.path:ClassName."
     )
+
+
+def test_a_plugin_may_replace_a_built_in_component(factory):
+    tiers = factory.plugin("tiers", hooks_source(register_kv_tiers='register("cpu", "x.y:C")'))
+    entry = get_plugin_manager(plugins=[tiers]).components().kv_tiers.entry("cpu")
+    assert (entry.plugin, entry.target) == (tiers, "x.y:C")
 
 
 @pytest.mark.parametrize("name, target", [("", "a.b:C"), (None, "a.b:C"), ("x", "not a qualname"), ("x", 42)])

@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--attention-backend", default=None, help="Backend name or module.path:Class.")
     generate.add_argument("--max-model-len", type=int, default=None, help="Default: from config.json.")
     generate.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache GiB; default: half of free memory.")
+    _add_kv_tier_options(generate)
     generate.add_argument("--json", action="store_true", help="Print JSON.")
 
     serve = sub.add_parser(
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV-cache GiB; default: the platform's (cpu: half of free memory, at most 4 GiB).")
     serve.add_argument("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
     serve.add_argument("--no-prefix-caching", action="store_true", help="Turn prefix caching off.")
+    _add_kv_tier_options(serve)
     serve.add_argument("--seed", type=int, default=0, help="Seed for unseeded sampling.")
 
     bench = sub.add_parser(
@@ -199,6 +201,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         for kind, names in info.components.items():
             if names:
                 print(f"  {kind}: {', '.join(names)}")
+    built_in = {kind: [e["name"] for e in entries if e["plugin"] == "engine"]
+                for kind, entries in report["components"].items()}
+    if any(built_in.values()):
+        print("built into the engine:")
+        for kind, names in built_in.items():
+            if names:
+                print(f"  {kind}: {', '.join(names)}")
     for probe in report.get("platforms", []):
         state = "available" if probe["available"] else "not available"
         print(f"platform {probe['name']}: {state} ({probe['reason']})")
@@ -228,6 +237,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         attention_backend=args.attention_backend,
         max_model_len=args.max_model_len,
         kv_cache_memory=args.kv_cache_memory,
+        kv_tier=args.kv_tier,
+        kv_tier_config=args.kv_tier_config,
     )
     prompts: list[Any] = list(args.prompt or [])
     for ids in args.prompt_ids or []:
@@ -261,6 +272,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_kv_tier_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-tier", default=None,
+        help="Secondary KV tier for evicted prefix blocks: cpu (built in), a plugin's tier (e.g. disk) or "
+        "module.path:Class. Default: none.",
+    )
+    parser.add_argument(
+        "--kv-tier-config", default=None,
+        help='The tier\'s settings as a JSON object, e.g. \'{"capacity_gb": 8}\' (cpu) or '
+        '\'{"path": "/var/cache/engine-kv", "capacity_gb": 20}\' (disk).',
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -273,7 +297,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             attention_backend=args.attention_backend, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
-            enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+            enable_prefix_caching=not args.no_prefix_caching, kv_tier=args.kv_tier,
+            kv_tier_config=args.kv_tier_config, seed=args.seed,
         )
         server_config = ServerConfig(
             host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,

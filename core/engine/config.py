@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -32,7 +33,28 @@ class EngineConfig(BaseModel):
         None, gt=0, le=1, description="Share of free device memory for the KV cache."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before.")
+    kv_tier: str | None = Field(
+        None, description="Secondary KV tier for evicted prefix blocks: a registered name (cpu, disk, ...) or "
+        "module.path:Class; default: none."
+    )
+    kv_tier_config: dict[str, Any] = Field(
+        default_factory=dict, description="The tier's settings, a JSON object (e.g. {\"capacity_gb\": 8})."
+    )
     seed: int = Field(0, description="Seed for unseeded sampling.")
+
+    @field_validator("kv_tier_config", mode="before")
+    @classmethod
+    def _parse_tier_config(cls, value: object) -> object:
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"kv_tier_config is not valid JSON: {exc}") from None
+            if not isinstance(value, dict):
+                raise ValueError(f"kv_tier_config must be a JSON object, got {type(value).__name__}")
+        return value
 
     @field_validator("plugins", mode="before")
     @classmethod

@@ -232,3 +232,29 @@ def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path):
         assert text.status_code == 400 and "send token ids" in text.json()["error"]["message"]
     finally:
         running.stop()
+
+
+def test_metrics_show_the_kv_tier_counters(tmp_path):
+    from server_helpers import engine_config
+
+    from engine.config import ServerConfig
+    from engine.entrypoints.serve import start_server
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    make_tiny_checkpoint("LlamaForCausalLM", tmp_path)
+    # 6 blocks of 16 tokens: the second prompt evicts the first one's prefix into the tier
+    config = engine_config(tmp_path, kv_tier="cpu", kv_tier_config={"capacity_gb": 0.01}, max_model_len=96,
+                           kv_cache_memory=6 * 16 * 512 / 2**30)  # 512 bytes of KV per token
+    running = start_server(config, ServerConfig(port=0, served_model_name="tiny"))
+    try:
+        for prompt in ([3] * 80, [4] * 80, [3] * 80):
+            body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+            assert httpx.post(running.base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+        series = {}
+        for line in httpx.get(running.base_url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("engine_kv_tier{"):
+                series[line.split('counter="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        assert series["engine_offered_blocks"] >= 4 and series["bytes_written"] > 0
+        assert series["engine_prefetched_blocks"] >= 4 and series["loaded_blocks"] >= 4
+    finally:
+        running.stop()

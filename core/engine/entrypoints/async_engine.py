@@ -57,6 +57,7 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    kv_tier: dict[str, float] | None = None  # the tier's counters and the engine's transfers, when one is set
 
 
 @dataclass
@@ -69,6 +70,15 @@ class _Stream:
     running: set[str] = field(default_factory=set)  # engine ids of the samples not finished yet
     emitted_tokens: dict[int, int] = field(default_factory=dict)  # sample index -> output tokens sent
     emitted_logprobs: dict[int, int] = field(default_factory=dict)
+
+
+def _tier_counters(connector) -> dict[str, float] | None:
+    if connector is None:
+        return None
+    stats = connector.tier.stats()
+    counters = {k: float(v) for k, v in stats.as_dict().items() if k != "extra"}
+    counters.update({f"engine_{k}": float(v) for k, v in vars(connector.stats).items()})
+    return counters
 
 
 class RequestStream:
@@ -191,6 +201,8 @@ class AsyncEngine:
         self._stopping.set()
         self._commands.put(("wake", None, None))
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()
 
     # the loop thread
 
@@ -296,6 +308,7 @@ class AsyncEngine:
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), kv_cache_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks, prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits, num_preemptions=scheduler.num_preemptions,
+            kv_tier=_tier_counters(self.engine.kv_tier),
         )
         if self.on_step is not None:
             self.on_step(self.stats)

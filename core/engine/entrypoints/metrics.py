@@ -59,6 +59,11 @@ class ServerMetrics:
             "engine_prefix_cache_hit_rate", "Prefix-cache hits over queries since start.", labels, registry=r
         )
         self.preemptions = Gauge("engine_num_preemptions", "Requests preempted since start (cumulative).", labels, registry=r)
+        self.kv_tier = Gauge(
+            "engine_kv_tier", "The KV tier's counters since start (cumulative): blocks, bytes, failures, seconds; "
+            "engine_* counters are the engine's own transfers (offered, prefetched blocks).",
+            labels + ["counter"], registry=r,
+        )
         self.model_name = model_name
 
     def observe_finished(self, endpoint: str, status: str, prompt_tokens: int, output_tokens: int,
@@ -87,4 +92,6 @@ class ServerMetrics:
         rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
         self.prefix_hit_rate.labels(m).set(rate)
         self.preemptions.labels(m).set(stats.num_preemptions)
+        for counter, value in (stats.kv_tier or {}).items():
+            self.kv_tier.labels(m, counter).set(value)
         return generate_latest(self.registry)

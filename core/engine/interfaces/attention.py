@@ -135,6 +135,26 @@ class AttentionBackend(ABC):
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's cache tensor for ``num_blocks`` blocks."""
 
+    def gather_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the keys and values ([n, num_kv_heads, head_size] each) held in cache
+        ``slots`` (``block * block_size + offset``), for KV tiers.
+
+        The default serves slot-major layouts: ``kv_cache[0]`` (keys) and ``kv_cache[1]``
+        (values) each flatten to ``[slots, num_kv_heads, head_size]``, as
+        ``(2, num_blocks, block_size, Hkv, D)`` or ``(2, num_blocks * block_size, Hkv, D)`` do.
+        A backend with any other layout overrides this and :meth:`scatter_kv`.
+        """
+        spec = self.spec
+        return tuple(kv_cache[i].reshape(-1, spec.num_kv_heads, spec.head_size)[slots] for i in (0, 1))
+
+    def scatter_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write ``k`` and ``v`` ([n, num_kv_heads, head_size]) into cache ``slots``; the
+        inverse of :meth:`gather_kv` (same default layout)."""
+        spec = self.spec
+        for i, x in ((0, k), (1, v)):
+            flat = kv_cache[i].view(-1, spec.num_kv_heads, spec.head_size)  # a view, or an error: never a copy
+            flat[slots] = x
+
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """Derive whatever this backend needs for the step; called once per step."""

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from engine.plugins.registry import ComponentError, Registry
+from engine.plugins.registry import BUILT_IN, ComponentError, Registry
 
 if TYPE_CHECKING:
     from engine.plugins.manager import EnginePluginManager
@@ -66,7 +66,11 @@ class Components:
 
     @classmethod
     def from_plugin_manager(cls, pm: EnginePluginManager) -> Components:
+        from engine.kv_tiers import BUILTIN_KV_TIERS
+
         components = cls()
+        for name, target in BUILTIN_KV_TIERS.items():  # part of the engine: no plugin needed
+            components.kv_tiers.add(name, target, plugin=BUILT_IN, distribution="engine (built in)")
         for kind in KINDS:
             registry = components.registry(kind.attr)
             for impl in getattr(pm.hook, kind.hook).get_hookimpls():

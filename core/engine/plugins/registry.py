@@ -25,6 +25,9 @@ class ComponentError(LookupError):
     """An unknown, duplicate or unusable component name."""
 
 
+BUILT_IN = "engine"  # the plugin name of components the engine itself provides
+
+
 @dataclass(frozen=True)
 class RegistryEntry:
     name: str
@@ -63,6 +66,8 @@ class Registry(Generic[T]):
                 f"'module.path:ClassName' string, got {target!r}."
             )
         previous = self._entries.get(name)
+        if previous is not None and previous.plugin == BUILT_IN and plugin != BUILT_IN:
+            override = True  # a plugin may replace what the engine ships under the same name
         if previous is not None and not override:
             raise ComponentError(
                 f"Duplicate {self.kind} {name!r}: registered by plugin {previous.plugin!r} "

@@ -60,6 +60,9 @@ class KVCacheManager:
         # blocks nobody holds, least recently used first; popping the front evicts
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.stats = PrefixCacheStats()
+        # with a KV tier: (block, hash) of every cached block evicted since take_evicted()
+        self.record_evictions = False
+        self.evicted: list[tuple[int, bytes]] = []
 
     # queries
 
@@ -157,6 +160,52 @@ class KVCacheManager:
             self.block_hashes[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
+                if self.record_evictions:
+                    self.evicted.append((block, h))
+
+    # secondary tier support (KVTierConnector)
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        evicted, self.evicted = self.evicted, []
+        return evicted
+
+    def protect(self, hashes: list[bytes]) -> int:
+        """Move the free cached blocks of ``hashes`` to the back of the eviction order; returns
+        how many of them are free (they must not be taken by :meth:`take_free_blocks`)."""
+        free = 0
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is not None and self.ref_counts[block] == 0:
+                self.free_queue.move_to_end(block)
+                free += 1
+        return free
+
+    def take_free_blocks(self, n: int) -> list[int]:
+        """Take ``n`` blocks from the front of the free queue (evicting their hashes), owned by
+        nobody until :meth:`publish_loaded` or :meth:`return_free_blocks`."""
+        blocks = []
+        for _ in range(n):
+            block, _ = self.free_queue.popitem(last=False)
+            self._evict(block)
+            blocks.append(block)
+        return blocks
+
+    def publish_loaded(self, blocks: list[int], hashes: list[bytes]) -> None:
+        """Blocks now holding the KV of ``hashes``: cached and free, most recently used."""
+        for block, h in zip(blocks, hashes, strict=True):
+            if h in self.cached:  # loaded twice meanwhile: keep the first, this block stays plain
+                self.free_queue[block] = None
+                self.free_queue.move_to_end(block, last=False)
+                continue
+            self.block_hashes[block] = h
+            self.cached[h] = block
+            self.free_queue[block] = None
+
+    def return_free_blocks(self, blocks: list[int]) -> None:
+        """Blocks taken but not filled: free, first to be reused."""
+        for block in reversed(blocks):
+            self.free_queue[block] = None
+            self.free_queue.move_to_end(block, last=False)
 
     def free(self, request: Request) -> None:
         """Drop the request's hold on its blocks. Unshared tail blocks become the

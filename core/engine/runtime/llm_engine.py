@@ -19,6 +19,7 @@ from engine.plugins.manager import EnginePluginManager, get_plugin_manager
 from engine.runtime.kv_cache_manager import KVCacheManager, cache_salt
 from engine.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.runtime.kv_cache import KVCache, KVCacheGroup, group_layers, num_blocks_for
+from engine.runtime.kv_tier_connector import KVTierConnector, tier_spec
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.request import Request, RequestStatus
 from engine.runtime.scheduler import Scheduler
@@ -82,6 +83,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
             salt=cache_salt(str(self.model_path.resolve()), self.architecture, self.dtype_name, config.block_size),
         )
+        self.kv_tier = self._make_kv_tier(components)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
@@ -93,6 +95,27 @@ class LLMEngine:
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             self.architecture, self.platform.name, self.dtype_name, self.kv_cache.num_blocks, config.block_size,
         )
+
+    def _make_kv_tier(self, components) -> KVTierConnector | None:
+        config = self.config
+        if config.kv_tier is None:
+            if config.kv_tier_config:
+                raise ValueError("kv_tier_config was given without kv_tier: name the tier (--kv-tier).")
+            return None
+        if not config.enable_prefix_caching:
+            raise ValueError("A KV tier holds prefix-cache blocks: it needs prefix caching on.")
+        tier_cls = components.kv_tiers.get(config.kv_tier)
+        spec = tier_spec(self.kv_cache, self.kv_manager.salt, self.dtype)
+        tier = tier_cls(spec, config.kv_tier_config)
+        logger.info("KV tier %s (%s): blocks of %d bytes, digest %s", config.kv_tier, tier_cls.__name__,
+                    spec.block_bytes, spec.digest)
+        return KVTierConnector(tier, self.kv_cache, self.kv_manager, spec)
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV tier (pending stores finish first)."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
+            self.kv_tier = None
 
     def _make_kv_cache(self, components) -> KVCache:
         config = self.config
@@ -164,6 +187,8 @@ class LLMEngine:
                 self.tokenizer, skip_special_tokens=params.skip_special_tokens, stop_hold_back=hold_back
             )
         self.requests[request_id] = request
+        if self.kv_tier is not None:
+            self.kv_tier.prefetch(request)
         self.scheduler.add(request)
         return request
 
@@ -233,6 +258,8 @@ class LLMEngine:
 
     def step(self) -> StepResult:
         batch = self.scheduler.schedule()
+        if self.kv_tier is not None:
+            self.kv_tier.offload_evicted()  # before this step's forward overwrites the evicted blocks
         sampled_requests, tokens = self.runner.execute(batch)
         for request, n in zip(batch.requests, batch.num_tokens):
             request.num_computed_tokens += n

@@ -27,6 +27,7 @@ _CLASSES = {
     "AttentionBackendTests": "engine.testing.kit.attention",
     "ModelTests": "engine.testing.kit.model",
     "PlatformTests": "engine.testing.kit.platform",
+    "KVTierTests": "engine.testing.kit.kv_tier",
 }
 
 __all__ = ["KitTests", "capability_skip", *_CLASSES]

@@ -1,0 +1,1 @@
+"""engine-kv-tier-disk: a persistent KV tier that keeps prefix blocks as files on disk."""

@@ -1,0 +1,573 @@
+"""The disk KV tier: round trips, LRU on disk and across restarts, faults, config, threads."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+import threading
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.interfaces.kv_tier import KVTierSpec
+from engine.plugins.manager import get_plugin_manager
+from engine_kv_tier_disk.blockfile import FORMAT_VERSION, HEADER_SIZE, MAGIC
+from engine_kv_tier_disk.tier import DiskKVTier
+
+SPEC = KVTierSpec("ab" * 16, "bfloat16", 4, ((4, 2, 8), (4, 2, 8)))  # 256 elements, 512 bytes
+FILE_SIZE = HEADER_SIZE + SPEC.block_bytes
+THREE_BLOCKS_GB = 3 * FILE_SIZE / 2**30
+
+
+def make_keys(n: int, seed: int = 0) -> list[bytes]:
+    rng = random.Random(seed)
+    return [rng.randbytes(16) for _ in range(n)]
+
+
+def random_block(spec: KVTierSpec = SPEC, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(spec.block_numel, generator=generator).to(getattr(torch, spec.dtype))
+
+
+def empty_block(spec: KVTierSpec = SPEC) -> torch.Tensor:
+    return torch.empty(spec.block_numel, dtype=getattr(torch, spec.dtype))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def block_file(root: Path | str, key: bytes, spec: KVTierSpec = SPEC) -> Path:
+    return Path(root) / spec.digest / key.hex()[:2] / f"{key.hex()}.kvb"
+
+
+def files_under(root: Path | str, suffix: str) -> list[Path]:
+    return sorted(p for p in Path(root).rglob("*") if p.is_file() and p.name.endswith(suffix))
+
+
+def open_tier(root: Path, spec: KVTierSpec = SPEC, **config) -> DiskKVTier:
+    return DiskKVTier(spec, {"path": str(root), **config})
+
+
+@pytest.fixture
+def tier(tmp_path):
+    tier = open_tier(tmp_path)
+    yield tier
+    tier.close()
+
+
+# round trips
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_round_trip_is_byte_exact_and_files_follow_the_format(tmp_path, dtype):
+    spec = KVTierSpec("ab" * 16, dtype, 4, ((4, 2, 8), (4, 2, 8)))
+    tier = open_tier(tmp_path, spec)
+    keys = make_keys(4)
+    blocks = [random_block(spec, seed=i) for i in range(4)]
+    assert tier.store(keys, blocks).result() == [True] * 4
+    assert tier.lookup(keys) == 4
+    out = [empty_block(spec) for _ in keys]
+    assert tier.load(keys, out).result() == [True] * 4
+    assert all(same_bytes(got, want) for got, want in zip(out, blocks))
+
+    for key, block in zip(keys, blocks):  # the file, read independently of the tier
+        data = block_file(tmp_path, key, spec).read_bytes()
+        payload = block.view(torch.uint8).numpy().tobytes()
+        assert len(data) == HEADER_SIZE + spec.block_bytes
+        header = struct.pack("<4sHHQI4x", MAGIC, FORMAT_VERSION, 0, len(payload), zlib.crc32(payload))
+        assert data[:HEADER_SIZE] == header
+        assert data[HEADER_SIZE:] == payload
+
+    stats = tier.stats()
+    assert (stats.stored_blocks, stats.loaded_blocks, stats.hits, stats.misses) == (4, 4, 4, 0)
+    assert stats.bytes_written == stats.bytes_read == 4 * spec.block_bytes
+    assert stats.extra["blocks"] == 4 and stats.extra["used_bytes"] == 4 * (HEADER_SIZE + spec.block_bytes)
+    tier.close()
+
+
+def test_partial_load_fails_only_the_missing_and_unusable_blocks(tier):
+    keys = make_keys(4)
+    assert tier.store([keys[0], keys[2]], [random_block(seed=0), random_block(seed=2)]).result() == [True, True]
+    out = [empty_block() for _ in range(4)]
+    out[3] = torch.empty(7, dtype=torch.bfloat16)  # the wrong size for a block
+    assert tier.load(keys, out).result() == [True, False, True, False]
+    assert same_bytes(out[0], random_block(seed=0)) and same_bytes(out[2], random_block(seed=2))
+    assert tier.lookup(keys[:3]) == 1 and tier.lookup(keys[2:3]) == 1 and tier.lookup(keys[1:2]) == 0
+    stats = tier.stats()
+    assert (stats.loaded_blocks, stats.load_failures) == (2, 2)
+    assert (stats.hits, stats.misses) == (2, 2)  # each lookup that stops short misses once
+
+
+def test_load_into_a_non_contiguous_tensor(tier):
+    key = make_keys(1)
+    tier.store(key, [random_block(seed=5)]).result()
+    out = torch.zeros(SPEC.block_numel, 2, dtype=torch.bfloat16)[:, 0]  # stride 2
+    assert tier.load(key, [out]).result() == [True] and same_bytes(out.contiguous(), random_block(seed=5))
+
+
+def test_store_copies_the_block_before_returning_and_serves_it_until_written(tier, monkeypatch):
+    gate = threading.Event()
+    write_file = tier._write_file
+
+    def held_write(path, data):
+        gate.wait(10)
+        write_file(path, data)
+
+    monkeypatch.setattr(tier, "_write_file", held_write)
+    key = make_keys(1)
+    given = random_block(seed=3)
+    future = tier.store(key, [given])
+    given.fill_(0)  # the engine reuses its tensor as soon as store returns
+    assert not future.done() and tier.lookup(key) == 1
+    out = [empty_block()]
+    assert tier.load(key, out).result() == [True] and same_bytes(out[0], random_block(seed=3))
+    gate.set()
+    assert future.result() == [True]
+    assert block_file(tier.root, key[0]).stat().st_size == FILE_SIZE
+    assert tier.load(key, out).result() == [True] and same_bytes(out[0], random_block(seed=3))
+
+
+def test_storing_a_key_again_keeps_the_block_it_has(tier):
+    key = make_keys(1)
+    tier.store(key, [random_block(seed=1)]).result()
+    assert tier.store(key, [random_block(seed=1)]).result() == [True]
+    assert tier.stats().stored_blocks == 2 and tier.stats().extra["blocks"] == 1
+
+
+# capacity and least-recently-used order
+
+
+def test_evicts_least_recently_used_at_capacity(tmp_path):
+    tier = open_tier(tmp_path, capacity_gb=THREE_BLOCKS_GB)
+    assert tier.capacity_blocks == 3
+    keys = make_keys(5)
+    for i in range(3):
+        tier.store([keys[i]], [random_block(seed=i)]).result()
+    tier.load([keys[0]], [empty_block()]).result()  # key 0 becomes the most recently used
+    tier.store([keys[3]], [random_block(seed=3)]).result()  # evicts key 1
+    assert [tier.lookup([k]) for k in keys[:4]] == [1, 0, 1, 1]  # order now 0, 2, 3
+    assert not block_file(tmp_path, keys[1]).exists()
+    tier.lookup([keys[0]])  # a lookup hit counts as a use too: order 2, 3, 0
+    tier.store([keys[4]], [random_block(seed=4)]).result()  # evicts key 2
+    assert [tier.lookup([k]) for k in keys] == [1, 0, 0, 1, 1]
+    stats = tier.stats()
+    assert stats.evicted_blocks == 2 and stats.extra["blocks"] == 3
+    assert len(files_under(tmp_path, ".kvb")) == 3
+    tier.close()
+
+
+@pytest.mark.parametrize("use", ["load", "lookup"])
+def test_lru_order_survives_a_restart(tmp_path, use):
+    keys = make_keys(4)
+    tier = open_tier(tmp_path, capacity_gb=THREE_BLOCKS_GB)
+    for i in range(3):
+        tier.store([keys[i]], [random_block(seed=i)]).result()
+    if use == "load":
+        tier.load([keys[0]], [empty_block()]).result()
+    else:
+        tier.lookup([keys[0]])
+    tier.close()
+
+    mtimes = [block_file(tmp_path, k).stat().st_mtime_ns for k in keys[:3]]
+    assert mtimes[1] < mtimes[2] < mtimes[0]
+    tier = open_tier(tmp_path, capacity_gb=THREE_BLOCKS_GB)
+    tier.store([keys[3]], [random_block(seed=3)]).result()  # evicts key 1, the least recently used
+    assert [tier.lookup([k]) for k in keys] == [1, 0, 1, 1]
+    tier.close()
+
+
+def test_a_smaller_capacity_at_restart_evicts_the_oldest(tmp_path):
+    keys = make_keys(3)
+    tier = open_tier(tmp_path)
+    for i, key in enumerate(keys):
+        tier.store([key], [random_block(seed=i)]).result()
+    tier.close()
+    tier = open_tier(tmp_path, capacity_gb=FILE_SIZE / 2**30)
+    assert [tier.lookup([k]) for k in keys] == [0, 0, 1]
+    assert tier.stats().evicted_blocks == 2 and len(files_under(tmp_path, ".kvb")) == 1
+    tier.close()
+
+
+# restarts and digests
+
+
+def test_restart_with_the_same_digest_reuses_blocks_and_another_digest_sees_none(tmp_path):
+    keys = make_keys(5)
+    blocks = [random_block(seed=i) for i in range(5)]
+    tier = open_tier(tmp_path)
+    assert tier.store(keys, blocks).result() == [True] * 5
+    tier.close()
+
+    tier = open_tier(tmp_path)
+    assert tier.stats().extra["blocks"] == 5 and tier.lookup(keys) == 5
+    out = [empty_block() for _ in keys]
+    assert tier.load(keys, out).result() == [True] * 5
+    assert all(same_bytes(got, want) for got, want in zip(out, blocks))
+    tier.close()
+
+    other_spec = KVTierSpec("cd" * 16, "bfloat16", 4, ((4, 2, 8), (4, 2, 8)))
+    other = open_tier(tmp_path, other_spec)
+    assert other.stats().extra["blocks"] == 0 and other.lookup(keys) == 0
+    assert other.load(keys[:1], out[:1]).result() == [False]
+    other.close()
+    assert len(files_under(tmp_path / SPEC.digest, ".kvb")) == 5
+
+
+def test_restart_removes_leftover_temp_files_and_wrong_sized_blocks(tmp_path):
+    keys = make_keys(3)
+    tier = open_tier(tmp_path)
+    tier.store(keys, [random_block(seed=i) for i in range(3)]).result()
+    tier.close()
+    leftover = block_file(tmp_path, keys[0]).parent / f".{keys[0].hex()}.kvb.123.456.0.tmp"
+    leftover.write_bytes(b"half a block")
+    with open(block_file(tmp_path, keys[1]), "r+b") as file:
+        file.truncate(FILE_SIZE - 1)
+    unrelated = tmp_path / SPEC.digest / "README"
+    unrelated.write_text("not a block")
+
+    tier = open_tier(tmp_path)
+    assert not leftover.exists() and not block_file(tmp_path, keys[1]).exists() and unrelated.exists()
+    assert [tier.lookup([k]) for k in keys] == [1, 0, 1]
+    assert tier.stats().extra["corrupt_blocks"] == 1
+    tier.close()
+
+
+def test_one_open_tier_per_directory_and_digest(tmp_path):
+    tier = open_tier(tmp_path)
+    with pytest.raises(ValueError, match="'path' .* is in use"):
+        open_tier(tmp_path)
+    tier.close()
+    open_tier(tmp_path).close()  # free again once the first is closed
+
+
+# faults on read
+
+
+def flip_payload_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[HEADER_SIZE + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def flip_magic(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def truncate_payload(path: Path) -> None:
+    with open(path, "r+b") as file:
+        file.truncate(HEADER_SIZE + SPEC.block_bytes // 2)
+
+
+def truncate_header(path: Path) -> None:
+    with open(path, "r+b") as file:
+        file.truncate(HEADER_SIZE // 2)
+
+
+def append_byte(path: Path) -> None:
+    with open(path, "ab") as file:
+        file.write(b"\0")
+
+
+@pytest.mark.parametrize("damage", [flip_payload_byte, flip_magic, truncate_payload, truncate_header, append_byte])
+def test_a_damaged_file_fails_its_load_is_counted_and_removed(tier, damage):
+    keys = make_keys(2)
+    tier.store(keys, [random_block(seed=0), random_block(seed=1)]).result()
+    damage(block_file(tier.root, keys[0]))
+    assert tier.lookup(keys) == 2  # lookup trusts the index; the load finds out
+    out = [empty_block(), empty_block()]
+    assert tier.load(keys, out).result() == [False, True]
+    assert same_bytes(out[1], random_block(seed=1))
+    stats = tier.stats()
+    assert stats.load_failures == 1 and stats.extra["corrupt_blocks"] == 1 and stats.extra["blocks"] == 1
+    assert not block_file(tier.root, keys[0]).exists()
+    assert tier.lookup(keys) == 0
+    assert tier.store(keys[:1], [random_block(seed=0)]).result() == [True]  # and it can be stored again
+    assert tier.load(keys[:1], out[:1]).result() == [True] and same_bytes(out[0], random_block(seed=0))
+
+
+def test_a_file_deleted_behind_the_tiers_back_fails_its_load(tier):
+    keys = make_keys(2)
+    tier.store(keys, [random_block(seed=0), random_block(seed=1)]).result()
+    block_file(tier.root, keys[1]).unlink()
+    assert tier.lookup(keys) == 2
+    assert tier.load(keys, [empty_block(), empty_block()]).result() == [True, False]
+    stats = tier.stats()
+    assert stats.load_failures == 1 and stats.extra["lost_blocks"] == 1 and stats.extra["blocks"] == 1
+    assert tier.lookup(keys) == 1
+
+
+# faults on write
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES])
+def test_a_failing_write_fails_its_blocks_leaves_no_temp_files_and_the_tier_recovers(tier, monkeypatch, code):
+    def failing_write(path, data):
+        with open(path, "xb") as file:  # part of the block lands, then the disk refuses the rest
+            file.write(bytes(data[0]))
+        raise OSError(code, os.strerror(code), path)
+
+    monkeypatch.setattr(tier, "_write_file", failing_write)
+    keys = make_keys(3)
+    assert tier.store(keys[:2], [random_block(seed=0), random_block(seed=1)]).result() == [False, False]
+    stats = tier.stats()
+    assert stats.store_failures == 2 and stats.stored_blocks == 0 and stats.bytes_written == 0
+    assert stats.extra["blocks"] == stats.extra["pending_blocks"] == 0
+    assert files_under(tier.root, ".tmp") == [] and files_under(tier.root, ".kvb") == []
+    assert tier.lookup(keys[:2]) == 0
+
+    monkeypatch.undo()  # the disk has room again
+    assert tier.store(keys, [random_block(seed=i) for i in range(3)]).result() == [True] * 3
+    out = [empty_block() for _ in keys]
+    assert tier.load(keys, out).result() == [True] * 3
+    assert all(same_bytes(out[i], random_block(seed=i)) for i in range(3))
+    assert tier.stats().store_failures == 2
+
+
+@contextlib.contextmanager
+def read_only(*directories: Path):
+    """Make ``directories`` refuse new entries. Root ignores permission bits, so as root this
+    sets the immutable attribute (``chattr +i``), and skips where the filesystem or the
+    capabilities do not allow it."""
+    if os.geteuid() != 0:
+        modes = [d.stat().st_mode for d in directories]
+        for d in directories:
+            d.chmod(0o555)
+        try:
+            yield
+        finally:
+            for d, mode in zip(directories, modes):
+                d.chmod(mode)
+        return
+    chattr = shutil.which("chattr")
+    if chattr is None:
+        pytest.skip("running as root without chattr: no way to make a directory read-only")
+    applied: list[Path] = []
+    try:
+        for d in directories:
+            done = subprocess.run([chattr, "+i", str(d)], check=False, capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"cannot make a directory read-only as root here: chattr +i: {done.stderr.strip()}")
+            applied.append(d)
+        with contextlib.suppress(OSError):
+            (directories[0] / "probe").touch()
+            (directories[0] / "probe").unlink()
+            pytest.skip("chattr +i did not make the directory read-only here")
+        yield
+    finally:
+        for d in applied:
+            subprocess.run([chattr, "-i", str(d)], check=True)
+
+
+def test_a_read_only_directory_fails_stores_but_still_serves_loads(tmp_path):
+    keys = make_keys(3)
+    first = keys[0]
+    same_shard = first[:1] + bytes(15)  # a key whose file would go next to the first one's
+    tier = open_tier(tmp_path)
+    tier.store([first], [random_block(seed=0)]).result()
+    digest_dir = tmp_path / SPEC.digest
+    shard = block_file(tmp_path, first).parent
+    with read_only(digest_dir, shard):
+        new = [same_shard, keys[1] if keys[1][:1] != first[:1] else keys[2]]
+        assert tier.store(new, [random_block(seed=1), random_block(seed=2)]).result() == [False, False]
+        assert tier.stats().store_failures == 2
+        out = [empty_block()]
+        assert tier.load([first], out).result() == [True] and same_bytes(out[0], random_block(seed=0))
+        tier.close()
+        reopened = open_tier(tmp_path)  # a read-only cache still opens and serves
+        assert reopened.lookup([first]) == 1
+        assert reopened.load([first], out).result() == [True] and same_bytes(out[0], random_block(seed=0))
+        assert files_under(tmp_path, ".tmp") == []
+    assert reopened.store(new, [random_block(seed=1), random_block(seed=2)]).result() == [True, True]
+    reopened.close()
+
+
+def test_stores_beyond_the_pending_limit_are_dropped_not_queued(tier, monkeypatch):
+    gate = threading.Event()
+    write_file = tier._write_file
+
+    def held_write(path, data):
+        gate.wait(10)
+        write_file(path, data)
+
+    monkeypatch.setattr(tier, "_write_file", held_write)
+    tier.max_pending_bytes = 2 * SPEC.block_bytes
+    keys = make_keys(3)
+    futures = [tier.store([key], [random_block(seed=i)]) for i, key in enumerate(keys)]
+    assert futures[2].done() and futures[2].result() == [False]
+    gate.set()
+    assert [f.result() for f in futures] == [[True], [True], [False]]
+    stats = tier.stats()
+    assert stats.store_failures == 1 and stats.extra["dropped_blocks"] == 1 and stats.stored_blocks == 2
+
+
+# keys
+
+
+def test_keys_cannot_name_a_file_outside_the_digest_directory(tmp_path):
+    tier = open_tier(tmp_path)
+    hostile = [b"../../../../etc/passwd", b"/etc/shadow", b"..", b"a/../../b", b"\\..\\x", b"\x00\xff/.."]
+    assert tier.store(hostile, [random_block(seed=i) for i in range(len(hostile))]).result() == [True] * 6
+    assert tier.lookup(hostile) == 6
+    assert tier.load(hostile[:1], [empty_block()]).result() == [True]
+    tier.close()
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"]
+    assert sorted(p.relative_to(tmp_path) for p in files) == sorted(
+        Path(SPEC.digest) / key.hex()[:2] / f"{key.hex()}.kvb" for key in hostile
+    )
+
+
+@pytest.mark.parametrize("key", [b"", b"x" * 65, "a string", None, bytearray(b"k" * 16)])
+def test_a_key_that_is_not_1_to_64_bytes_fails_its_block_without_raising(tier, key):
+    good = make_keys(1)[0]
+    assert tier.store([key, good], [random_block(seed=0), random_block(seed=1)]).result() == [False, True]
+    assert tier.lookup([key, good]) == 0 and tier.lookup([good, key]) == 1
+    assert tier.load([key, good], [empty_block(), empty_block()]).result() == [False, True]
+    stats = tier.stats()
+    assert stats.store_failures == 1 and stats.load_failures == 1
+    assert files_under(tier.root, ".kvb") == [block_file(tier.root, good)]
+
+
+# config
+
+
+@pytest.mark.parametrize("config,message", [
+    ({}, "'path' is required"),
+    ({"path": ""}, "'path' must be a directory path (a non-empty string), got ''"),
+    ({"path": 3}, "'path' must be a directory path (a non-empty string), got 3"),
+    ({"path": "{tmp}", "capacity_gb": -1}, "'capacity_gb' must be a number above 0, got -1"),
+    ({"path": "{tmp}", "capacity_gb": "lots"}, "'capacity_gb' must be a number above 0, got 'lots'"),
+    ({"path": "{tmp}", "capacity_gb": 1e-9}, "'capacity_gb'=1e-09 holds no block file of 536 bytes"),
+    ({"path": "{tmp}", "threads": 0}, "'threads' must be an integer of at least 1, got 0"),
+    ({"path": "{tmp}", "threads": 1.5}, "'threads' must be an integer of at least 1, got 1.5"),
+    ({"path": "{tmp}", "threads": True}, "'threads' must be an integer of at least 1, got True"),
+    ({"path": "{tmp}", "size": 3}, "unknown config key(s) 'size'; it takes 'path', 'capacity_gb', 'threads'"),
+    ({"path": "{file}"}, "exists and is not a directory"),
+    ({"path": "{file}/sub"}, "cannot be created"),
+])
+def test_bad_config_is_a_clear_error(tmp_path, config, message):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    config = {k: v.format(tmp=tmp_path, file=a_file) if isinstance(v, str) else v for k, v in config.items()}
+    with pytest.raises(ValueError) as info:
+        DiskKVTier(SPEC, config)
+    assert "KV tier 'disk'" in str(info.value) and message in str(info.value)
+
+
+def test_a_digest_that_is_not_hex_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="must be hex"):
+        open_tier(tmp_path, KVTierSpec("../x", "bfloat16", 4, ((4, 2, 8),)))
+
+
+def test_path_is_created_when_missing(tmp_path):
+    root = tmp_path / "a" / "b"
+    tier = open_tier(root)
+    assert (root / SPEC.digest).is_dir() and tier.persistent
+    tier.close()
+
+
+# threads and closing
+
+
+def test_concurrent_stores_from_several_threads_all_land(tmp_path):
+    tier = open_tier(tmp_path, threads=4)
+    per_thread, num_threads = 16, 8
+    keys = make_keys(per_thread * num_threads)
+    futures: list = [None] * num_threads
+
+    def worker(t: int) -> None:
+        chunk = range(t * per_thread, (t + 1) * per_thread)
+        futures[t] = tier.store([keys[i] for i in chunk], [random_block(seed=i) for i in chunk])
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(f.result() == [True] * per_thread for f in futures)
+    assert tier.lookup(keys) == len(keys)
+    out = [empty_block() for _ in keys]
+    assert tier.load(keys, out).result() == [True] * len(keys)
+    assert all(same_bytes(out[i], random_block(seed=i)) for i in range(len(keys)))
+    assert tier.stats().stored_blocks == len(keys) and len(files_under(tmp_path, ".kvb")) == len(keys)
+    tier.close()
+
+
+def test_a_large_load_is_split_across_reader_threads_and_keeps_each_flag_in_place(tmp_path, monkeypatch):
+    monkeypatch.setattr(DiskKVTier, "read_threads", 3)
+    tier = open_tier(tmp_path)
+    keys = make_keys(40)
+    stored = [i for i in range(40) if i % 4 != 1]
+    tier.store([keys[i] for i in stored], [random_block(seed=i) for i in stored]).result()
+    flip_payload_byte(block_file(tier.root, keys[10]))
+    tier.min_read_job_bytes = 2 * SPEC.block_bytes
+    threads = set()
+    load_block = tier._load_block
+
+    def recording_load(key, out):
+        threads.add(threading.current_thread().name)
+        return load_block(key, out)
+
+    monkeypatch.setattr(tier, "_load_block", recording_load)
+    out = [empty_block() for _ in keys]
+    expected = [i in stored and i != 10 for i in range(40)]
+    assert tier.load(keys, out).result() == expected
+    assert all(same_bytes(out[i], random_block(seed=i)) for i in range(40) if expected[i])
+    assert threads and all(name.startswith("kv-tier-disk-read") for name in threads)
+    stats = tier.stats()
+    assert stats.loaded_blocks == sum(expected) and stats.load_failures == 40 - sum(expected)
+    assert stats.extra["corrupt_blocks"] == 1 and stats.load_seconds > 0
+    tier.close()
+
+
+def test_close_waits_for_pending_stores_and_later_calls_raise(tmp_path, monkeypatch):
+    tier = open_tier(tmp_path)
+    gate = threading.Event()
+    write_file = tier._write_file
+
+    def held_write(path, data):
+        gate.wait(10)
+        write_file(path, data)
+
+    monkeypatch.setattr(tier, "_write_file", held_write)
+    keys = make_keys(4)
+    future = tier.store(keys, [random_block(seed=i) for i in range(4)])
+    closer = threading.Thread(target=tier.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive() and not future.done()  # close waits for the writes
+    gate.set()
+    closer.join(10)
+    assert not closer.is_alive() and future.done() and future.result() == [True] * 4
+    assert all(block_file(tmp_path, key).exists() for key in keys)
+
+    for call in (lambda: tier.lookup(keys), lambda: tier.store(keys[:1], [random_block()]),
+                 lambda: tier.load(keys[:1], [empty_block()])):
+        with pytest.raises(RuntimeError, match="KV tier 'disk' is closed."):
+            call()
+    tier.close()  # closing again is harmless
+    assert tier.stats().stored_blocks == 4
+
+
+# registration
+
+
+def test_registers_through_its_entry_point_and_by_module_path():
+    assert get_plugin_manager(["kv_tier_disk"]).components().kv_tiers.get("disk") is DiskKVTier
+    by_path = get_plugin_manager("").components().kv_tiers.get("engine_kv_tier_disk.tier:DiskKVTier")
+    assert by_path is DiskKVTier and DiskKVTier.persistent
+
+
+def test_the_hook_module_imports_no_torch():
+    code = "import sys, engine_kv_tier_disk.plugin; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -1,0 +1,105 @@
+"""The disk tier under the engine: outputs stay those of an engine without a tier while
+blocks come back from disk, across a restart, and through damaged files and a full disk."""
+
+from __future__ import annotations
+
+import errno
+import random
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("disk-tier") / "llama"
+    make_tiny_checkpoint("LlamaForCausalLM", path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(8)
+    return [[rng.randrange(3, 320) for _ in range(70)] for _ in range(6)]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint, prompts):
+    llm = LLM(checkpoint, plugins=["cpu", "llama"], dtype="float32", progress=False)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+
+
+def make_llm(checkpoint: str, root: Path, block_size: int = 4) -> LLM:
+    # 24 blocks of 4 tokens (tiny Llama: 512 bytes of fp32 KV a token): each prompt evicts the previous ones
+    return LLM(checkpoint, plugins=["cpu", "llama", "kv_tier_disk"], dtype="float32", progress=False,
+               block_size=block_size, max_model_len=96, kv_cache_memory=24 * block_size * 512 / 2**30,
+               kv_tier="disk", kv_tier_config={"path": str(root), "capacity_gb": 0.1})
+
+
+def one_by_one(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+def block_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvb"))
+
+
+def test_restart_reuses_blocks_and_damaged_files_cost_only_themselves(checkpoint, prompts, reference, tmp_path):
+    llm = make_llm(checkpoint, tmp_path)
+    assert one_by_one(llm, prompts) == reference
+    llm.engine.close()  # pending writes land
+    files = block_files(tmp_path)
+    assert len(files) >= 5 * 17  # the evicted full blocks of the first five prompts
+    # damage three files behind the tier's back: a flipped byte, a truncation, a deletion
+    data = bytearray(files[0].read_bytes())
+    data[-1] ^= 0xFF
+    files[0].write_bytes(bytes(data))
+    files[1].write_bytes(files[1].read_bytes()[:-7])
+
+    again = make_llm(checkpoint, tmp_path)  # a new engine, same model and layout: same digest
+    files[2].unlink()
+    assert one_by_one(again, prompts) == reference
+    connector = again.engine.kv_tier
+    stats = connector.tier.stats()
+    assert connector.stats.prefetched_blocks >= 5 * 17 - 3 * 17  # a damaged block ends only its own prompt's run
+    # the truncated file is dropped when the tier opens (wrong size), the flipped one when loaded;
+    # the deleted one fails its load unless an earlier failed block already ended its prompt's run
+    assert stats.extra["corrupt_blocks"] == 2 and stats.load_failures >= 1
+    again.engine.close()
+    assert not files[0].exists() and not files[1].exists()  # the bad files were removed
+
+
+def test_another_layout_never_sees_the_blocks(checkpoint, prompts, reference, tmp_path):
+    llm = make_llm(checkpoint, tmp_path)
+    one_by_one(llm, prompts)
+    llm.engine.close()
+    stored = len(block_files(tmp_path))
+    # another block size makes another digest: none of the first engine's blocks may come back
+    # (with the same digest, every prompt of this pass would start from the disk)
+    other = make_llm(checkpoint, tmp_path, block_size=8)
+    assert one_by_one(other, prompts) == reference
+    assert other.engine.kv_tier.stats.prefetched_blocks == 0
+    other.engine.close()
+    assert len(block_files(tmp_path)) > stored  # the first digest's files are still there, beside the new ones
+
+
+def test_a_full_disk_costs_stores_never_requests(checkpoint, prompts, reference, tmp_path, monkeypatch):
+    from engine_kv_tier_disk.tier import DiskKVTier
+
+    def disk_full(self, path, data):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(DiskKVTier, "_write_file", disk_full)
+    llm = make_llm(checkpoint, tmp_path)
+    assert one_by_one(llm, prompts) == reference
+    assert one_by_one(llm, prompts) == reference
+    tier = llm.engine.kv_tier.tier
+    llm.engine.close()
+    assert tier.stats().store_failures >= 5 * 17
+    assert block_files(tmp_path) == [] and [p for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"] == []

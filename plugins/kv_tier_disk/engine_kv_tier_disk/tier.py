@@ -49,9 +49,9 @@ class DiskKVTier(KVTier):
     ``load`` reads straight into the caller's tensors. The engine waits on a load as soon as
     it asks, so a small load (under ``min_read_job_bytes``) runs in the calling thread and
     returns a completed future: a hand-off would only add latency. A larger one is split into
-    contiguous runs of blocks read side by side by ``read_threads`` reader threads, because
-    verifying the checksum costs more than reading from the page cache and parallelises
-    (zlib releases the GIL); readers never queue behind writes.
+    contiguous runs of blocks read side by side by ``read_threads`` reader threads, so that
+    reads from the disk overlap (file reads and the checksum release the GIL); readers never
+    queue behind writes.
 
     A hit (lookup or load) makes a block the most recently used and stamps its file's mtime,
     so the least-recently-used order survives a restart. Faults cost blocks, never
@@ -65,7 +65,7 @@ class DiskKVTier(KVTier):
     persistent = True
     max_pending_bytes = 2**30  # block copies waiting for a writer thread
     min_read_job_bytes = 4 * 2**20  # a load is split into runs of at least this many bytes
-    read_threads = max(1, min(4, os.cpu_count() or 1))
+    read_threads = 8  # reads wait on the disk more than on the CPU: more of them than cores
 
     def __init__(self, spec: KVTierSpec, config: Mapping[str, Any]) -> None:
         super().__init__(spec, config)
@@ -105,6 +105,7 @@ class DiskKVTier(KVTier):
         self._extra = {"corrupt_blocks": 0, "lost_blocks": 0, "dropped_blocks": 0}
         self._failing = False  # the last write failed (logged once per run of failures)
         self._closed = False
+        self._made_dirs: set[str] = set()
         try:
             self._lock_fd = layout.lock(self.directory)
         except DirectoryInUseError as exc:
@@ -167,6 +168,7 @@ class DiskKVTier(KVTier):
                     self._stats.store_failures += 1  # the disk is behind: drop rather than stall the caller
                     self._extra["dropped_blocks"] += 1
                     continue
+                # copied here, block by block, so that each block's write starts while the next is copied
                 copy = torch.empty(self.spec.block_numel, dtype=self.dtype)
                 copy.view(block.shape).copy_(block.detach())
                 self._pending[key] = copy
@@ -221,6 +223,7 @@ class DiskKVTier(KVTier):
         start = time.perf_counter()
         path = self._block_path(key)
         temp = layout.temp_path(path)
+        parent = os.path.dirname(path)
         size = self.file_size
         with self._lock:
             self._make_room(size)  # free the space before filling it
@@ -229,7 +232,9 @@ class DiskKVTier(KVTier):
         try:
             payload = memoryview(block.view(torch.uint8).numpy())
             header = encode_header(payload)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            if parent not in self._made_dirs:  # 256 subdirectories at most: create each once
+                os.makedirs(parent, exist_ok=True)
+                self._made_dirs.add(parent)
             self._write_file(temp, (header, payload))
             with self._lock:
                 self._reserved_bytes -= size
@@ -250,6 +255,7 @@ class DiskKVTier(KVTier):
             return True
         except Exception as exc:  # a failed write costs this block, never the caller
             layout.remove(temp)
+            self._made_dirs.discard(parent)  # removed behind our back? made again next time
             with self._lock:
                 if reserved:
                     self._reserved_bytes -= size
@@ -267,9 +273,20 @@ class DiskKVTier(KVTier):
     def _write_file(self, path: str, data: Sequence[bytes | memoryview]) -> None:
         """Create the file ``path`` (it must not exist) holding the buffers of ``data`` one after
         another. Every byte the tier puts on disk goes through here."""
-        with open(path, "xb") as file:
-            file.writelines(data)
-            file.flush()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            total, written = sum(memoryview(d).nbytes for d in data), 0
+            buffers = [memoryview(d).cast("B") for d in data]
+            while written < total:  # one writev; a short write continues where it stopped
+                n = os.writev(fd, buffers)
+                written += n
+                while buffers and n >= buffers[0].nbytes:
+                    n -= buffers[0].nbytes
+                    buffers.pop(0)
+                if buffers and n:
+                    buffers[0] = buffers[0][n:]
+        finally:
+            os.close(fd)
 
     # reads (the calling thread or reader threads)
 

@@ -11,11 +11,11 @@ import struct
 import subprocess
 import sys
 import threading
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from engine.interfaces.kv_tier import KVTierSpec
 from engine.plugins.manager import get_plugin_manager
@@ -83,7 +83,7 @@ def test_round_trip_is_byte_exact_and_files_follow_the_format(tmp_path, dtype):
         data = block_file(tmp_path, key, spec).read_bytes()
         payload = block.view(torch.uint8).numpy().tobytes()
         assert len(data) == HEADER_SIZE + spec.block_bytes
-        header = struct.pack("<4sHHQI4x", MAGIC, FORMAT_VERSION, 0, len(payload), zlib.crc32(payload))
+        header = struct.pack("<4sHHQQ", MAGIC, FORMAT_VERSION, 0, len(payload), xxhash.xxh3_64_intdigest(payload))
         assert data[:HEADER_SIZE] == header
         assert data[HEADER_SIZE:] == payload
 

@@ -106,3 +106,18 @@ def hooks_source(**hooks: str) -> str:
         body = textwrap.indent(textwrap.dedent(body).strip(), "    ")
         parts.append(f"\n@engine.hookimpl\ndef {hook}(register):\n{body}\n")
     return "".join(parts)
+
+
+def run_kit_in_subprocess(pytester, **files: str) -> dict[tuple[str, str], str]:
+    """Write ``files`` (module name -> source) and run pytest on them in a fresh process (torch
+    cannot be imported twice in one); returns {(test class, check): outcome} of every check
+    that passed, failed, errored or was skipped with its node id."""
+    pytester.makepyfile(**{name: textwrap.dedent(source) for name, source in files.items()})
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "-rA", "-p", "no:randomly")
+    outcomes = {}
+    for line in result.outlines:
+        status, _, nodeid = line.partition(" ")
+        if status in ("PASSED", "FAILED", "SKIPPED", "ERROR") and "::" in nodeid:
+            _, cls, check = nodeid.split(" ")[0].split("::")
+            outcomes[(cls, check)] = status.lower()
+    return outcomes

@@ -3,7 +3,12 @@ below is caught by the kit check named next to it, and the real cpu tier passes 
 
 from __future__ import annotations
 
-import textwrap
+import sys
+from pathlib import Path
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+from plugin_helpers import run_kit_in_subprocess  # noqa: E402
 
 pytest_plugins = ["pytester"]
 
@@ -86,22 +91,9 @@ TESTS = "from engine.testing.kit import KVTierTests\n" + "".join(
 )
 
 
-def run_kit(pytester) -> dict[tuple[str, str], str]:
-    """Run the kit on the broken plugin in a fresh process; returns {(class, check): outcome}."""
-    pytester.makepyfile(broken_tiers=PLUGIN, test_tier_kit=textwrap.dedent(TESTS))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "-rA", "-p", "no:randomly")
-    outcomes = {}
-    for line in result.outlines:
-        status, _, nodeid = line.partition(" ")
-        if status in ("PASSED", "FAILED", "SKIPPED", "ERROR") and "::" in nodeid:
-            _, cls, check = nodeid.split(" ")[0].split("::")
-            outcomes[(cls, check)] = status.lower()
-    return outcomes
-
-
 def test_every_broken_tier_is_caught_by_its_check(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
-    outcomes = run_kit(pytester)
+    outcomes = run_kit_in_subprocess(pytester, broken_tiers=PLUGIN, test_tier_kit=TESTS)
     for name, check in CAUGHT_BY.items():
         assert outcomes[(f"Test_{name}", check)] == "failed", f"{name}: {check} did not fail"
     good = {check: outcome for (cls, check), outcome in outcomes.items() if cls == "Test_good"}

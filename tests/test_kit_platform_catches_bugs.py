@@ -3,8 +3,13 @@ caught by the kit check named next to it, and the CPU platform passes them all."
 
 from __future__ import annotations
 
-import textwrap
+import sys
+from pathlib import Path
 
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+from plugin_helpers import run_kit_in_subprocess  # noqa: E402
 
 pytest_plugins = ["pytester"]
 
@@ -99,23 +104,9 @@ CAUGHT_BY = {
 }
 
 
-def run_kit(pytester) -> dict[tuple[str, str], str]:
-    """Run the kit on the broken plugin in a fresh process (torch cannot be imported twice
-    in one); returns {(class, check): outcome}."""
-    pytester.makepyfile(broken_platforms=PLUGIN, test_platform_kit=textwrap.dedent(TESTS))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "-rA", "-p", "no:randomly")
-    outcomes = {}
-    for line in result.outlines:
-        status, _, nodeid = line.partition(" ")
-        if status in ("PASSED", "FAILED", "SKIPPED", "ERROR") and "::" in nodeid:
-            _, cls, check = nodeid.split(" ")[0].split("::")
-            outcomes[(cls, check)] = status.lower()
-    return outcomes
-
-
 def test_every_broken_platform_is_caught_by_its_check_and_only_there(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
-    outcomes = run_kit(pytester)
+    outcomes = run_kit_in_subprocess(pytester, broken_platforms=PLUGIN, test_platform_kit=TESTS)
     for cls, check in CAUGHT_BY.items():
         assert outcomes[(cls, check)] == "failed", f"{cls}: {check} did not fail"
     good = {check: outcome for (cls, check), outcome in outcomes.items() if cls == "TestGood"}

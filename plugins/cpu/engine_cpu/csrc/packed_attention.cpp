@@ -206,13 +206,7 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
                                           tables + b * max_blocks, pos, lo, g0, g1, group, num_kv_heads, block_size,
                                           fscale, acc.data(), m.data(), l.data());
         };
-        switch (head_size) {
-          case 16: run(std::integral_constant<int, 16>{}); break;
-          case 32: run(std::integral_constant<int, 32>{}); break;
-          case 64: run(std::integral_constant<int, 64>{}); break;
-          case 128: run(std::integral_constant<int, 128>{}); break;
-          default: run(std::integral_constant<int, 256>{}); break;
-        }
+        engine_cpu::with_head_size(head_size, run);
       }
     }
   });

@@ -181,13 +181,7 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cach
               tables + it.b * max_blocks, start, rows, ctx[it.b] + it.tile * kQueryTile, it.g, num_heads,
               num_kv_heads, block_size, static_cast<float>(scale), window, q.stride(0));
         };
-        switch (head_size) {
-          case 16: run(std::integral_constant<int, 16>{}); break;
-          case 32: run(std::integral_constant<int, 32>{}); break;
-          case 64: run(std::integral_constant<int, 64>{}); break;
-          case 128: run(std::integral_constant<int, 128>{}); break;
-          default: run(std::integral_constant<int, 256>{}); break;
-        }
+        engine_cpu::with_head_size(head_size, run);
       }
     }
   });

@@ -4,6 +4,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #include <cstdint>
+#include <type_traits>
 
 namespace engine_cpu {
 
@@ -41,6 +42,18 @@ inline void store_bf16(void* p, __m512 v) { _mm256_storeu_si256(static_cast<__m2
 // what storing to bf16 and loading back gives
 inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+}
+
+// run(std::integral_constant<int, D>{}) for the head sizes of the packed cache (16..256)
+template <typename F>
+inline void with_head_size(int64_t head_size, F&& run) {
+  switch (head_size) {
+    case 16: run(std::integral_constant<int, 16>{}); break;
+    case 32: run(std::integral_constant<int, 32>{}); break;
+    case 64: run(std::integral_constant<int, 64>{}); break;
+    case 128: run(std::integral_constant<int, 128>{}); break;
+    default: run(std::integral_constant<int, 256>{}); break;
+  }
 }
 
 }  // namespace engine_cpu

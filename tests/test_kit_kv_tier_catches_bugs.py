@@ -41,6 +41,15 @@ class Zeros(CpuKVTier):
         return done(result)
 
 
+class Loser(CpuKVTier):
+    """says every store succeeded but silently drops every other block"""
+    name = "loser"
+
+    def store(self, keys, blocks):
+        super().store(keys[::2], blocks[::2])
+        return done([True] * len(keys))
+
+
 class NoCopy(CpuKVTier):
     """keeps the engine's tensor instead of a copy"""
     name = "no_copy"
@@ -72,7 +81,7 @@ class Undead(CpuKVTier):
 
 @engine.hookimpl
 def register_kv_tiers(register):
-    for cls in (Good, Liar, Zeros, NoCopy, Hoarder, Undead):
+    for cls in (Good, Liar, Zeros, Loser, NoCopy, Hoarder, Undead):
         register(cls)
 '''
 
@@ -80,6 +89,7 @@ def register_kv_tiers(register):
 CAUGHT_BY = {
     "liar": "test_partial_load_and_lookup_of_leading_keys",
     "zeros": "test_byte_exact_round_trip[bfloat16]",
+    "loser": "test_byte_exact_round_trip[float32]",
     "no_copy": "test_store_keeps_its_own_copy",
     "hoarder": "test_eviction_keeps_within_capacity",
     "undead": "test_closed_tier_refuses_calls",

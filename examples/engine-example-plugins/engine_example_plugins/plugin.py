@@ -7,3 +7,8 @@ import engine
 def register_attention_backends(register):
     # imported on first use, not when the plugin loads
     register("example_torch_paged", "engine_example_plugins.attention:TorchPagedAttention")
+
+
+@engine.hookimpl
+def register_kv_tiers(register):
+    register("example_sqlite", "engine_example_plugins.sqlite_tier:SqliteKVTier")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.testing.kit import AttentionBackendTests
+from engine.testing.kit import AttentionBackendTests, KVTierTests
 
 
 class TestViaEntryPoint(AttentionBackendTests):
@@ -18,6 +18,18 @@ class TestViaModulePath(AttentionBackendTests):
     plugin = "engine_example_plugins.plugin"
     backend_name = "example_torch_paged"
     dtypes = ("float32",)
+
+
+class TestSqliteTierViaEntryPoint(KVTierTests):
+    plugin = "example"
+    tier_name = "example_sqlite"
+
+    def config(self, directory, capacity_bytes):
+        return {**super().config(directory, capacity_bytes), "path": str(directory / "blocks.sqlite")}
+
+
+class TestSqliteTierViaModulePath(TestSqliteTierViaEntryPoint):
+    plugin = "engine_example_plugins.plugin"
 
 
 def test_serves_a_model_like_transformers(tiny_checkpoint):

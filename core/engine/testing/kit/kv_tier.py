@@ -241,6 +241,7 @@ class KVTierTests(KitTests):
             @initialize()
             def start(self) -> None:
                 self.dir = directory / f"run{next(runs)}"
+                self.dir.mkdir()
                 self.tier = kit.open(self.dir, blocks=capacity, spec=spec)
                 # key -> seeds of every version stored under it: a key names interchangeable
                 # blocks, so a tier may keep the first version it got or the last

@@ -128,6 +128,10 @@ class CpuPagedAttention(AttentionBackend):
             kv_cache[0].view(-1, spec.num_kv_heads, spec.head_size)[slots] = k
             kv_cache[1].view(-1, spec.num_kv_heads, spec.head_size)[slots] = v
             return
+        if k.dtype == torch.bfloat16 and v.dtype == torch.bfloat16 and slots.dtype == torch.int64:
+            # the kernel that writes new tokens every step: many times faster than index_put on the views
+            self.kernels.cache_write_packed(kv_cache, slots.contiguous(), k.contiguous(), v.contiguous())
+            return
         keys, values = self._packed_views(kv_cache)
         block, offset = slots // self.block_size, slots % self.block_size
         keys[block, :, :, offset] = k.reshape(-1, spec.num_kv_heads, spec.head_size // 2, 2)

@@ -53,6 +53,19 @@ def files_under(root: Path | str, suffix: str) -> list[Path]:
     return sorted(p for p in Path(root).rglob("*") if p.is_file() and p.name.endswith(suffix))
 
 
+def hold_writes(tier: DiskKVTier, monkeypatch) -> threading.Event:
+    """Make the tier's writer threads wait, before writing, until the returned event is set."""
+    gate = threading.Event()
+    write_file = tier._write_file
+
+    def held_write(path, data):
+        gate.wait(10)
+        write_file(path, data)
+
+    monkeypatch.setattr(tier, "_write_file", held_write)
+    return gate
+
+
 def open_tier(root: Path, spec: KVTierSpec = SPEC, **config) -> DiskKVTier:
     return DiskKVTier(spec, {"path": str(root), **config})
 
@@ -115,14 +128,7 @@ def test_load_into_a_non_contiguous_tensor(tier):
 
 
 def test_store_copies_the_block_before_returning_and_serves_it_until_written(tier, monkeypatch):
-    gate = threading.Event()
-    write_file = tier._write_file
-
-    def held_write(path, data):
-        gate.wait(10)
-        write_file(path, data)
-
-    monkeypatch.setattr(tier, "_write_file", held_write)
+    gate = hold_writes(tier, monkeypatch)
     key = make_keys(1)
     given = random_block(seed=3)
     future = tier.store(key, [given])
@@ -393,14 +399,7 @@ def test_a_read_only_directory_fails_stores_but_still_serves_loads(tmp_path):
 
 
 def test_stores_beyond_the_pending_limit_are_dropped_not_queued(tier, monkeypatch):
-    gate = threading.Event()
-    write_file = tier._write_file
-
-    def held_write(path, data):
-        gate.wait(10)
-        write_file(path, data)
-
-    monkeypatch.setattr(tier, "_write_file", held_write)
+    gate = hold_writes(tier, monkeypatch)
     tier.max_pending_bytes = 2 * SPEC.block_bytes
     keys = make_keys(3)
     futures = [tier.store([key], [random_block(seed=i)]) for i, key in enumerate(keys)]
@@ -532,14 +531,7 @@ def test_a_large_load_is_split_across_reader_threads_and_keeps_each_flag_in_plac
 
 def test_close_waits_for_pending_stores_and_later_calls_raise(tmp_path, monkeypatch):
     tier = open_tier(tmp_path)
-    gate = threading.Event()
-    write_file = tier._write_file
-
-    def held_write(path, data):
-        gate.wait(10)
-        write_file(path, data)
-
-    monkeypatch.setattr(tier, "_write_file", held_write)
+    gate = hold_writes(tier, monkeypatch)
     keys = make_keys(4)
     future = tier.store(keys, [random_block(seed=i) for i in range(4)])
     closer = threading.Thread(target=tier.close)

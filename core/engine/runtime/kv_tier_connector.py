@@ -3,6 +3,7 @@
 - Offload: blocks the prefix cache evicts (to reuse them for other tokens) are
   copied out in the canonical layout and offered to the tier before the step that
   overwrites them runs; the tier stores them in its own time.
+- Close: a persistent tier also gets the cached blocks still in the primary cache.
 - Prefetch: when a request arrives, the blocks after its primary prefix hit are
   looked up in the tier; the leading run the tier returns is written into free
   blocks and published in the prefix cache, where the scheduler then finds it like
@@ -141,4 +142,11 @@ class KVTierConnector:
         return loaded
 
     def close(self) -> None:
+        """Close the tier; a persistent one first gets every cached block of the primary cache
+        that no request holds, so that the next engine can start from them too."""
+        if self.tier.persistent:
+            manager = self.manager
+            blocks = manager.take_free_blocks(manager.num_free_blocks)  # evicts (and records) every cached one
+            self.offload_evicted()
+            manager.return_free_blocks(blocks)
         self.tier.close()

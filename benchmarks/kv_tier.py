@@ -48,7 +48,7 @@ def main() -> None:
         config["path"] = tempfile.mkdtemp(prefix="engine-kv-bench-")
     engine = LLMEngine(EngineConfig(model="llama58m", dtype="bfloat16", max_model_len=4096, kv_tier=args.kv_tier,
                                     kv_tier_config=config), progress=False)
-    connector, manager = engine.kv_tier, engine.kv_manager
+    connector = engine.kv_tier
     rng = random.Random(11)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -59,20 +59,12 @@ def main() -> None:
             engine.step()
         return time.perf_counter() - start
 
-    def evict_all_into_tier() -> None:
-        blocks = manager.take_free_blocks(manager.num_free_blocks)  # evicts every cached block
-        connector.offload_evicted()
-        manager.return_free_blocks(blocks)
-        flush = getattr(connector.tier, "flush", None)
-        if flush is not None:
-            flush()
-
     recompute, restore = [], []
     for _ in range(args.repeat):
         prompt = [rng.randrange(32000) for _ in range(args.prefix_tokens + 1)]
         engine.reset_prefix_cache()
         recompute.append(ttft(prompt))
-        evict_all_into_tier()
+        connector.offload_cached()
         time.sleep(1.0)  # let a background writer finish: the restore below must read, not wait
         if args.cold:
             os.sync()

@@ -90,6 +90,22 @@ class KVCacheManager:
             start = len(hashes) * bs
             hashes.append(block_hash(hashes[-1] if hashes else self.salt, request.token_ids[start : start + bs]))
 
+    def prefix_hashes(self, request: Request) -> list[bytes]:
+        """The hashes of the full blocks a prefix hit may cover: all but the block holding the
+        last token, which must be computed to produce the next token's logits."""
+        self.update_hashes(request)
+        return request.block_hashes[: (request.num_tokens - 1) // self.block_size]
+
+    def leading_cached(self, hashes: list[bytes]) -> list[int]:
+        """The cached blocks of the leading run of ``hashes`` found in the cache."""
+        hits = []
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix of ``request``'s tokens.
 
@@ -98,14 +114,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.needs_prompt_logits:
             return []
-        self.update_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits = []
-        for h in request.block_hashes[:max_blocks]:
-            block = self.cached.get(h)
-            if block is None:
-                break
-            hits.append(block)
+        hits = self.leading_cached(self.prefix_hashes(request))
         self.stats.queries += request.num_tokens
         self.stats.hits += len(hits) * self.block_size
         return hits

@@ -109,11 +109,8 @@ class KVTierConnector:
         manager = self.manager
         if not manager.enable_prefix_caching or request.needs_prompt_logits:
             return 0
-        manager.update_hashes(request)
-        hashes = request.block_hashes[: (request.num_tokens - 1) // manager.block_size]
-        hit = 0
-        while hit < len(hashes) and hashes[hit] in manager.cached:
-            hit += 1
+        hashes = manager.prefix_hashes(request)
+        hit = len(manager.leading_cached(hashes))
         keys = hashes[hit:]
         if not keys:
             return 0
@@ -145,8 +142,11 @@ class KVTierConnector:
         """Close the tier; a persistent one first gets every cached block of the primary cache
         that no request holds, so that the next engine can start from them too."""
         if self.tier.persistent:
-            manager = self.manager
-            blocks = manager.take_free_blocks(manager.num_free_blocks)  # evicts (and records) every cached one
-            self.offload_evicted()
-            manager.return_free_blocks(blocks)
+            self.offload_cached()
         self.tier.close()
+
+    def offload_cached(self) -> None:
+        """Evict every cached block no request holds from the primary cache into the tier."""
+        blocks = self.manager.take_free_blocks(self.manager.num_free_blocks)  # evicts (and records) them
+        self.offload_evicted()
+        self.manager.return_free_blocks(blocks)

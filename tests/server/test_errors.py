@@ -278,6 +278,9 @@ class _BrokenEngine:
 
         return EngineStats()
 
+    def kv_tier_counters(self):
+        return None
+
     async def add(self, *args, **kwargs):
         raise RuntimeError("secret internal detail")
 

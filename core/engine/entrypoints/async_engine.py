@@ -57,7 +57,6 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
-    kv_tier: dict[str, float] | None = None  # the tier's counters and the engine's transfers, when one is set
 
 
 @dataclass
@@ -302,13 +301,18 @@ class AsyncEngine:
             stop_reason=request.stop_reason if finished else None, num_output_tokens=len(output),
         )
 
+    def kv_tier_counters(self) -> dict[str, float] | None:
+        """The KV tier's counters and the engine's transfers through it (None without a tier);
+        read when /metrics is scraped rather than after every step (``KVTier.stats`` may be
+        called from any thread)."""
+        return _tier_counters(self.engine.kv_tier)
+
     def _refresh_stats(self) -> None:
         scheduler, kv = self.engine.scheduler, self.engine.kv_manager
         self.stats = EngineStats(
             num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), kv_cache_usage=kv.usage,
             num_free_blocks=kv.num_free_blocks, prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits, num_preemptions=scheduler.num_preemptions,
-            kv_tier=_tier_counters(self.engine.kv_tier),
         )
         if self.on_step is not None:
             self.on_step(self.stats)

@@ -22,9 +22,13 @@ _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0
 class ServerMetrics:
     """The server's series. ``model_name`` labels every one of them."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self, model_name: str, stats: Callable[[], EngineStats],
+        tier_counters: Callable[[], dict[str, float] | None] = lambda: None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._stats = stats
+        self._tier_counters = tier_counters
         labels = ["model_name"]
         r = self.registry
         self.requests = Counter(
@@ -92,6 +96,6 @@ class ServerMetrics:
         rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
         self.prefix_hit_rate.labels(m).set(rate)
         self.preemptions.labels(m).set(stats.num_preemptions)
-        for counter, value in (stats.kv_tier or {}).items():
+        for counter, value in (self._tier_counters() or {}).items():
             self.kv_tier.labels(m, counter).set(value)
         return generate_latest(self.registry)

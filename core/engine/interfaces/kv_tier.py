@@ -111,7 +111,8 @@ class KVTier(ABC):
 
     @abstractmethod
     def stats(self) -> KVTierStats:
-        """The counters so far."""
+        """The counters so far. May be called from any thread (the server reads them when
+        /metrics is scraped)."""
 
     @abstractmethod
     def close(self) -> None:

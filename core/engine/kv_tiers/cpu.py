@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import OrderedDict
@@ -103,9 +104,9 @@ class CpuKVTier(KVTier):
 
     def stats(self) -> KVTierStats:
         with self._lock:
-            stats = KVTierStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
-            stats.extra = {"blocks": len(self._blocks), "capacity_blocks": self.capacity_blocks}
-            return stats
+            return dataclasses.replace(
+                self._stats, extra={"blocks": len(self._blocks), "capacity_blocks": self.capacity_blocks}
+            )
 
     def close(self) -> None:
         with self._lock:

@@ -8,6 +8,7 @@ one lock (SQLite serialises writes anyway), so the futures it returns are comple
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 import threading
@@ -144,12 +145,10 @@ class SqliteKVTier(KVTier):
 
     def stats(self) -> KVTierStats:
         with self._lock:
-            stats = KVTierStats(**{k: v for k, v in vars(self._stats).items() if k != "extra"})
-            if not self._closed:
-                (count,) = self._db.execute("SELECT COUNT(*) FROM blocks WHERE digest = ?",
-                                            (self.spec.digest,)).fetchone()
-                stats.extra = {"blocks": count, "capacity_blocks": self.capacity_blocks}
-            return stats
+            if self._closed:
+                return dataclasses.replace(self._stats)
+            (count,) = self._db.execute("SELECT COUNT(*) FROM blocks WHERE digest = ?", (self.spec.digest,)).fetchone()
+            return dataclasses.replace(self._stats, extra={"blocks": count, "capacity_blocks": self.capacity_blocks})
 
     def close(self) -> None:
         with self._lock:

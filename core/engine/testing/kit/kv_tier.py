@@ -64,14 +64,6 @@ class KVTierTests(KitTests):
 
     # helpers
 
-    def components(self) -> Any:
-        from engine.plugins.manager import get_plugin_manager
-
-        plugin = type(self).plugin
-        if plugin is None:
-            raise NotImplementedError(f"{type(self).__name__} must set the class attribute 'plugin'.")
-        return get_plugin_manager([p for p in (plugin, *self.also_load) if p]).components()
-
     def tier_class(self) -> Any:
         return self.resolve(self.required("tier_name"))
 

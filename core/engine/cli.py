@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-model-len", type=int, default=None, help="Default: from config.json.")
     generate.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache GiB; default: half of free memory.")
     _add_kv_tier_options(generate)
+    _add_quantization_options(generate)
     generate.add_argument("--json", action="store_true", help="Print JSON.")
 
     serve = sub.add_parser(
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--block-size", type=int, default=16, help="Tokens per KV-cache block.")
     serve.add_argument("--no-prefix-caching", action="store_true", help="Turn prefix caching off.")
     _add_kv_tier_options(serve)
+    _add_quantization_options(serve)
     serve.add_argument("--seed", type=int, default=0, help="Seed for unseeded sampling.")
 
     bench = sub.add_parser(
@@ -113,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plugins_option(bench)
     bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                        help="Compute dtype of the engine and the peers.")
+    _add_quantization_options(bench)
     bench.add_argument("--peers", default="", help="Comma-separated peers to run as well: hf (transformers generate).")
     bench.add_argument("--max-num-seqs", type=int, default=None, help="Engine limit; unset: the engine's default.")
     bench.add_argument(
@@ -239,6 +242,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory,
         kv_tier=args.kv_tier,
         kv_tier_config=args.kv_tier_config,
+        quantization=args.quantization,
+        quantization_config=args.quantization_config,
     )
     prompts: list[Any] = list(args.prompt or [])
     for ids in args.prompt_ids or []:
@@ -285,6 +290,20 @@ def _add_kv_tier_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_quantization_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quantization", default=None,
+        help="Quantize an unquantized checkpoint while loading: a registered method (e.g. bitsandbytes, from "
+        "engine-bitsandbytes) or module.path:Class. A quantized checkpoint needs no option: its config.json names "
+        "its method.",
+    )
+    parser.add_argument(
+        "--quantization-config", default=None,
+        help='Settings for --quantization as a JSON object shaped like a checkpoint\'s quantization_config, e.g. '
+        '\'{"load_in_8bit": true}\' or \'{"bnb_4bit_quant_type": "fp4"}\' (bitsandbytes).',
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -298,7 +317,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
             enable_prefix_caching=not args.no_prefix_caching, kv_tier=args.kv_tier,
-            kv_tier_config=args.kv_tier_config, seed=args.seed,
+            kv_tier_config=args.kv_tier_config, quantization=args.quantization,
+            quantization_config=args.quantization_config, seed=args.seed,
         )
         server_config = ServerConfig(
             host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
@@ -327,7 +347,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model=args.model, plugins=args.plugins, dtype=args.dtype,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, scale=args.scale,
-        repeat=args.repeat,
+        repeat=args.repeat, quantization=args.quantization, quantization_config=args.quantization_config,
     )
     report = run_bench(args.workload, options)
     print(report.as_json() if args.json else report.as_text())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -40,20 +40,28 @@ class EngineConfig(BaseModel):
     kv_tier_config: dict[str, Any] = Field(
         default_factory=dict, description="The tier's settings, a JSON object (e.g. {\"capacity_gb\": 8})."
     )
+    quantization: str | None = Field(
+        None, description="Quantize an unquantized checkpoint while loading: a registered method (bitsandbytes, "
+        "...) or module.path:Class. A quantized checkpoint names its own method in config.json."
+    )
+    quantization_config: dict[str, Any] = Field(
+        default_factory=dict, description="Settings for --quantization, a JSON object in the shape of a "
+        "checkpoint's quantization_config (e.g. {\"load_in_8bit\": true})."
+    )
     seed: int = Field(0, description="Seed for unseeded sampling.")
 
-    @field_validator("kv_tier_config", mode="before")
+    @field_validator("kv_tier_config", "quantization_config", mode="before")
     @classmethod
-    def _parse_tier_config(cls, value: object) -> object:
+    def _parse_json_object(cls, value: object, info: ValidationInfo) -> object:
         if value is None:
             return {}
         if isinstance(value, str):
             try:
                 value = json.loads(value) if value.strip() else {}
             except json.JSONDecodeError as exc:
-                raise ValueError(f"kv_tier_config is not valid JSON: {exc}") from None
+                raise ValueError(f"{info.field_name} is not valid JSON: {exc}") from None
             if not isinstance(value, dict):
-                raise ValueError(f"kv_tier_config must be a JSON object, got {type(value).__name__}")
+                raise ValueError(f"{info.field_name} must be a JSON object, got {type(value).__name__}")
         return value
 
     @field_validator("plugins", mode="before")

@@ -50,6 +50,8 @@ class BenchOptions:
     max_num_batched_tokens: int | None = None
     scale: float = 1.0
     repeat: int = 1
+    quantization: str | None = None
+    quantization_config: str | None = None
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.peers if p not in PEERS]
@@ -116,11 +118,13 @@ class _Session:
         o = self.options
         runner = EngineRunner(
             str(self.model_path), plugins=o.plugins, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
-            max_num_batched_tokens=o.max_num_batched_tokens,
+            max_num_batched_tokens=o.max_num_batched_tokens, quantization=o.quantization,
+            quantization_config=o.quantization_config,
         )
         d = runner.describe()
+        quantized = f", quantization {d['quantization']}" if d["quantization"] else ""
         self.report.setup["engine"] = (
-            f"{d['architecture']} on {d['platform']} ({d['dtype']}), max_num_seqs {d['max_num_seqs']}, "
+            f"{d['architecture']} on {d['platform']} ({d['dtype']}{quantized}), max_num_seqs {d['max_num_seqs']}, "
             f"max_num_batched_tokens {d['max_num_batched_tokens']}, {d['kv_cache_blocks']} KV blocks of {d['block_size']}"
         )
         runner.warm_up(self.warmup)

@@ -55,14 +55,16 @@ class EngineRunner:
 
     def __init__(
         self, model: str, *, plugins: str | None, dtype: str, max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
+        max_num_batched_tokens: int | None = None, quantization: str | None = None,
+        quantization_config: str | None = None,
     ) -> None:
         from engine.config import EngineConfig
         from engine.runtime.llm_engine import LLMEngine
 
         limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
         self.config = EngineConfig(
-            model=model, plugins=plugins, dtype=dtype, **{k: v for k, v in limits.items() if v is not None}
+            model=model, plugins=plugins, dtype=dtype, quantization=quantization,
+            quantization_config=quantization_config, **{k: v for k, v in limits.items() if v is not None},
         )
         self.engine = LLMEngine(self.config, progress=False)
         self.model = self._model_called_by_runner()
@@ -109,6 +111,7 @@ class EngineRunner:
             "architecture": self.engine.architecture,
             "platform": self.engine.platform.name,
             "dtype": self.engine.dtype_name,
+            "quantization": self.engine.quantizer.name if self.engine.quantizer is not None else None,
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "kv_cache_blocks": self.engine.kv_cache.num_blocks,

@@ -12,9 +12,18 @@ if TYPE_CHECKING:
 class LinearMethod(ABC):
     """How one linear layer stores and applies its weight.
 
-    Lifecycle: :meth:`create_weights` registers parameters on ``layer``; the loader
-    fills them by name; :meth:`process_weights_after_loading` repacks once;
-    :meth:`apply` runs per forward.
+    The layer (:class:`engine.layers.linear.MergedLinear`) computes
+    ``y = x Wᵀ + b`` with ``W`` made of output shards stacked on the output dim
+    (``layer.output_sizes``: e.g. q, k and v), each shard loaded from its own
+    checkpoint tensors. Lifecycle:
+
+    1. :meth:`create_weights` registers what the layer holds before loading.
+    2. The model's loader calls :meth:`load_weight` with each checkpoint tensor of
+       the layer: every name in :meth:`checkpoint_tensors` for every shard (and any
+       optional tensor the method accepts).
+    3. :meth:`process_weights_after_loading` runs once all of them arrived
+       (quantize, repack, fuse shards).
+    4. :meth:`apply` runs per forward.
     """
 
     @abstractmethod
@@ -22,6 +31,24 @@ class LinearMethod(ABC):
         self, layer: torch.nn.Module, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
     ) -> None:
         """Register parameters on ``layer`` for a [sum(output_sizes), input_size] weight."""
+
+    def checkpoint_tensors(self, layer: torch.nn.Module) -> tuple[str, ...]:
+        """Names, relative to the layer's checkpoint module (``...q_proj.<name>``),
+        that every output shard's checkpoint provides. Default: ``weight`` and, when
+        the layer has one, ``bias``."""
+        return ("weight", "bias") if layer.has_bias else ("weight",)
+
+    def load_weight(self, layer: torch.nn.Module, name: str, shard: int, tensor: torch.Tensor) -> None:
+        """Take the checkpoint tensor ``name`` of output shard ``shard``; raise ``KeyError``
+        for a name the method does not load. A method may accept optional tensors
+        beyond :meth:`checkpoint_tensors`. Default: copy it into that shard's rows of
+        the parameter ``name``."""
+        if name not in self.checkpoint_tensors(layer):
+            raise KeyError(
+                f"{type(self).__name__} does not load a tensor named {name!r}; it loads "
+                f"{', '.join(self.checkpoint_tensors(layer))} for each output shard."
+            )
+        layer.load_shard(name, shard, tensor)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack loaded weights (a no-op by default)."""
@@ -37,20 +64,37 @@ class Quantizer(ABC):
     - ``name``: registry key, matched against ``quantization_config.quant_method``.
     - ``supported_platforms``: platform names, or None for any.
     - ``activation_dtypes``: compute dtype names it accepts.
-    - ``error_bound``: the largest relative error of a quantized linear layer's
-      output against the unquantized one that the method promises.
+    - ``error_bound``: the largest relative error ``‖y_q − y‖ / ‖y‖`` of a quantized
+      linear layer's output against the unquantized layer's, for Gaussian weights
+      and inputs, that the method promises. An instance may refine it for its
+      configuration (4-bit and 8-bit differ).
     """
 
     name: ClassVar[str]
     supported_platforms: ClassVar[frozenset[str] | None] = None
     activation_dtypes: ClassVar[frozenset[str]] = frozenset({"bfloat16", "float32"})
-    error_bound: ClassVar[float] = 0.0
+    error_bound: float = 0.0
 
     @classmethod
     @abstractmethod
-    def from_config(cls, quantization_config: dict[str, Any]) -> Quantizer:
-        """Build from a checkpoint's ``quantization_config`` (``{}`` for on-the-fly)."""
+    def from_config(cls, quantization_config: dict[str, Any], *, prequantized: bool) -> Quantizer:
+        """Build from a ``quantization_config``.
+
+        ``prequantized``: True when the checkpoint's ``config.json`` carries the
+        config and its tensors are already quantized; False for on-the-fly
+        quantization of an unquantized checkpoint (``--quantization``), where the
+        config is ``--quantization-config`` (``{}`` when not given).
+        """
 
     @abstractmethod
     def get_linear_method(self, layer_name: str) -> LinearMethod | None:
-        """The method for the linear layer ``layer_name``, or None to leave it unquantized."""
+        """The method for the linear layer ``layer_name`` (the model's module path,
+        e.g. ``model.layers.0.self_attn.qkv_proj``), or None to leave it unquantized.
+        Decline the output head (``lm_head``) and MoE router gates (``...mlp.gate``)."""
+
+    def export_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors a prequantized checkpoint of this configuration holds
+        for one linear module with ``weight`` [out, in] (and ``bias``), keyed by the
+        names :meth:`LinearMethod.checkpoint_tensors` lists. Optional: a method that
+        provides it has its checkpoint loading checked by the conformance kit."""
+        raise NotImplementedError(f"{type(self).__name__} does not export prequantized checkpoints.")

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from engine.interfaces.model import Model
+from engine.layers.linear import linear_layers, tied_linear_layers
 
 
 def iterate_weights(files: list[Path], *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -24,10 +25,17 @@ def iterate_weights(files: list[Path], *, progress: bool = True) -> Iterator[tup
 
 
 def load_weights(model: Model, files: list[Path], *, progress: bool = True) -> None:
-    """Fill every parameter of ``model`` from ``files``; raise naming what is missing."""
+    """Fill every parameter of ``model`` from ``files``, raising naming what is missing,
+    then let each linear layer's method process what it loaded (quantize, repack)."""
     loaded = model.load_weights(iterate_weights(files, progress=progress))
-    expected = {name for name, _ in model.named_parameters()}
+    tied = tied_linear_layers(model)
+    layers = {path: layer for path, layer in linear_layers(model).items() if path not in tied}
+    in_layers = {f"{path}.{name}" for path, layer in layers.items() for name, _ in layer.named_parameters()}
+    expected = {name for name, _ in model.named_parameters()} - in_layers
     missing = sorted(expected - loaded)
+    missing += [f"{path}.{tensor}" for path, layer in layers.items() for tensor in layer.missing_tensors()]
     if missing:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise ValueError(f"The checkpoint did not provide these parameters: {shown}.")
+    for layer in layers.values():
+        layer.method.process_weights_after_loading(layer)

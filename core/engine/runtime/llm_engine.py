@@ -10,12 +10,14 @@ import torch
 
 from engine.config import EngineConfig
 from engine.interfaces.model import Model, ModelInit
-from engine.layers.linear import apply_linear_method
+from engine.interfaces.quantizer import Quantizer
+from engine.layers.linear import apply_linear_method, quantize_model
 from engine.layers.ops import REFERENCE_OPS
 from engine.model_config import HFConfig
 from engine.model_loader.checkpoint import checkpoint_dtype, eos_token_ids, resolve_model_path, safetensors_files
 from engine.model_loader.weights import load_weights
 from engine.plugins.manager import EnginePluginManager, get_plugin_manager
+from engine.plugins.registry import ComponentError
 from engine.runtime.kv_cache_manager import KVCacheManager, cache_salt
 from engine.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.runtime.kv_cache import KVCache, KVCacheGroup, group_layers, num_blocks_for
@@ -28,6 +30,9 @@ from engine.selection import SelectionError, resolve_dtype, select_attention_bac
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger("engine")
+
+# quantization methods whose plugin is ours to name in an error, by quant_method
+QUANTIZER_DISTRIBUTIONS = {"bitsandbytes": "engine-bitsandbytes"}
 
 
 @dataclass
@@ -69,8 +74,13 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={max_positions}."
             )
 
+        self.quantizer = self._make_quantizer(components, raw_config)
         self.model: Model = model_cls(ModelInit(config=self.hf_config, dtype=self.dtype, device=self.device))
         self.model.eval()
+        if self.quantizer is not None:
+            quantized, declined = quantize_model(self.model, self.quantizer)
+            logger.info("quantization %s: %d linear layers quantized, %d left as they are (%s)",
+                        self.quantizer.name, len(quantized), len(declined), ", ".join(declined) or "none")
         load_weights(self.model, safetensors_files(self.model_path), progress=progress)
         linear_method = self.platform.linear_method(self.dtype_name)
         if linear_method is not None:
@@ -95,6 +105,61 @@ class LLMEngine:
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
             self.architecture, self.platform.name, self.dtype_name, self.kv_cache.num_blocks, config.block_size,
         )
+
+    def _make_quantizer(self, components, raw_config: dict) -> Quantizer | None:
+        """The checkpoint's own quantization method, else ``--quantization``'s, else None."""
+        config = self.config
+        checkpoint_config = raw_config.get("quantization_config")
+        if checkpoint_config is not None:
+            method = checkpoint_config.get("quant_method") if isinstance(checkpoint_config, dict) else None
+            if not isinstance(method, str):
+                raise SelectionError(
+                    f"{self.model_path / 'config.json'} has a quantization_config without a quant_method string."
+                )
+            if config.quantization is not None and config.quantization != method:
+                raise SelectionError(
+                    f"The checkpoint is already quantized with {method!r}; --quantization {config.quantization} "
+                    f"applies to unquantized checkpoints only."
+                )
+            if config.quantization_config:
+                raise SelectionError(
+                    "--quantization-config applies to on-the-fly quantization; this checkpoint's "
+                    "quantization_config in config.json is used as it is."
+                )
+            try:
+                quantizer_cls = components.quantizers.get(method)
+            except ComponentError:
+                install = QUANTIZER_DISTRIBUTIONS.get(method)
+                hint = f"install {install} (pip install {install})" if install else (
+                    f"install a plugin that registers the quantization method {method!r}"
+                )
+                raise SelectionError(
+                    f"The checkpoint at {self.model_path} is quantized with {method!r} "
+                    f"(quantization_config.quant_method), and no quantizer of that name is registered "
+                    f"(registered: {', '.join(components.quantizers.names()) or 'none'}): {hint}, "
+                    f"and select it if you pass --plugins."
+                ) from None
+            settings, prequantized = checkpoint_config, True
+        elif config.quantization is not None:
+            quantizer_cls = components.quantizers.get(config.quantization)
+            settings, prequantized = config.quantization_config, False
+        else:
+            if config.quantization_config:
+                raise SelectionError("--quantization-config was given without --quantization: name the method.")
+            return None
+        name = quantizer_cls.name
+        self.platform.check_quantization(name)
+        if quantizer_cls.supported_platforms is not None and self.platform.name not in quantizer_cls.supported_platforms:
+            raise SelectionError(
+                f"Quantization {name!r} does not run on platform {self.platform.name!r}; it supports "
+                f"{', '.join(sorted(quantizer_cls.supported_platforms))}."
+            )
+        if self.dtype_name not in quantizer_cls.activation_dtypes:
+            raise SelectionError(
+                f"Quantization {name!r} computes in {', '.join(sorted(quantizer_cls.activation_dtypes))}, "
+                f"not {self.dtype_name}; pass --dtype with one of those."
+            )
+        return quantizer_cls.from_config(dict(settings), prequantized=prequantized)
 
     def _make_kv_tier(self, components) -> KVTierConnector | None:
         config = self.config

@@ -12,3 +12,8 @@ def register_attention_backends(register):
 @engine.hookimpl
 def register_kv_tiers(register):
     register("example_sqlite", "engine_example_plugins.sqlite_tier:SqliteKVTier")
+
+
+@engine.hookimpl
+def register_quantizers(register):
+    register("example_int8", "engine_example_plugins.int8_quantizer:Int8Quantizer")

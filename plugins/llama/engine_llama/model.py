@@ -12,7 +12,7 @@ from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import Linear, MergedLinear, VocabEmbedding
+from engine.layers.linear import Linear, MergedLinear, VocabEmbedding, linear_layers, route_linear_tensor
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
 from engine.runtime.forward_context import ForwardContext
@@ -204,27 +204,19 @@ class LlamaForCausalLM(Model):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
+        linears = linear_layers(self)
         loaded: set[str] = set()
-        shards_seen: dict[str, set[int]] = {}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
+            if name.startswith("lm_head.") and self.tie_word_embeddings:
                 continue  # some tied checkpoints also store the shared matrix under lm_head
-            module_path, _, kind = name.rpartition(".")
-            parent, _, module_name = module_path.rpartition(".")
-            if module_name in STACKED_PARAMS:
-                fused_name, shard = STACKED_PARAMS[module_name]
-                fused_path = f"{parent}.{fused_name}"
-                target = f"{fused_path}.{kind}"
-                if target not in params:
-                    raise KeyError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
-                fused = self.get_submodule(fused_path)
-                fused.load_shard(kind, shard, tensor)
-                seen = shards_seen.setdefault(target, set())
-                seen.add(shard)
-                if len(seen) == len(fused.output_sizes):
-                    loaded.add(target)
+            routed = route_linear_tensor(linears, name, STACKED_PARAMS)
+            if routed is not None:
+                path, shard, tensor_name = routed
+                layer = linears[path]
+                if layer.load_checkpoint_tensor(tensor_name, shard, tensor):
+                    loaded.update(f"{path}.{param}" for param, _ in layer.named_parameters())
                 continue
             param = params.get(name)
             if param is None:

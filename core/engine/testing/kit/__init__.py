@@ -28,6 +28,7 @@ _CLASSES = {
     "ModelTests": "engine.testing.kit.model",
     "PlatformTests": "engine.testing.kit.platform",
     "KVTierTests": "engine.testing.kit.kv_tier",
+    "QuantizerTests": "engine.testing.kit.quantizer",
 }
 
 __all__ = ["KitTests", "capability_skip", *_CLASSES]

@@ -113,8 +113,9 @@ def test_empty_selection_loads_no_plugin(factory, monkeypatch, form):
 
     assert pm.plugin_infos == []
     components = pm.components()
+    built_in = {"kv_tiers": ["cpu"], "spec_proposers": ["draft", "ngram"]}
     for kind in KINDS:  # only what the engine ships itself
-        assert components.registry(kind.attr).names() == (["cpu"] if kind.attr == "kv_tiers" else []), kind.attr
+        assert components.registry(kind.attr).names() == built_in.get(kind.attr, []), kind.attr
 
 
 def test_dotted_module_path_loads_without_entry_point(factory):

@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache GiB; default: half of free memory.")
     _add_kv_tier_options(generate)
     _add_quantization_options(generate)
+    _add_speculative_options(generate)
     generate.add_argument("--json", action="store_true", help="Print JSON.")
 
     serve = sub.add_parser(
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-caching", action="store_true", help="Turn prefix caching off.")
     _add_kv_tier_options(serve)
     _add_quantization_options(serve)
+    _add_speculative_options(serve)
     serve.add_argument("--seed", type=int, default=0, help="Seed for unseeded sampling.")
 
     bench = sub.add_parser(
@@ -116,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                        help="Compute dtype of the engine and the peers.")
     _add_quantization_options(bench)
+    _add_speculative_options(bench)
     bench.add_argument("--peers", default="", help="Comma-separated peers to run as well: hf (transformers generate).")
     bench.add_argument("--max-num-seqs", type=int, default=None, help="Engine limit; unset: the engine's default.")
     bench.add_argument(
@@ -244,6 +247,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv_tier_config=args.kv_tier_config,
         quantization=args.quantization,
         quantization_config=args.quantization_config,
+        **_speculative_settings(args),
     )
     prompts: list[Any] = list(args.prompt or [])
     for ids in args.prompt_ids or []:
@@ -304,6 +308,27 @@ def _add_quantization_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_speculative_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-method", default=None,
+        help="Speculative decoding: a proposer drafts tokens, the model verifies them in one pass (outputs are "
+        "unchanged). ngram (prompt lookup), draft (a small model, see --speculative-config), a plugin's proposer "
+        "or module.path:Class. Default: none.",
+    )
+    parser.add_argument("--num-speculative-tokens", type=int, default=4,
+                        help="Most draft tokens per request and step (fewer when acceptance or load says so).")
+    parser.add_argument(
+        "--speculative-config", default=None,
+        help='The proposer\'s settings as a JSON object, e.g. \'{"model": "./draft-model"}\' (draft) or '
+        '\'{"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (ngram).',
+    )
+
+
+def _speculative_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {"speculative_method": args.speculative_method, "num_speculative_tokens": args.num_speculative_tokens,
+            "speculative_config": args.speculative_config}
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -318,7 +343,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
             enable_prefix_caching=not args.no_prefix_caching, kv_tier=args.kv_tier,
             kv_tier_config=args.kv_tier_config, quantization=args.quantization,
-            quantization_config=args.quantization_config, seed=args.seed,
+            quantization_config=args.quantization_config, seed=args.seed, **_speculative_settings(args),
         )
         server_config = ServerConfig(
             host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
@@ -348,6 +373,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, scale=args.scale,
         repeat=args.repeat, quantization=args.quantization, quantization_config=args.quantization_config,
+        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        speculative_config=args.speculative_config,
     )
     report = run_bench(args.workload, options)
     print(report.as_json() if args.json else report.as_text())

@@ -48,9 +48,18 @@ class EngineConfig(BaseModel):
         default_factory=dict, description="Settings for --quantization, a JSON object in the shape of a "
         "checkpoint's quantization_config (e.g. {\"load_in_8bit\": true})."
     )
+    speculative_method: str | None = Field(
+        None, description="Speculative decoding proposer: ngram, draft, a plugin's, or module.path:Class; "
+        "default: none."
+    )
+    num_speculative_tokens: int = Field(4, ge=1, le=64, description="Most draft tokens per request and step.")
+    speculative_config: dict[str, Any] = Field(
+        default_factory=dict, description="The proposer's settings, a JSON object (e.g. {\"model\": \"./draft\"} "
+        "for draft, {\"prompt_lookup_max\": 5} for ngram)."
+    )
     seed: int = Field(0, description="Seed for unseeded sampling.")
 
-    @field_validator("kv_tier_config", "quantization_config", mode="before")
+    @field_validator("kv_tier_config", "quantization_config", "speculative_config", mode="before")
     @classmethod
     def _parse_json_object(cls, value: object, info: ValidationInfo) -> object:
         if value is None:

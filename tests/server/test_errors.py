@@ -281,6 +281,9 @@ class _BrokenEngine:
     def kv_tier_counters(self):
         return None
 
+    def spec_decode_stats(self):
+        return None
+
     async def add(self, *args, **kwargs):
         raise RuntimeError("secret internal detail")
 

@@ -258,3 +258,38 @@ def test_metrics_show_the_kv_tier_counters(tmp_path):
         assert series["engine_prefetched_blocks"] >= 4 and series["loaded_blocks"] >= 4
     finally:
         running.stop()
+
+
+def test_served_outputs_with_speculation_and_its_metrics(tmp_path):
+    """engine serve --speculative-method ngram: greedy completions equal the target's own
+    (HF transformers generate) and /metrics shows the drafts and their acceptance."""
+    import torch
+    from server_helpers import engine_config
+
+    from engine.config import ServerConfig
+    from engine.entrypoints.serve import start_server
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    hf_model = make_tiny_checkpoint("LlamaForCausalLM", tmp_path)
+    config = engine_config(tmp_path, speculative_method="ngram", num_speculative_tokens=3)
+    running = start_server(config, ServerConfig(port=0, served_model_name="tiny"))
+    try:
+        for prompt in ([11, 12, 13, 14] * 6, [5, 9, 5, 9, 5, 9, 5]):
+            body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+            reply = httpx.post(running.base_url + "/v1/completions", json=body, timeout=60).json()
+            with torch.no_grad():
+                expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
+                                             do_sample=False)[0, len(prompt):].tolist()
+            assert reply["choices"][0]["token_ids"] == expected
+        series = {}
+        for line in httpx.get(running.base_url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("engine_spec_decode"):
+                name, value = line.rsplit(" ", 1)
+                series[name.split("{")[0] + ("[0]" if 'position="0"' in name else "")] = float(value)
+        assert series["engine_spec_decode_draft_tokens"] > 0
+        assert 0 <= series["engine_spec_decode_accepted_tokens"] <= series["engine_spec_decode_draft_tokens"]
+        assert series["engine_spec_decode_acceptance_rate"] == pytest.approx(
+            series["engine_spec_decode_accepted_tokens"] / series["engine_spec_decode_draft_tokens"])
+        assert "engine_spec_decode_acceptance_rate_by_position[0]" in series
+    finally:
+        running.stop()

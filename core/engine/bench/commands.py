@@ -52,6 +52,9 @@ class BenchOptions:
     repeat: int = 1
     quantization: str | None = None
     quantization_config: str | None = None
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.peers if p not in PEERS]
@@ -106,6 +109,24 @@ class _Session:
             self.repeat_walls.setdefault(section, []).append(f"{runner} {walls} s")
         return sorted(runs, key=lambda r: r.wall)[(len(runs) - 1) // 2]
 
+    def spec_note(self, section: Section, engine: EngineRunner) -> None:
+        """Speculative decoding's counters over every engine run of the section (warm-up included)."""
+        stats = engine.spec_stats()
+        if stats is None:
+            return
+        by_position = ", ".join(f"{rate:.0%}" for rate in stats.acceptance_by_position())
+        section.facts["speculative"] = {
+            "rounds": stats.rounds, "proposed": stats.proposed, "accepted": stats.accepted,
+            "acceptance_rate": stats.acceptance_rate, "acceptance_by_position": stats.acceptance_by_position(),
+            "mean_accepted_length": stats.mean_accepted_length,
+        }
+        section.notes.append(
+            f"Speculative decoding over the engine's runs: {stats.proposed} drafts verified in {stats.rounds} rounds, "
+            f"{stats.accepted} accepted ({stats.acceptance_rate:.0%}; by draft position {by_position or 'none'}); "
+            f"a round produced {stats.mean_accepted_length:.2f} tokens on average. With drafts, a step returns "
+            "several tokens: the per-token figures count tokens, not steps."
+        )
+
     def repeat_note(self, section: Section) -> None:
         walls = self.repeat_walls.get(section.key)
         if walls:
@@ -119,10 +140,13 @@ class _Session:
         runner = EngineRunner(
             str(self.model_path), plugins=o.plugins, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
             max_num_batched_tokens=o.max_num_batched_tokens, quantization=o.quantization,
-            quantization_config=o.quantization_config,
+            quantization_config=o.quantization_config, speculative_method=o.speculative_method,
+            num_speculative_tokens=o.num_speculative_tokens, speculative_config=o.speculative_config,
         )
         d = runner.describe()
         quantized = f", quantization {d['quantization']}" if d["quantization"] else ""
+        if d["speculative"]:
+            quantized += f", speculative {d['speculative']} (up to {self.options.num_speculative_tokens} drafts)"
         self.report.setup["engine"] = (
             f"{d['architecture']} on {d['platform']} ({d['dtype']}{quantized}), max_num_seqs {d['max_num_seqs']}, "
             f"max_num_batched_tokens {d['max_num_batched_tokens']}, {d['kv_cache_blocks']} KV blocks of {d['block_size']}"
@@ -204,6 +228,7 @@ def run_latency(options: BenchOptions) -> Report:
         "step: " + ", ".join(f"{r} {b / MB:.1f} MB" for r, b in weights.items())
         + " (every parameter except the embedding table, which is only gathered)."
     )
+    session.spec_note(section, engine)
     session.repeat_note(section)
     session.report.sections.append(section)
     return session.report
@@ -250,6 +275,7 @@ def run_throughput(options: BenchOptions) -> Report:
                 {ENGINE: sum(s.seconds for s in prefill_steps)},
                 f"step() time of the {len(prefill_steps)} steps that computed prompt tokens (alone or with decodes); "
                 f"the other {len(w2.steps) - len(prefill_steps)} steps only decoded.", ".2f")
+    session.spec_note(section, engine)
     session.repeat_note(section)
     session.report.sections.append(section)
     session.report.sections.append(_overhead_section(decode.name, decode.description, breakdown, labels))
@@ -328,6 +354,7 @@ def run_prefix(options: BenchOptions) -> Report:
         section.add("first_prefill_attention_ms", "  of which attention layers", "ms",
                     {ENGINE: sum(s.timed.get(ATTENTION, 0.0) for s in first_prefill) * 1e3},
                     "time in the Attention layers' forward in the same step(s).")
+    session.spec_note(section, engine)
     session.repeat_note(section)
     session.report.sections.append(section)
     return session.report

@@ -56,7 +56,8 @@ class EngineRunner:
     def __init__(
         self, model: str, *, plugins: str | None, dtype: str, max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None, quantization: str | None = None,
-        quantization_config: str | None = None,
+        quantization_config: str | None = None, speculative_method: str | None = None,
+        num_speculative_tokens: int = 4, speculative_config: str | None = None,
     ) -> None:
         from engine.config import EngineConfig
         from engine.runtime.llm_engine import LLMEngine
@@ -64,9 +65,12 @@ class EngineRunner:
         limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
         self.config = EngineConfig(
             model=model, plugins=plugins, dtype=dtype, quantization=quantization,
-            quantization_config=quantization_config, **{k: v for k, v in limits.items() if v is not None},
+            quantization_config=quantization_config, speculative_method=speculative_method,
+            num_speculative_tokens=num_speculative_tokens, speculative_config=speculative_config,
+            **{k: v for k, v in limits.items() if v is not None},
         )
         self.engine = LLMEngine(self.config, progress=False)
+        self._spec_stats = self.engine.spec.stats if self.engine.spec is not None else None
         self.model = self._model_called_by_runner()
         self.timer = self._make_timer()
         self._ids = itertools.count()
@@ -112,12 +116,17 @@ class EngineRunner:
             "platform": self.engine.platform.name,
             "dtype": self.engine.dtype_name,
             "quantization": self.engine.quantizer.name if self.engine.quantizer is not None else None,
+            "speculative": self.engine.spec.proposer.name if self.engine.spec is not None else None,
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "kv_cache_blocks": self.engine.kv_cache.num_blocks,
             "block_size": self.config.block_size,
             "timed_labels": self.timer.labels(),
         }
+
+    def spec_stats(self) -> Any:
+        """Speculative decoding's counters, or None without it (kept after :meth:`close`)."""
+        return self._spec_stats
 
     # runs
 

@@ -43,7 +43,7 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
     """The app for ``engine`` serving ``model_name``. The caller owns the engine's lifetime.
     ``sampling_defaults`` fill the sampling fields a request leaves out."""
     app = FastAPI(title="engine", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    metrics = ServerMetrics(model_name, lambda: engine.stats, engine.kv_tier_counters)
+    metrics = ServerMetrics(model_name, lambda: engine.stats, engine.kv_tier_counters, engine.spec_decode_stats)
     openai = OpenAIServing(engine, metrics, model_name, sampling_defaults)
     anthropic = AnthropicServing(openai)
     public = set(PUBLIC_PATHS) | ({"/metrics"} if config.metrics_public else set())

@@ -13,13 +13,14 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
 from engine.runtime.llm_engine import LLMEngine
 from engine.runtime.logprobs import LogprobEntry
 from engine.runtime.request import Request
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.decoder import SpecDecodeStats
 
 logger = logging.getLogger("engine.server")
 
@@ -306,6 +307,15 @@ class AsyncEngine:
         read when /metrics is scraped rather than after every step (``KVTier.stats`` may be
         called from any thread)."""
         return _tier_counters(self.engine.kv_tier)
+
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """A copy of speculative decoding's counters (None without speculation), read when
+        /metrics is scraped."""
+        spec = self.engine.spec
+        if spec is None:
+            return None
+        stats = spec.stats
+        return replace(stats, proposed_at=list(stats.proposed_at), accepted_at=list(stats.accepted_at))
 
     def _refresh_stats(self) -> None:
         scheduler, kv = self.engine.scheduler, self.engine.kv_manager

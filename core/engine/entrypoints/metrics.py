@@ -2,8 +2,8 @@
 
 Request-level figures are observed by the HTTP side as requests end; engine
 gauges are read from the engine loop's latest ``EngineStats`` at scrape time.
-Later subsystems (speculative decoding, KV tiers) add their series to the same
-``registry``.
+The KV tier's and speculative decoding's counters are read from the engine at
+scrape time too.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
 
 from engine.entrypoints.async_engine import EngineStats
+from engine.spec_decode.decoder import SpecDecodeStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -25,10 +26,12 @@ class ServerMetrics:
     def __init__(
         self, model_name: str, stats: Callable[[], EngineStats],
         tier_counters: Callable[[], dict[str, float] | None] = lambda: None,
+        spec_stats: Callable[[], SpecDecodeStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._stats = stats
         self._tier_counters = tier_counters
+        self._spec_stats = spec_stats
         labels = ["model_name"]
         r = self.registry
         self.requests = Counter(
@@ -68,6 +71,20 @@ class ServerMetrics:
             "engine_* counters are the engine's own transfers (offered, prefetched blocks).",
             labels + ["counter"], registry=r,
         )
+        self.spec = {
+            name: Gauge(f"engine_spec_decode_{name}", help_text, labels, registry=r)
+            for name, help_text in (
+                ("draft_rounds", "Verifications of a request with at least one draft (cumulative)."),
+                ("draft_tokens", "Draft tokens verified (cumulative)."),
+                ("accepted_tokens", "Draft tokens accepted (cumulative)."),
+                ("acceptance_rate", "Accepted over verified draft tokens since start."),
+                ("mean_accepted_length", "Tokens a draft round produced on average (accepted drafts + 1)."),
+            )
+        }
+        self.spec_by_position = Gauge(
+            "engine_spec_decode_acceptance_rate_by_position", "Accepted over verified drafts at each draft position "
+            "(0: the first draft after the last token).", labels + ["position"], registry=r,
+        )
         self.model_name = model_name
 
     def observe_finished(self, endpoint: str, status: str, prompt_tokens: int, output_tokens: int,
@@ -98,4 +115,12 @@ class ServerMetrics:
         self.preemptions.labels(m).set(stats.num_preemptions)
         for counter, value in (self._tier_counters() or {}).items():
             self.kv_tier.labels(m, counter).set(value)
+        spec = self._spec_stats()
+        if spec is not None:
+            values = {"draft_rounds": spec.rounds, "draft_tokens": spec.proposed, "accepted_tokens": spec.accepted,
+                      "acceptance_rate": spec.acceptance_rate, "mean_accepted_length": spec.mean_accepted_length}
+            for name, value in values.items():
+                self.spec[name].labels(m).set(value)
+            for position, rate in enumerate(spec.acceptance_by_position()):
+                self.spec_by_position.labels(m, str(position)).set(rate)
         return generate_latest(self.registry)

@@ -67,10 +67,13 @@ class Components:
     @classmethod
     def from_plugin_manager(cls, pm: EnginePluginManager) -> Components:
         from engine.kv_tiers import BUILTIN_KV_TIERS
+        from engine.spec_decode import BUILTIN_SPEC_PROPOSERS
 
         components = cls()
-        for name, target in BUILTIN_KV_TIERS.items():  # part of the engine: no plugin needed
-            components.kv_tiers.add(name, target, plugin=BUILT_IN, distribution="engine (built in)")
+        for registry, builtins in ((components.kv_tiers, BUILTIN_KV_TIERS),
+                                   (components.spec_proposers, BUILTIN_SPEC_PROPOSERS)):
+            for name, target in builtins.items():  # part of the engine: no plugin needed
+                registry.add(name, target, plugin=BUILT_IN, distribution="engine (built in)")
         for kind in KINDS:
             registry = components.registry(kind.attr)
             for impl in getattr(pm.hook, kind.hook).get_hookimpls():

@@ -150,6 +150,32 @@ class KVCacheManager:
             self._cache_full_blocks(request, total)
         return True
 
+    def allocate_lookahead(self, request: Request, num_tokens: int) -> bool:
+        """Room for ``num_tokens`` draft tokens after what ``allocate`` made room for this
+        step (``request.num_tokens``): they are written this step and may be rejected, so
+        nothing is published to the prefix cache. False, changing nothing, if out of blocks."""
+        total = request.num_tokens + num_tokens
+        num_new_blocks = max(0, -(-total // self.block_size) - len(request.block_ids))
+        if num_new_blocks > len(self.free_queue):
+            return False
+        for _ in range(num_new_blocks):
+            block, _ = self.free_queue.popitem(last=False)
+            self._evict(block)
+            self.ref_counts[block] = 1
+            request.block_ids.append(block)
+        return True
+
+    def trim(self, request: Request) -> None:
+        """Free the request's blocks beyond those its tokens need (taken for drafts that
+        were rejected): they hold nothing and are the first to be reused."""
+        keep = -(-request.num_tokens // self.block_size)
+        extra = request.block_ids[keep:]
+        if extra:
+            del request.block_ids[keep:]
+            for block in extra:
+                self.ref_counts[block] = 0
+            self.return_free_blocks(extra)
+
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         # the blocks this step fills will hold valid KV once it runs: publish them
         self.update_hashes(request, num_tokens)

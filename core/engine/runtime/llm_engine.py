@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
 from engine.interfaces.model import Model, ModelInit
+from engine.interfaces.attention import LINEAR
 from engine.interfaces.quantizer import Quantizer
+from engine.interfaces.spec_proposer import ProposerInit
 from engine.layers.linear import apply_linear_method, quantize_model
 from engine.layers.ops import REFERENCE_OPS
 from engine.model_config import HFConfig
@@ -26,6 +29,7 @@ from engine.runtime.model_runner import ModelRunner
 from engine.runtime.request import Request, RequestStatus
 from engine.runtime.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.decoder import SpecDecoder
 from engine.selection import SelectionError, resolve_dtype, select_attention_backend, select_platform
 from engine.tokenizer import load_tokenizer
 
@@ -75,17 +79,10 @@ class LLMEngine:
             )
 
         self.quantizer = self._make_quantizer(components, raw_config)
-        self.model: Model = model_cls(ModelInit(config=self.hf_config, dtype=self.dtype, device=self.device))
-        self.model.eval()
-        if self.quantizer is not None:
-            quantized, declined = quantize_model(self.model, self.quantizer)
-            logger.info("quantization %s: %d linear layers quantized, %d left as they are (%s)",
-                        self.quantizer.name, len(quantized), len(declined), ", ".join(declined) or "none")
-        load_weights(self.model, safetensors_files(self.model_path), progress=progress)
-        linear_method = self.platform.linear_method(self.dtype_name)
-        if linear_method is not None:
-            apply_linear_method(self.model, linear_method)
-
+        self.model: Model = build_model(
+            model_cls, self.hf_config, self.model_path, self.platform, self.dtype_name, self.device,
+            quantizer=self.quantizer, progress=progress,
+        )
         self.kv_cache = self._make_kv_cache(components)
         self.kv_manager = KVCacheManager(
             self.kv_cache.num_blocks,
@@ -96,9 +93,10 @@ class LLMEngine:
         self.kv_tier = self._make_kv_tier(components)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.vocab_size = int(raw_config.get("vocab_size", 0))
+        self.spec = self._make_spec_decoder(components)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.eos_token_ids = eos_token_ids(self.model_path, raw_config)
-        self.vocab_size = int(raw_config.get("vocab_size", 0))
         self.requests: dict[str, Request] = {}
         self.request_groups: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples, while any runs
         logger.info(
@@ -161,6 +159,31 @@ class LLMEngine:
             )
         return quantizer_cls.from_config(dict(settings), prequantized=prequantized)
 
+    def _make_spec_decoder(self, components) -> SpecDecoder | None:
+        config = self.config
+        if config.speculative_method is None:
+            if config.speculative_config:
+                raise SelectionError("--speculative-config was given without --speculative-method: name the proposer.")
+            return None
+        recurrent = sorted({spec.kind for spec in self.model.kv_cache_specs() if spec.kind == LINEAR})
+        if recurrent:
+            raise SelectionError(
+                f"Speculative decoding is refused for {self.architecture}: its {', '.join(recurrent)} attention "
+                f"layers keep a recurrent state that rejected drafts would corrupt (rolling it back is not "
+                f"supported); run it without --speculative-method."
+            )
+        proposer_cls = components.spec_proposers.get(config.speculative_method)
+        proposer = proposer_cls(ProposerInit(
+            config=dict(config.speculative_config), target_model_path=self.model_path, vocab_size=self.vocab_size,
+            dtype=self.dtype, device=self.device, components=components, platform=self.platform,
+            block_size=config.block_size,
+        ))
+        self.runner.keep_hidden_states = bool(proposer.hidden_state_layers)
+        logger.info("speculative decoding: proposer %s, up to %d drafts a step", proposer_cls.name,
+                    config.num_speculative_tokens)
+        return SpecDecoder(proposer, config.num_speculative_tokens, self.kv_manager, config.max_num_batched_tokens,
+                           self.max_model_len, self.vocab_size)
+
     def _make_kv_tier(self, components) -> KVTierConnector | None:
         config = self.config
         if config.kv_tier is None:
@@ -184,37 +207,15 @@ class LLMEngine:
 
     def _make_kv_cache(self, components) -> KVCache:
         config = self.config
-        specs = self.model.kv_cache_specs()
-        groups = []
-        for spec, layers in group_layers(specs):
-            backend_cls = select_attention_backend(
-                components.attention_backends, self.platform, spec,
-                dtype=self.dtype_name, block_size=config.block_size, requested=config.attention_backend,
-            )
-            backend = backend_cls(spec, config.block_size, self.dtype, self.device)
-            groups.append(KVCacheGroup(spec, backend, layers))
-            logger.info("attention kind %s: backend %s for %d layers", spec.kind, backend_cls.name, len(layers))
-        element_size = torch.empty(0, dtype=self.dtype).element_size()
         if config.kv_cache_memory is not None:
             memory = int(config.kv_cache_memory * 2**30)
         elif config.kv_cache_memory_fraction is not None:
             memory = int(self.platform.memory_info().free_bytes * config.kv_cache_memory_fraction)
         else:
             memory = self.platform.default_kv_cache_bytes()
-        blocks_per_seq = -(-self.max_model_len // config.block_size)
-        num_blocks = num_blocks_for(
-            specs, config.block_size, element_size, memory, max_blocks_useful=config.max_num_seqs * blocks_per_seq
-        )
-        if num_blocks * config.block_size < self.max_model_len:
-            raise ValueError(
-                f"The KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks), fewer than "
-                f"max_model_len={self.max_model_len}: one long request could never run. Raise "
-                f"--kv-cache-memory or lower --max-model-len."
-            )
-        ops = self.platform.layer_ops(self.dtype_name) or REFERENCE_OPS
-        return KVCache(
-            groups, len(specs), num_blocks, config.block_size, self.dtype, self.device, ops,
-            allocate=self.platform.allocate_kv_cache,
+        return build_kv_cache(
+            self.model, components, self.platform, self.dtype_name, self.device, config.block_size, memory,
+            max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs, attention_backend=config.attention_backend,
         )
 
     # requests
@@ -305,6 +306,8 @@ class LLMEngine:
             if not request.status.finished:
                 self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
             self._forget_group(request)
+            if self.spec is not None:
+                self._forget_spec_state([request])
 
     def _forget_group(self, request: Request) -> None:
         group = self.request_groups.get(request.parent_request_id) if request.parent_request_id else None
@@ -322,24 +325,41 @@ class LLMEngine:
     # the loop
 
     def step(self) -> StepResult:
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.plan(batch, self.runner.last_hidden)
         if self.kv_tier is not None:
             self.kv_tier.offload_evicted()  # before this step's forward overwrites the evicted blocks
-        sampled_requests, tokens = self.runner.execute(batch)
+        sampled_requests, kept = self.runner.execute(batch)
         for request, n in zip(batch.requests, batch.num_tokens):
             request.num_computed_tokens += n
+        index = {id(r): i for i, r in enumerate(batch.requests)} if batch.drafts else {}
         finished = []
-        for request, token in zip(sampled_requests, tokens):
-            request.append_token(token)
-            status = request.check_stop(self.max_model_len)
-            if request.detokenizer is not None:
-                status = self._update_text(request, status)
-            if status is not None:
-                self.scheduler.finish(request, status)
-                self.requests.pop(request.request_id, None)
-                self._forget_group(request)
-                finished.append(request)
+        for request, tokens in zip(sampled_requests, kept):
+            if index:  # accepted drafts were computed with the right context: their KV stays
+                request.num_computed_tokens += self.spec.record(batch, index[id(request)], request, tokens)
+            for token in tokens:
+                request.append_token(token)
+                status = request.check_stop(self.max_model_len)
+                if request.detokenizer is not None:
+                    status = self._update_text(request, status)
+                if status is not None:
+                    self.scheduler.finish(request, status)
+                    self.requests.pop(request.request_id, None)
+                    self._forget_group(request)
+                    finished.append(request)
+                    break
+        if self.spec is not None:
+            self.spec.record_step(batch.total_tokens, time.perf_counter() - started)
+            self._forget_spec_state(finished)
         return StepResult(updated=sampled_requests, finished=finished)
+
+    def _forget_spec_state(self, requests: list[Request]) -> None:
+        if requests:
+            self.spec.remove([r.request_id for r in requests])
+            for request in requests:
+                self.runner.last_hidden.pop(request.request_id, None)
 
     def _update_text(self, request: Request, status: RequestStatus | None) -> RequestStatus | None:
         """Detokenize the request's new token and apply its stop strings; returns the finish status."""
@@ -357,3 +377,53 @@ class LLMEngine:
                 detokenizer.truncate(end)
                 return RequestStatus.FINISHED_STOPPED
         return status
+
+
+def build_model(
+    model_cls: type[Model], hf_config: HFConfig, model_path, platform, dtype_name: str, device: torch.device, *,
+    quantizer: Quantizer | None = None, progress: bool = True,
+) -> Model:
+    """Construct a model, give its linear layers the quantizer's methods, load its
+    checkpoint, then switch its unquantized layers to the platform's linear method."""
+    model = model_cls(ModelInit(config=hf_config, dtype=getattr(torch, dtype_name), device=device))
+    model.eval()
+    if quantizer is not None:
+        quantized, declined = quantize_model(model, quantizer)
+        logger.info("quantization %s: %d linear layers quantized, %d left as they are (%s)",
+                    quantizer.name, len(quantized), len(declined), ", ".join(declined) or "none")
+    load_weights(model, safetensors_files(model_path), progress=progress)
+    linear_method = platform.linear_method(dtype_name)
+    if linear_method is not None:
+        apply_linear_method(model, linear_method)
+    return model
+
+
+def build_kv_cache(
+    model: Model, components, platform, dtype_name: str, device: torch.device, block_size: int, memory_bytes: int,
+    *, max_model_len: int, max_num_seqs: int, attention_backend: str | None = None,
+) -> KVCache:
+    """The paged KV cache of ``model``: one group per distinct layer spec with the attention
+    backend selected for it, as many blocks as ``memory_bytes`` holds (no more than
+    ``max_num_seqs`` sequences of ``max_model_len`` can use)."""
+    dtype = getattr(torch, dtype_name)
+    specs = model.kv_cache_specs()
+    groups = []
+    for spec, layers in group_layers(specs):
+        backend_cls = select_attention_backend(
+            components.attention_backends, platform, spec, dtype=dtype_name, block_size=block_size,
+            requested=attention_backend,
+        )
+        groups.append(KVCacheGroup(spec, backend_cls(spec, block_size, dtype, device), layers))
+        logger.info("attention kind %s: backend %s for %d layers", spec.kind, backend_cls.name, len(layers))
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    blocks_per_seq = -(-max_model_len // block_size)
+    num_blocks = num_blocks_for(specs, block_size, element_size, memory_bytes,
+                                max_blocks_useful=max_num_seqs * blocks_per_seq)
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"The KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks), fewer than "
+            f"max_model_len={max_model_len}: one long request could never run. Raise "
+            f"--kv-cache-memory or lower --max-model-len."
+        )
+    ops = platform.layer_ops(dtype_name) or REFERENCE_OPS
+    return KVCache(groups, len(specs), num_blocks, block_size, dtype, device, ops, allocate=platform.allocate_kv_cache)

@@ -12,6 +12,7 @@ from engine.runtime.logprobs import record_prompt_logprobs, record_sample_logpro
 from engine.runtime.request import Request
 from engine.runtime.sampler import Sampler
 from engine.runtime.scheduler import ScheduledBatch
+from engine.spec_decode.verify import verify
 
 
 class ModelRunner:
@@ -21,6 +22,9 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
         self.sampler = Sampler(device, kv_cache.ops)
+        # final hidden state of each request's newest token, for proposers that ask for it
+        self.keep_hidden_states = False
+        self.last_hidden: dict[str, torch.Tensor] = {}
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         """input_ids [T], positions [T] and the step's attention metadata."""
@@ -28,9 +32,12 @@ class ModelRunner:
         num_seqs = len(requests)
         input_ids: list[int] = []
         context = []
-        for request, n in zip(requests, num_new):
+        if batch.drafts:  # drafts run after their request's tokens, at the following positions
+            num_new = [n + len(batch.drafts.get(i, ())) for i, n in enumerate(num_new)]
+        for i, (request, n) in enumerate(zip(requests, batch.num_tokens)):
             start = request.num_computed_tokens
             input_ids.extend(request.token_ids[start : start + n])
+            input_ids.extend(batch.drafts.get(i, ()))
             context.append(start)
         max_blocks = max(len(r.block_ids) for r in requests)
         block_table = np.zeros((num_seqs, max_blocks), dtype=np.int64)
@@ -67,8 +74,9 @@ class ModelRunner:
         return torch.tensor(input_ids, dtype=torch.int64, device=device), tensor(positions), metadata
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[int]]:
-        """Run one step. Returns the requests that sampled a token and the tokens."""
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[list[int]]]:
+        """Run one step. Returns the requests that sampled this step and, for each, the
+        tokens it keeps: one, or with drafts the accepted drafts and one more."""
         input_ids, positions, common = self.prepare(batch)
         ctx = self.kv_cache.forward_context(common)
         hidden = self.model(input_ids, positions, ctx)
@@ -85,13 +93,48 @@ class ModelRunner:
             record_prompt_logprobs(self.model.compute_logits, batch.requests, batch.num_tokens, hidden, ends)
         if not sampling:
             return [], []
-        sample_rows = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden[sample_rows])
         requests = [batch.requests[i] for i in sampling]
-        sampled = self.sampler(logits, requests)
-        if sampled.logprobs is not None:
-            record_sample_logprobs(requests, sampled.logprobs)
-        return requests, sampled.token_ids.tolist()
+        drafted = [i for i in sampling if batch.drafts.get(i)]
+        if not drafted:
+            sample_rows = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)
+            logits = self.model.compute_logits(hidden[sample_rows])
+            sampled = self.sampler(logits, requests)
+            if sampled.logprobs is not None:
+                record_sample_logprobs(requests, sampled.logprobs)
+            self._keep_hidden(requests, hidden, sample_rows)
+            return requests, [[t] for t in sampled.token_ids.tolist()]
+        return requests, self._verify(batch, sampling, hidden, ends)
+
+    def _verify(self, batch: ScheduledBatch, sampling: list[int], hidden: torch.Tensor, ends: list[int]) -> list[list[int]]:
+        """A step with drafts: requests without drafts sample as usual; the drafted ones
+        are verified on the logits of their last token and every draft."""
+        tokens: dict[int, list[int]] = {}
+        plain = [i for i in sampling if not batch.drafts.get(i)]
+        if plain:
+            rows = torch.tensor([ends[i] - 1 for i in plain], device=self.device)
+            sampled = self.sampler(self.model.compute_logits(hidden[rows]), [batch.requests[i] for i in plain])
+            if sampled.logprobs is not None:
+                record_sample_logprobs([batch.requests[i] for i in plain], sampled.logprobs)
+            tokens.update(zip(plain, ([t] for t in sampled.token_ids.tolist())))
+            self._keep_hidden([batch.requests[i] for i in plain], hidden, rows)
+        drafted = [i for i in sampling if batch.drafts.get(i)]
+        rows = [r for i in drafted for r in range(ends[i] - len(batch.drafts[i]) - 1, ends[i])]
+        row_tensor = torch.tensor(rows, device=self.device)
+        kept = verify(
+            self.sampler, self.model.compute_logits(hidden[row_tensor]), [batch.requests[i] for i in drafted],
+            [batch.drafts[i] for i in drafted], [batch.draft_probs.get(i) for i in drafted],
+        )
+        tokens.update(zip(drafted, kept))
+        if self.keep_hidden_states:  # the row that produced each request's newest token
+            last = torch.tensor([ends[i] - len(batch.drafts[i]) - 1 + len(k) - 1 for i, k in zip(drafted, kept)],
+                                device=self.device)
+            self._keep_hidden([batch.requests[i] for i in drafted], hidden, last)
+        return [tokens[i] for i in sampling]
+
+    def _keep_hidden(self, requests: list[Request], hidden: torch.Tensor, rows: torch.Tensor) -> None:
+        if self.keep_hidden_states:
+            for request, row in zip(requests, hidden[rows]):
+                self.last_hidden[request.request_id] = row.clone()
 
     def _record_prompt_logits(self, batch: ScheduledBatch, hidden: torch.Tensor, ends: list[int]) -> None:
         start = 0

@@ -16,6 +16,7 @@ import torch
 from engine.layers.ops import REFERENCE_OPS, LayerOps
 from engine.runtime.logprobs import LogprobsTensors, gather_logprobs
 from engine.runtime.request import Request
+from engine.sampling_params import SamplingParams
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -159,9 +160,21 @@ class Sampler:
         )
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
         argmax = logits.argmax(dim=-1)
-        temperature = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=self.device)
+        probs = self.probs(logits, [r.sampling_params for r in requests])
+        # exponential race: argmax(p / E) with E ~ Exp(1) draws from p
+        noise = torch.empty_like(probs).exponential_()
+        for i, request in enumerate(requests):
+            if request.sampling_params.seed is not None and not greedy[i]:
+                noise[i].exponential_(generator=self.generator(request))
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy, device=self.device), argmax, sampled)
+
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The distribution a sampled request draws from: logits [N, V] fp32 (after
+        min_tokens and penalties) through temperature, min-p, top-k and top-p, softmaxed.
+        Row i follows ``params[i]``; a greedy row is left at temperature 1."""
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=self.device)
         logits = logits / temperature.unsqueeze(1)
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
@@ -175,14 +188,10 @@ class Sampler:
             top_p = torch.tensor([p.top_p for p in params], device=self.device, dtype=torch.float32)
         if top_k is not None or top_p is not None:
             logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        # exponential race: argmax(p / E) with E ~ Exp(1) draws from p
-        noise = torch.empty_like(probs).exponential_()
-        for i, request in enumerate(requests):
-            seed = request.sampling_params.seed
-            if seed is not None and not greedy[i]:
-                if request.generator is None:
-                    request.generator = torch.Generator(device=self.device).manual_seed(seed)
-                noise[i].exponential_(generator=request.generator)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(torch.tensor(greedy, device=self.device), argmax, sampled)
+        return logits.softmax(dim=-1)
+
+    def generator(self, request: Request) -> torch.Generator:
+        """The request's own random stream, made from its seed on first use."""
+        if request.generator is None:
+            request.generator = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
+        return request.generator

@@ -11,17 +11,21 @@ from engine.runtime.request import Request, RequestStatus
 
 @dataclass
 class ScheduledBatch:
-    """What runs this step: ``requests[i]`` computes ``num_tokens[i]`` new tokens."""
+    """What runs this step: ``requests[i]`` computes ``num_tokens[i]`` new tokens, then
+    the speculative drafts ``drafts[i]`` (set after scheduling, for decoding requests;
+    ``draft_probs[i]`` the proposer's probabilities of them, or None)."""
 
     requests: list[Request] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    draft_probs: dict[int, object] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.requests)
 
     @property
     def total_tokens(self) -> int:
-        return sum(self.num_tokens)
+        return sum(self.num_tokens) + sum(len(d) for d in self.drafts.values())
 
 
 class Scheduler:

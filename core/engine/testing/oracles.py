@@ -39,3 +39,13 @@ def naive_attention(
     scores = scores.masked_fill(~allowed, float("-inf"))
     # [H, n, L] @ [L, H, D] -> [n, H, D]
     return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values)
+
+
+def chi_squared_p_value(observed: list[int], probabilities: list[float]) -> float:
+    """Pearson's goodness-of-fit test of ``observed`` counts against ``probabilities``
+    (summing to 1): the probability that χ² with len - 1 degrees of freedom reaches the
+    statistic."""
+    total = sum(observed)
+    statistic = sum((o - total * p) ** 2 / (total * p) for o, p in zip(observed, probabilities))
+    dof = torch.tensor((len(observed) - 1) / 2, dtype=torch.float64)
+    return torch.special.gammaincc(dof, torch.tensor(statistic / 2, dtype=torch.float64)).item()

@@ -17,3 +17,8 @@ def register_kv_tiers(register):
 @engine.hookimpl
 def register_quantizers(register):
     register("example_int8", "engine_example_plugins.int8_quantizer:Int8Quantizer")
+
+
+@engine.hookimpl
+def register_spec_proposers(register):
+    register("example_random", "engine_example_plugins.random_proposer:RandomProposer")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.testing.kit import AttentionBackendTests, KVTierTests, QuantizerTests
+from engine.testing.kit import AttentionBackendTests, KVTierTests, QuantizerTests, SpecProposerTests
 
 
 class TestViaEntryPoint(AttentionBackendTests):
@@ -38,6 +38,15 @@ class TestInt8QuantizerViaEntryPoint(QuantizerTests):
 
 
 class TestInt8QuantizerViaModulePath(TestInt8QuantizerViaEntryPoint):
+    plugin = "engine_example_plugins.plugin"
+
+
+class TestRandomProposerViaEntryPoint(SpecProposerTests):
+    plugin = "example"
+    proposer_name = "example_random"
+
+
+class TestRandomProposerViaModulePath(TestRandomProposerViaEntryPoint):
     plugin = "engine_example_plugins.plugin"
 
 

@@ -29,6 +29,7 @@ _CLASSES = {
     "PlatformTests": "engine.testing.kit.platform",
     "KVTierTests": "engine.testing.kit.kv_tier",
     "QuantizerTests": "engine.testing.kit.quantizer",
+    "SpecProposerTests": "engine.testing.kit.spec_proposer",
 }
 
 __all__ = ["KitTests", "capability_skip", *_CLASSES]

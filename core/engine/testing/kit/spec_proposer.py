@@ -1,0 +1,192 @@
+"""``SpecProposerTests``: a speculative-decoding proposer inside the real engine.
+
+The oracle is the target model decoding without speculation. Whatever a proposer
+drafts, greedy outputs must be the target's own tokens, and sampled tokens must
+follow the target's distribution (a proposer that understates the probability of
+its drafts gets them accepted too often: the output leans towards them). Drafts must
+respect the contract (one list per request, at most ``num_tokens`` ids in the
+vocabulary, probabilities shaped ``[len(drafts), vocab]``), and a proposer must cope
+with requests whose tokens shrink (rejected drafts, preemption) or that go away.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from engine.testing.kit.base import KitTests
+
+VOCAB = 320  # the tiny Llama's
+SAMPLES = 1200
+BINS = 10
+
+
+class SpecProposerTests(KitTests):
+    """Subclass with ``plugin`` and ``proposer_name``; override :meth:`config` for the
+    proposer's ``--speculative-config`` (it gets the tiny target checkpoint's directory,
+    e.g. to use it as its own draft model). The checks run a tiny random Llama as the
+    target, so ``also_load`` defaults to the cpu platform and the llama family."""
+
+    registry_name = "spec_proposers"
+    proposer_name: ClassVar[str | None] = None
+    also_load: ClassVar[tuple[str, ...]] = ("cpu", "llama")
+
+    def config(self, target: Path) -> dict[str, Any]:
+        return {}
+
+    # helpers
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def target(cls, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        from engine.testing.checkpoints import make_tiny_checkpoint
+
+        path = tmp_path_factory.mktemp("target")
+        make_tiny_checkpoint("LlamaForCausalLM", path)
+        return path
+
+    def make_llm(self, target: Path, speculative: bool, **kwargs: Any) -> Any:
+        from engine import LLM
+
+        if speculative:
+            kwargs.update(speculative_method=self.required("proposer_name"), speculative_config=self.config(target),
+                          num_speculative_tokens=3)
+        plugins = [p for p in (self.required("plugin"), *self.also_load) if p]
+        return LLM(str(target), plugins=plugins, dtype="float32", kv_cache_memory=0.05, progress=False, **kwargs)
+
+    def make_proposer(self, target: Path) -> Any:
+        import torch
+
+        from engine.interfaces.spec_proposer import ProposerInit
+        from engine.selection import select_platform
+
+        components = self.components()
+        platform = select_platform(components.platforms, "cpu")
+        init = ProposerInit(config=self.config(target), target_model_path=target, vocab_size=VOCAB,
+                            dtype=torch.float32, device=torch.device("cpu"), components=components, platform=platform)
+        return self.resolve(self.required("proposer_name"))(init)
+
+    def check_drafts(self, drafts: Any, num_requests: int, num_tokens: int) -> None:
+        from engine.interfaces.spec_proposer import Drafts
+
+        assert isinstance(drafts, Drafts), f"propose returned {type(drafts).__name__}, not Drafts"
+        assert len(drafts.token_ids) == num_requests, (
+            f"{len(drafts.token_ids)} draft lists for {num_requests} requests"
+        )
+        for tokens in drafts.token_ids:
+            assert len(tokens) <= num_tokens, f"{len(tokens)} drafts where at most {num_tokens} were asked for"
+            assert all(isinstance(t, int) and 0 <= t < VOCAB for t in tokens), f"draft ids {tokens} outside [0, {VOCAB})"
+        if drafts.probs is not None:
+            assert len(drafts.probs) == num_requests
+            for p, tokens in zip(drafts.probs, drafts.token_ids):
+                assert tuple(p.shape) == (len(tokens), VOCAB), f"draft probabilities shaped {tuple(p.shape)}"
+
+    # checks
+
+    def test_discoverable(self) -> None:
+        """The plugin registers the proposer under its declared name, as an engine SpecProposer."""
+        from engine.interfaces.spec_proposer import SpecProposer
+
+        cls = self.resolve(self.required("proposer_name"))
+        assert issubclass(cls, SpecProposer) and cls.name == self.proposer_name
+
+    def test_drafts_follow_the_contract(self, target: Path) -> None:
+        """One draft list per request, in order, at most num_tokens ids in the vocabulary."""
+        from engine.interfaces.spec_proposer import DraftRequest
+
+        proposer = self.make_proposer(target)
+        rng = random.Random(0)
+        requests = [
+            DraftRequest("a", tuple(rng.randrange(VOCAB) for _ in range(9))),
+            DraftRequest("b", (5, 6, 7, 8) * 6),
+            DraftRequest("c", (3,)),
+        ]
+        for num_tokens in (1, 4):
+            hidden = self.hidden_states(proposer, len(requests))
+            self.check_drafts(proposer.propose(requests, num_tokens, hidden), len(requests), num_tokens)
+
+    def test_copes_with_rollback_and_removal(self, target: Path) -> None:
+        """Tokens that shrink or change (rejected drafts, preemption), requests that go
+        away and come back: the proposer keeps answering within the contract."""
+        from engine.interfaces.spec_proposer import DraftRequest
+
+        proposer = self.make_proposer(target)
+        history = [(9, 4, 7, 1, 9, 4, 7, 1, 9), (9, 4, 7, 1, 9, 4, 7, 1, 9, 4, 7), (9, 4, 7, 1, 9, 4), (9, 4, 8, 8)]
+        for tokens in history:
+            requests = [DraftRequest("x", tokens), DraftRequest("y", tokens[:3])]
+            self.check_drafts(proposer.propose(requests, 3, self.hidden_states(proposer, 2)), 2, 3)
+        proposer.remove(["x"])
+        requests = [DraftRequest("x", (1, 2, 3)), DraftRequest("y", (9, 4, 7, 1))]
+        self.check_drafts(proposer.propose(requests, 2, self.hidden_states(proposer, 2)), 2, 2)
+        proposer.remove(["x", "y"])
+
+    def hidden_states(self, proposer: Any, num_requests: int) -> dict[int, Any] | None:
+        """Stand-in target hidden states for a proposer that asks for them (64: the tiny Llama's width)."""
+        import torch
+
+        if not proposer.hidden_state_layers:
+            return None
+        return {layer: torch.randn(num_requests, 64) for layer in proposer.hidden_state_layers}
+
+    def test_greedy_output_is_the_target_output(self, target: Path) -> None:
+        """A batch of mixed lengths (a repetitive prompt among them) decodes to the
+        target's tokens with the proposer on, and the proposer was used."""
+        from engine import SamplingParams
+
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 9, 30, 57)]
+        prompts.append([21, 22, 23, 24, 25] * 8)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        expected = [o.outputs[0].token_ids for o in self.make_llm(target, False).generate(prompts, params, use_tqdm=False)]
+        llm = self.make_llm(target, True)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected, "greedy output with speculation differs from the target's"
+
+    def test_sampled_tokens_follow_the_target_distribution(self, target: Path) -> None:
+        """1200 samples at temperature 1: the second token (the first a draft can
+        supply) is distributed as the target's exact marginal (chi-squared over 10
+        groups of tokens of equal probability, p > 0.001)."""
+        import torch
+
+        from engine import SamplingParams
+        from engine.testing.oracles import chi_squared_p_value
+
+        prompt = [17, 42, 99, 5]
+        plain = self.make_llm(target, False)
+        (logits,) = plain.prompt_logits([prompt])
+        first = logits[-1].double().softmax(-1)
+        given = [l[-1].double().softmax(-1) for l in plain.prompt_logits([prompt + [t] for t in range(VOCAB)])]
+
+        second = first @ torch.stack(given)  # P(second) = Σ_t P(first = t) P(second | t)
+        llm = self.make_llm(target, True, max_num_seqs=256)
+        # three tokens: the second can come from a draft only if a third may follow it
+        params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i) for i in range(SAMPLES)]
+        tokens = [o.outputs[0].token_ids[1] for o in llm.generate([prompt] * SAMPLES, params, use_tqdm=False)]
+        observed, probabilities = equal_mass_bins(tokens, second, BINS)
+        p_value = chi_squared_p_value(observed, probabilities)
+        assert p_value > 1e-3, (
+            f"the second sampled token is not distributed as the target's (p = {p_value:.2e}): counts in {BINS} "
+            f"bins of equal probability {observed}, expected {[round(SAMPLES * p) for p in probabilities]}"
+        )
+
+
+def equal_mass_bins(tokens: list[int], probabilities: Any, bins: int) -> tuple[list[int], list[float]]:
+    """Counts of ``tokens`` and the probability mass in each of ``bins`` groups of token ids
+    holding about equal mass (ids taken by descending probability), so that every group
+    expects enough samples for a chi-squared test."""
+    order = probabilities.argsort(descending=True).tolist()
+    group = {}
+    mass = [0.0] * bins
+    before = 0.0
+    for token in order:
+        index = min(int(before * bins), bins - 1)
+        group[token] = index
+        mass[index] += probabilities[token].item()
+        before += probabilities[token].item()
+    counts = [0] * bins
+    for token in tokens:
+        counts[group[token]] += 1
+    return counts, mass

@@ -1,0 +1,109 @@
+"""SpecProposerTests fails a broken proposer: each deliberately broken variant of the
+ngram proposer below is caught by the kit checks named next to it, and the real one
+passes them all."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+from plugin_helpers import run_kit_in_subprocess  # noqa: E402
+
+pytest_plugins = ["pytester"]
+
+PLUGIN = '''
+import torch
+
+import engine
+from engine.interfaces.spec_proposer import Drafts
+from engine.spec_decode.ngram import NgramProposer
+
+
+class Good(NgramProposer):
+    name = "good"
+
+
+class Leaky(NgramProposer):
+    """drafts token 7 and claims it had almost no chance of drafting it: its drafts get
+    accepted nearly always and leak into sampled output"""
+    name = "leaky"
+
+    def propose(self, requests, num_tokens, hidden_states=None):
+        vocab = self.init.vocab_size
+        probs = torch.full((num_tokens, vocab), 1.0 / (vocab - 1))
+        probs[:, 7] = 0.0
+        return Drafts([[7] * num_tokens for _ in requests], [probs.clone() for _ in requests])
+
+
+class TooMany(NgramProposer):
+    """ignores num_tokens"""
+    name = "too_many"
+
+    def propose(self, requests, num_tokens, hidden_states=None):
+        return Drafts([[1] * (num_tokens + 2) for _ in requests])
+
+
+class OutOfVocab(NgramProposer):
+    """drafts an id past the vocabulary"""
+    name = "out_of_vocab"
+
+    def propose(self, requests, num_tokens, hidden_states=None):
+        return Drafts([[self.init.vocab_size] for _ in requests])
+
+
+class Misaligned(NgramProposer):
+    """drops the last request's list"""
+    name = "misaligned"
+
+    def propose(self, requests, num_tokens, hidden_states=None):
+        return Drafts(super().propose(requests, num_tokens).token_ids[:-1])
+
+
+class Forgetful(NgramProposer):
+    """assumes a request's tokens only ever grow"""
+    name = "forgetful"
+
+    def __init__(self, init):
+        super().__init__(init)
+        self.seen = {}
+
+    def propose(self, requests, num_tokens, hidden_states=None):
+        for r in requests:
+            before = self.seen.get(r.request_id, 0)
+            assert len(r.token_ids) >= before, "tokens shrank"
+            self.seen[r.request_id] = len(r.token_ids)
+        return super().propose(requests, num_tokens)
+
+
+@engine.hookimpl
+def register_spec_proposers(register):
+    for cls in (Good, Leaky, TooMany, OutOfVocab, Misaligned, Forgetful):
+        register(cls)
+'''
+
+# broken variant -> the kit checks that must fail for it
+CAUGHT_BY = {
+    "leaky": ("test_sampled_tokens_follow_the_target_distribution",),
+    "too_many": ("test_drafts_follow_the_contract", "test_greedy_output_is_the_target_output"),
+    "out_of_vocab": ("test_drafts_follow_the_contract", "test_greedy_output_is_the_target_output"),
+    "misaligned": ("test_drafts_follow_the_contract", "test_greedy_output_is_the_target_output"),
+    "forgetful": ("test_copes_with_rollback_and_removal",),
+}
+
+TESTS = "from engine.testing.kit import SpecProposerTests\n" + "".join(
+    f"\nclass Test_{name}(SpecProposerTests):\n    plugin = 'broken_proposers'\n    proposer_name = '{name}'\n"
+    for name in ("good", *CAUGHT_BY)
+)
+
+
+def test_every_broken_proposer_is_caught_by_its_check(pytester, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    outcomes = run_kit_in_subprocess(pytester, broken_proposers=PLUGIN, test_proposer_kit=TESTS)
+    for name, checks in CAUGHT_BY.items():
+        for check in checks:
+            assert outcomes[(f"Test_{name}", check)] == "failed", f"{name}: {check} did not fail"
+    good = {check: outcome for (cls, check), outcome in outcomes.items() if cls == "Test_good"}
+    assert len(good) == 5 and set(good.values()) == {"passed"}, good

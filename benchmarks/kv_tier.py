@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -29,7 +30,8 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-tier", default="disk")
-    parser.add_argument("--kv-tier-config", default=None, help="JSON; default for disk: a temporary directory")
+    parser.add_argument("--kv-tier-config", default=None,
+                        help="JSON; default for disk: a temporary directory, removed at the end")
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--store-blocks", type=int, default=2048)
@@ -44,7 +46,8 @@ def main() -> None:
     from engine.sampling_params import SamplingParams
 
     config = json.loads(args.kv_tier_config) if args.kv_tier_config else {}
-    if args.kv_tier == "disk" and "path" not in config:
+    own_directory = args.kv_tier == "disk" and "path" not in config  # removed at the end: GiBs of blocks
+    if own_directory:
         config["path"] = tempfile.mkdtemp(prefix="engine-kv-bench-")
     engine = LLMEngine(EngineConfig(model="llama58m", dtype="bfloat16", max_model_len=4096, kv_tier=args.kv_tier,
                                     kv_tier_config=config), progress=False)
@@ -117,6 +120,8 @@ def main() -> None:
         print(f"dd: {nbytes / d / 2**20:.0f} MiB/s (runs {[round(nbytes / x / 2**20) for x in dd_seconds]}); "
               f"tier/dd = {d / t:.2f}")
     engine.close()
+    if own_directory:
+        shutil.rmtree(config["path"])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""The tier's directory on disk: where each block's file goes, the lock that keeps one open tier
-per directory, and the scan that finds the blocks an earlier run left behind.
+"""The tier's directory on disk: where each segment's file goes, the lock that keeps one open
+tier per directory, and the scan that finds the segments an earlier run left behind.
 
-Layout under ``<path>/<digest>/``: ``.lock``, and ``<k[0:2]>/<k>.kvb`` for each key ``k`` in
-hex; a file being written is ``<k[0:2]>/.<k>.kvb.<pid>.<thread>.<n>.tmp`` until it is renamed.
+Layout under ``<path>/<digest>/``: ``.lock``, and ``<n>.kvs`` for each segment, ``n`` a number
+in 16 hex digits that grows with every segment written; a segment being written is
+``.<n>.kvs.<pid>.<thread>.<i>.tmp`` until it is renamed.
 """
 
 from __future__ import annotations
@@ -15,16 +16,14 @@ import stat
 import threading
 import time
 from itertools import count
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from engine_kv_tier_disk.blockfile import SUFFIX
+from engine_kv_tier_disk.segment import SUFFIX
 
 logger = logging.getLogger("engine.kv_tier_disk")
 
-MAX_KEY_BYTES = 64
 LOCK_FILE = ".lock"
-_BLOCK_FILE = re.compile(rf"(?:[0-9a-f]{{2}}){{1,{MAX_KEY_BYTES}}}{re.escape(SUFFIX)}")
-_SHARD_DIR = re.compile(r"[0-9a-f]{2}")
+_SEGMENT_FILE = re.compile(rf"([0-9a-f]{{16}}){re.escape(SUFFIX)}")
 _temp_ids = count()
 
 
@@ -32,60 +31,43 @@ class DirectoryInUseError(Exception):
     """Another open tier (in this or another process) holds the directory's lock."""
 
 
-class FoundBlock(NamedTuple):
-    key: bytes
+class FoundSegment(NamedTuple):
+    path: str
+    number: int
     size: int
     mtime_ns: int
 
 
-def valid_key(key: Any) -> bool:
-    """Keys name files only through ``key.hex()``; anything but 1 to 64 bytes is refused."""
-    return isinstance(key, bytes) and 0 < len(key) <= MAX_KEY_BYTES
-
-
-def block_path(directory: str, key: bytes) -> str:
-    name = key.hex()
-    return os.path.join(directory, name[:2], name + SUFFIX)
+def segment_path(directory: str, number: int) -> str:
+    return os.path.join(directory, f"{number:016x}{SUFFIX}")
 
 
 def temp_path(path: str) -> str:
     """A name next to ``path`` that no other writer, thread or process, uses at the same time."""
-    shard, name = os.path.split(path)
-    return os.path.join(shard, f".{name}.{os.getpid()}.{threading.get_ident()}.{next(_temp_ids)}.tmp")
+    parent, name = os.path.split(path)
+    return os.path.join(parent, f".{name}.{os.getpid()}.{threading.get_ident()}.{next(_temp_ids)}.tmp")
 
 
-def scan(directory: str, file_size: int) -> tuple[list[FoundBlock], int]:
-    """The block files under ``directory``, oldest mtime first, and how many files of the wrong
-    size were removed. Leftover temporary files (writes cut short) are removed; other files are
-    left alone. Raises ``OSError`` when ``directory`` cannot be read."""
+def scan(directory: str) -> list[FoundSegment]:
+    """The segment files in ``directory``, oldest mtime first. Leftover temporary files (writes
+    cut short) are removed; other files are left alone. Raises ``OSError`` when ``directory``
+    cannot be read."""
     found = []
-    wrong_size = 0
-    shards = [e for e in os.scandir(directory) if _SHARD_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-    for shard in shards:
-        try:
-            entries = list(os.scandir(shard.path))
-        except OSError as exc:
-            logger.warning("disk KV tier: skipping unreadable %s: %s", shard.path, exc)
+    for entry in list(os.scandir(directory)):
+        if entry.name.startswith(".") and entry.name.endswith(".tmp"):
+            remove(entry.path)
             continue
-        for entry in entries:
-            if entry.name.startswith(".") and entry.name.endswith(".tmp"):
-                remove(entry.path)
-                continue
-            if not (_BLOCK_FILE.fullmatch(entry.name) and entry.name.startswith(shard.name)):
-                continue
-            try:
-                info = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if not stat.S_ISREG(info.st_mode):
-                continue
-            if info.st_size != file_size:
-                wrong_size += 1
-                remove(entry.path)
-                continue
-            found.append(FoundBlock(bytes.fromhex(entry.name[: -len(SUFFIX)]), info.st_size, info.st_mtime_ns))
-    found.sort(key=lambda block: (block.mtime_ns, block.key))
-    return found, wrong_size
+        match = _SEGMENT_FILE.fullmatch(entry.name)
+        if not match:
+            continue
+        try:
+            info = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode):
+            found.append(FoundSegment(entry.path, int(match[1], 16), info.st_size, info.st_mtime_ns))
+    found.sort(key=lambda segment: (segment.mtime_ns, segment.number))
+    return found
 
 
 def lock(directory: str) -> int | None:

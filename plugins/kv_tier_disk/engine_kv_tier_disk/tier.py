@@ -1,5 +1,5 @@
-"""The ``disk`` KV tier: one file per block under a directory, least recently used evicted
-first, reused across restarts."""
+"""The ``disk`` KV tier: blocks packed into segment files under a directory, the least
+recently used segments evicted first, reused across restarts."""
 
 from __future__ import annotations
 
@@ -11,40 +11,49 @@ import os
 import re
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from engine.interfaces.kv_tier import KVTier, KVTierSpec, KVTierStats, check_config_keys, config_number
 from engine_kv_tier_disk import directory as layout
-from engine_kv_tier_disk.blockfile import HEADER_SIZE, CorruptBlockError, encode_header, read_block
-from engine_kv_tier_disk.directory import DirectoryInUseError, valid_key
+from engine_kv_tier_disk.buffers import SpareBuffers, copy_bytes
+from engine_kv_tier_disk.directory import DirectoryInUseError
+from engine_kv_tier_disk.index import Entry, Segment, SegmentIndex
+from engine_kv_tier_disk.segment import (
+    HEADER_SIZE,
+    MAX_BLOCKS,
+    MAX_KEY_BYTES,
+    CorruptBlockError,
+    CorruptSegmentError,
+    encode,
+    entry_size,
+    read_block,
+    read_table,
+    valid_key,
+)
 
 logger = logging.getLogger("engine.kv_tier_disk")
 
 DEFAULT_CAPACITY_GB = 10.0
 DEFAULT_THREADS = 2
+PREFIX_KEY_BYTES = 16  # the engine's keys: its prefix cache's block hashes
 _DIGEST = re.compile(r"[0-9a-fA-F]{1,128}")
-
-
-class _Entry(NamedTuple):
-    size: int  # bytes on disk
-    generation: int  # tells successive files of one key apart
 
 
 class DiskKVTier(KVTier):
     """Config: ``path`` (required: the root directory, created if missing), ``capacity_gb``
-    (GiB of block files per spec digest, default 10), ``threads`` (writer threads, default 2).
+    (GiB of segment files per spec digest, default 10), ``threads`` (writer threads, default 2).
 
-    Blocks live in ``<path>/<digest>/<hex[:2]>/<hex>.kvb``, one file per key (format in
-    :mod:`engine_kv_tier_disk.blockfile`). ``store`` copies the blocks in the calling thread
-    and returns at once; writer threads write each to a temporary file in the same directory
-    and rename it into place, so a block file is always whole. Until its file lands, a block
-    is served from that copy (at most ``max_pending_bytes`` of copies wait; stores beyond that
-    are dropped rather than stalling the caller).
+    Blocks live in segment files ``<path>/<digest>/<n>.kvs`` (format in
+    :mod:`engine_kv_tier_disk.segment`). ``store`` copies a call's blocks, in the calling
+    thread, into one buffer per segment of at most ``segment_bytes`` of blocks, and returns at
+    once; a writer thread writes each segment to a temporary file, ``max_write_bytes`` per write
+    call, and renames it into place, so a segment file is always whole. Until its segment lands, a block is served
+    from that copy (at most ``max_pending_bytes`` of copies wait; stores beyond that are
+    dropped rather than stalling the caller).
 
     ``load`` reads straight into the caller's tensors. The engine waits on a load as soon as
     it asks, so a small load (under ``min_read_job_bytes``) runs in the calling thread and
@@ -53,17 +62,24 @@ class DiskKVTier(KVTier):
     reads from the disk overlap (file reads and the checksum release the GIL); readers never
     queue behind writes.
 
-    A hit (lookup or load) makes a block the most recently used and stamps its file's mtime,
-    so the least-recently-used order survives a restart. Faults cost blocks, never
-    correctness, and never raise: a file that is corrupt, truncated, unreadable or gone fails
-    its load and is dropped; a write that fails (disk full, read-only, ...) fails its block.
-    One open tier per directory and digest: an exclusive ``flock`` on ``<path>/<digest>/.lock``
-    refuses a second one.
+    Eviction goes by segment: a hit (lookup or load) on a block makes its whole segment the
+    most recently used and stamps the segment file's mtime, so the least-recently-used order
+    survives a restart, and the least recently used segment is deleted whole. Faults cost
+    blocks, never correctness, and never raise: a payload that is damaged fails its load and is
+    dropped; a segment that is gone or unreadable drops all its blocks; a segment whose table
+    is damaged is deleted when the tier opens; a write that fails (disk full, read-only, ...)
+    fails its blocks. One open tier per directory and digest: an exclusive ``flock`` on
+    ``<path>/<digest>/.lock`` refuses a second one.
     """
 
     name = "disk"
     persistent = True
     max_pending_bytes = 2**30  # block copies waiting for a writer thread
+    segment_bytes = 16 * 2**20  # a store's blocks are written in segments of at most this many payload bytes
+    spare_buffers = 4  # full-segment copy buffers kept for reuse
+    # one write call at most: from 2 MiB up, a write sometimes costs the kernel (Linux 6.18, ext4)
+    # five to ten times the system time per byte; 256 KiB to 1 MiB measured fastest
+    max_write_bytes = 2**20
     min_read_job_bytes = 4 * 2**20  # a load is split into runs of at least this many bytes
     read_threads = 8  # reads wait on the disk more than on the CPU: more of them than cores
 
@@ -77,14 +93,18 @@ class DiskKVTier(KVTier):
                 f"KV tier 'disk': the spec digest names a directory and must be hex, got {spec.digest!r}."
             )
         self.dtype = getattr(torch, spec.dtype)
-        self.file_size = HEADER_SIZE + spec.block_bytes
+        self.block_numel, self.block_bytes = spec.block_numel, spec.block_bytes  # spec computes them per call
         self.capacity_bytes = int(capacity_gb * 2**30)
-        self.capacity_blocks = self.capacity_bytes // self.file_size
+        one_block = HEADER_SIZE + entry_size(PREFIX_KEY_BYTES) + spec.block_bytes
+        self.capacity_blocks = self.capacity_bytes // one_block  # each stored alone; batches fit a few more
         if self.capacity_blocks < 1:
             raise ValueError(
-                f"KV tier 'disk': 'capacity_gb'={capacity_gb:g} holds no block file of {self.file_size} bytes; "
+                f"KV tier 'disk': 'capacity_gb'={capacity_gb:g} holds no segment of one block ({one_block} bytes); "
                 f"raise it."
             )
+        # the most blocks a segment gets: segment_bytes of payloads, and never more than the capacity
+        fit = (self.capacity_bytes - HEADER_SIZE) // (spec.block_bytes + entry_size(MAX_KEY_BYTES))
+        self.segment_blocks = max(1, min(MAX_BLOCKS, self.segment_bytes // spec.block_bytes, fit))
         self.root = _config_path(config)
         self.directory = os.path.join(self.root, spec.digest)
         try:
@@ -94,18 +114,18 @@ class DiskKVTier(KVTier):
                 f"KV tier 'disk': 'path' {self.root!r}: cannot create {self.directory!r}: {exc}."
             ) from exc
 
-        self._lock = threading.Lock()  # guards everything below, and renames and unlinks in the directory
-        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # block files, least recently used first
-        self._pending: dict[bytes, torch.Tensor] = {}  # copies of blocks whose files are being written
-        self._used_bytes = 0  # sizes of the indexed files
-        self._reserved_bytes = 0  # sizes of the files being written
-        self._generations = itertools.count(1)
-        self._last_stamp = 0  # the newest mtime given to a file (ns); stamps only grow
+        self._lock = threading.Lock()  # guards everything below, and unlinks in the directory
+        self._index = SegmentIndex()
+        self._buffers = SpareBuffers(self.segment_blocks, self.block_numel, self.dtype, self.spare_buffers)
+        self._copying: set[bytes] = set()  # blocks a store is copying (outside the lock)
+        self._pending: dict[bytes, torch.Tensor] = {}  # copies of blocks whose segments are being written
+        self._reserved_bytes = 0  # sizes of the segments being written
+        self._segment_numbers = itertools.count()  # replaced by the scan: after every number on disk
+        self._last_stamp = 0  # the newest mtime given to a segment (ns); stamps only grow
         self._stats = KVTierStats()
         self._extra = {"corrupt_blocks": 0, "lost_blocks": 0, "dropped_blocks": 0}
         self._failing = False  # the last write failed (logged once per run of failures)
         self._closed = False
-        self._made_dirs: set[str] = set()
         try:
             self._lock_fd = layout.lock(self.directory)
         except DirectoryInUseError as exc:
@@ -121,14 +141,15 @@ class DiskKVTier(KVTier):
         self._writers = ThreadPoolExecutor(threads, thread_name_prefix="kv-tier-disk-write")
         self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="kv-tier-disk-read")
         logger.info(
-            "disk KV tier at %s: %d blocks found, capacity %d blocks of %d bytes (%.2f GiB)",
-            self.directory, len(self._index), self.capacity_blocks, self.file_size, capacity_gb,
+            "disk KV tier at %s: %d blocks in %d segments found, capacity %.2f GiB (%d blocks of %d bytes)",
+            self.directory, len(self._index), self._index.num_segments, capacity_gb, self.capacity_blocks,
+            spec.block_bytes,
         )
 
     # KVTier
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        touched = []
+        touched: list[tuple[str, int]] = []
         with self._lock:
             self._check_open()
             n = 0
@@ -136,10 +157,10 @@ class DiskKVTier(KVTier):
                 if not valid_key(key):
                     break
                 if key not in self._pending:
-                    if key not in self._index:
+                    entry = self._index.get(key)
+                    if entry is None:
                         break
-                    self._index.move_to_end(key)
-                    touched.append((self._block_path(key), self._next_stamp()))
+                    self._use(entry.segment, touched)
                 n += 1
             self._stats.hits += n
             self._stats.misses += int(n < len(keys))
@@ -149,31 +170,29 @@ class DiskKVTier(KVTier):
     def store(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> Future[list[bool]]:
         pairs = list(zip(keys, blocks, strict=True))
         results = [False] * len(pairs)
-        jobs: list[Future[None]] = []
-        touched = []
+        touched: list[tuple[str, int]] = []
         with self._lock:
             self._check_open()
-            for i, (key, block) in enumerate(pairs):
-                if not valid_key(key) or not self._is_block(block):
-                    self._stats.store_failures += 1
-                    continue
-                if key in self._index or key in self._pending:  # equal keys are interchangeable blocks
-                    if key in self._index:
-                        self._index.move_to_end(key)
-                        touched.append((self._block_path(key), self._next_stamp()))
-                    self._stats.stored_blocks += 1
-                    results[i] = True
-                    continue
-                if self._pending and (len(self._pending) + 1) * self.spec.block_bytes > self.max_pending_bytes:
-                    self._stats.store_failures += 1  # the disk is behind: drop rather than stall the caller
-                    self._extra["dropped_blocks"] += 1
-                    continue
-                # copied here, block by block, so that each block's write starts while the next is copied
-                copy = torch.empty(self.spec.block_numel, dtype=self.dtype)
-                copy.view(block.shape).copy_(block.detach())
-                self._pending[key] = copy
-                jobs.append(self._writers.submit(self._write_job, results, i, key, copy))
+            chosen = self._choose(pairs, results, touched)
+            self._copying.update(key for key, _ in chosen)
+            runs = [chosen[first : first + self.segment_blocks] for first in range(0, len(chosen), self.segment_blocks)]
+            copies = [self._buffers.take(len(run)) for run in runs]  # [blocks, block_numel] each
+            paths = [layout.segment_path(self.directory, next(self._segment_numbers)) for _ in runs]
         layout.touch(touched)
+        jobs: list[Future[None]] = []
+        # copied outside the lock, so that the writers carry on, and segment by segment, so that
+        # one segment's write starts while the next is copied
+        for run, copy, path in zip(runs, copies, paths):
+            for row, (_, i) in zip(copy, run):
+                copy_bytes(row, pairs[i][1])
+            with self._lock:
+                self._copying.difference_update(key for key, _ in run)
+                if self._closed:  # closed by another thread meanwhile
+                    self._stats.store_failures += len(run)
+                    self._buffers.give_back(copy)
+                    continue
+                self._pending.update((key, row) for (key, _), row in zip(run, copy))
+                jobs.append(self._writers.submit(self._write_segment, results, run, copy, path))
         return _when_all(results, jobs)
 
     def load(self, keys: Sequence[bytes], into: Sequence[torch.Tensor]) -> Future[list[bool]]:
@@ -181,7 +200,7 @@ class DiskKVTier(KVTier):
         start = time.perf_counter()
         results = [False] * len(pairs)
         n = len(pairs)
-        num_jobs = min(self.read_threads, n, n * self.spec.block_bytes // self.min_read_job_bytes)
+        num_jobs = min(self.read_threads, n, n * self.block_bytes // self.min_read_job_bytes)
         jobs: list[Future[None]] = []
         with self._lock:
             self._check_open()
@@ -196,8 +215,9 @@ class DiskKVTier(KVTier):
         with self._lock:
             extra = {
                 "blocks": len(self._index),
+                "segments": self._index.num_segments,
                 "pending_blocks": len(self._pending),
-                "used_bytes": self._used_bytes,
+                "used_bytes": self._index.used_bytes,
                 "capacity_blocks": self.capacity_blocks,
                 "capacity_bytes": self.capacity_bytes,
                 **self._extra,
@@ -216,51 +236,55 @@ class DiskKVTier(KVTier):
 
     # writes (writer threads)
 
-    def _write_job(self, results: list[bool], index: int, key: bytes, block: torch.Tensor) -> None:
-        results[index] = self._write_block(key, block)
+    def _choose(
+        self, pairs: list[tuple[bytes, torch.Tensor]], results: list[bool], touched: list[tuple[str, int]]
+    ) -> list[tuple[bytes, int]]:
+        """The blocks of ``pairs`` to write, as (key, index in pairs); a key the tier holds or is
+        writing already succeeds at once (holding the lock)."""
+        chosen: dict[bytes, int] = {}
+        for i, (key, block) in enumerate(pairs):
+            if not valid_key(key) or not self._is_block(block):
+                self._stats.store_failures += 1
+                continue
+            if key in self._index or key in self._pending or key in self._copying or key in chosen:
+                entry = self._index.get(key)  # equal keys are interchangeable blocks
+                if entry is not None:
+                    self._use(entry.segment, touched)
+                self._stats.stored_blocks += 1
+                results[i] = True
+                continue
+            waiting = len(self._pending) + len(self._copying) + len(chosen)
+            if waiting and (waiting + 1) * self.block_bytes > self.max_pending_bytes:
+                self._stats.store_failures += 1  # the disk is behind: drop rather than stall the caller
+                self._extra["dropped_blocks"] += 1
+                continue
+            chosen[key] = i
+        return list(chosen.items())
 
-    def _write_block(self, key: bytes, block: torch.Tensor) -> bool:
+    def _write_segment(
+        self, results: list[bool], run: list[tuple[bytes, int]], copy: torch.Tensor, path: str
+    ) -> None:
+        """Write the blocks of ``copy`` (rows in the order of ``run``) as the segment ``path``."""
         start = time.perf_counter()
-        path = self._block_path(key)
-        temp = layout.temp_path(path)
-        parent = os.path.dirname(path)
-        size = self.file_size
+        keys = [key for key, _ in run]
+        payload = copy.view(torch.uint8).numpy()  # [blocks, block_bytes]
+        header, table = encode(keys, list(payload))
+        size = len(header) + payload.nbytes
         with self._lock:
             self._make_room(size)  # free the space before filling it
             self._reserved_bytes += size
-        reserved = True
+        temp = layout.temp_path(path)
         try:
-            payload = memoryview(block.view(torch.uint8).numpy())
-            header = encode_header(payload)
-            if parent not in self._made_dirs:  # 256 subdirectories at most: create each once
-                os.makedirs(parent, exist_ok=True)
-                self._made_dirs.add(parent)
             self._write_file(temp, (header, payload))
+            os.replace(temp, path)
+        except Exception as exc:  # a failed write costs these blocks, never the caller
+            layout.remove(temp)
             with self._lock:
                 self._reserved_bytes -= size
-                reserved = False
-                stamp = self._next_stamp()
-                os.utime(temp, ns=(stamp, stamp))
-                os.replace(temp, path)
-                self._make_room(size)
-                self._index[key] = _Entry(size, next(self._generations))
-                self._used_bytes += size
-                del self._pending[key]
-                self._stats.stored_blocks += 1
-                self._stats.bytes_written += self.spec.block_bytes
-                self._stats.store_seconds += time.perf_counter() - start
-                if self._failing:
-                    self._failing = False
-                    logger.info("disk KV tier: writes to %s succeed again", self.directory)
-            return True
-        except Exception as exc:  # a failed write costs this block, never the caller
-            layout.remove(temp)
-            self._made_dirs.discard(parent)  # removed behind our back? made again next time
-            with self._lock:
-                if reserved:
-                    self._reserved_bytes -= size
-                self._pending.pop(key, None)
-                self._stats.store_failures += 1
+                for key in keys:
+                    del self._pending[key]
+                self._buffers.give_back(copy)
+                self._stats.store_failures += len(keys)
                 first = not self._failing
                 self._failing = True
             if first:
@@ -268,23 +292,33 @@ class DiskKVTier(KVTier):
                     "disk KV tier: cannot write %s (%s: %s); blocks that fail to write are dropped",
                     path, type(exc).__name__, exc, exc_info=not isinstance(exc, OSError),
                 )
-            return False
+            return
+        with self._lock:
+            self._reserved_bytes -= size
+            self._make_room(size)
+            self._index.add(path, size, table)  # its keys were pending, so it empties no other segment
+            stamp = self._next_stamp()
+            for key, i in run:
+                del self._pending[key]
+                results[i] = True
+            self._buffers.give_back(copy)
+            self._stats.stored_blocks += len(keys)
+            self._stats.bytes_written += payload.nbytes
+            self._stats.store_seconds += time.perf_counter() - start
+            if self._failing:
+                self._failing = False
+                logger.info("disk KV tier: writes to %s succeed again", self.directory)
+        layout.touch([(path, stamp)])
 
     def _write_file(self, path: str, data: Sequence[bytes | memoryview]) -> None:
         """Create the file ``path`` (it must not exist) holding the buffers of ``data`` one after
         another. Every byte the tier puts on disk goes through here."""
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            total, written = sum(memoryview(d).nbytes for d in data), 0
-            buffers = [memoryview(d).cast("B") for d in data]
-            while written < total:  # one writev; a short write continues where it stopped
-                n = os.writev(fd, buffers)
-                written += n
-                while buffers and n >= buffers[0].nbytes:
-                    n -= buffers[0].nbytes
-                    buffers.pop(0)
-                if buffers and n:
-                    buffers[0] = buffers[0][n:]
+            for buffer in data:
+                view = memoryview(buffer).cast("B")
+                while view.nbytes:  # a short write continues where it stopped
+                    view = view[os.write(fd, view[: self.max_write_bytes]) :]
         finally:
             os.close(fd)
 
@@ -302,83 +336,107 @@ class DiskKVTier(KVTier):
         usable = valid_key(key) and self._is_block(out)
         with self._lock:
             copy = self._pending.get(key) if usable else None
-            entry = self._index.get(key) if usable and copy is None else None
-            if copy is None and entry is None:
+            if copy is not None:  # its segment is still being written; copied under the lock, as
+                copy_bytes(out, copy)  # the buffer is reused once the segment lands
+                self._stats.loaded_blocks += 1
+                self._stats.bytes_read += self.block_bytes
+                return True
+            entry = self._index.get(key) if usable else None
+            if entry is None:
                 self._stats.load_failures += 1
                 return False
-        if copy is not None:  # its file is still being written
-            out.copy_(copy.view(out.shape))
-            with self._lock:
-                self._stats.loaded_blocks += 1
-                self._stats.bytes_read += self.spec.block_bytes
-            return True
-        path = self._block_path(key)
         direct = out.device.type == "cpu" and out.is_contiguous()  # read straight into the caller's memory
-        target = out.detach() if direct else torch.empty(self.spec.block_numel, dtype=self.dtype)
+        target = out.detach() if direct else torch.empty(self.block_numel, dtype=self.dtype)
         try:
-            read_block(path, memoryview(target.view(-1).view(torch.uint8).numpy()))
-        except (CorruptBlockError, OSError) as exc:
-            self._drop(key, entry, path, exc)
+            read_block(entry.segment.path, entry.block, memoryview(target.view(-1).view(torch.uint8).numpy()))
+        except CorruptBlockError as exc:
+            self._drop_block(key, entry, exc)
+            return False
+        except OSError as exc:
+            self._drop_segment(entry.segment, exc)
             return False
         if not direct:
-            out.copy_(target.view(out.shape))
-        touched = []
+            copy_bytes(out, target)
+        touched: list[tuple[str, int]] = []
         with self._lock:
             self._stats.loaded_blocks += 1
-            self._stats.bytes_read += self.spec.block_bytes
-            if self._index.get(key) == entry:  # still the file just read
-                self._index.move_to_end(key)
-                touched.append((path, self._next_stamp()))
+            self._stats.bytes_read += self.block_bytes
+            self._use(entry.segment, touched)
         layout.touch(touched)
         return True
 
-    def _drop(self, key: bytes, entry: _Entry, path: str, exc: Exception) -> None:
-        """A load of ``entry``'s file failed: forget the block and delete what is left of its file."""
+    def _drop_block(self, key: bytes, entry: Entry, exc: CorruptBlockError) -> None:
+        """A payload failed its read: forget the block, and the segment's file once it holds no
+        other block."""
         with self._lock:
             self._stats.load_failures += 1
-            if self._index.get(key) != entry:
-                return  # evicted or replaced since the read began: nothing of this file to drop
-            del self._index[key]
-            self._used_bytes -= entry.size
-            if isinstance(exc, CorruptBlockError):
-                self._extra["corrupt_blocks"] += 1
-            else:
-                self._extra["lost_blocks"] += 1
+            if not self._index.drop_block(key, entry):
+                return  # evicted or dropped since the read began
+            self._extra["corrupt_blocks"] += 1
+            if not entry.segment.keys:
+                layout.remove(entry.segment.path)
+        logger.warning("disk KV tier: dropped a corrupt block: %s", exc)
+
+    def _drop_segment(self, segment: Segment, exc: OSError) -> None:
+        """A segment is gone or cannot be read: forget all its blocks and delete what is left of it."""
+        with self._lock:
+            self._stats.load_failures += 1
+            lost = self._index.drop_segment(segment)
+            if not lost:
+                return  # evicted or dropped since the read began
+            self._extra["lost_blocks"] += lost
             if not isinstance(exc, FileNotFoundError):
-                layout.remove(path)
+                layout.remove(segment.path)
         if isinstance(exc, FileNotFoundError):
-            logger.debug("disk KV tier: %s is gone; dropped it", path)
+            logger.debug("disk KV tier: %s is gone; dropped its %d blocks", segment.path, lost)
         else:
-            logger.warning("disk KV tier: dropped an unusable block file: %s", exc)
+            logger.warning("disk KV tier: dropped the %d blocks of an unreadable segment: %s", lost, exc)
 
     # directory
 
-    def _block_path(self, key: bytes) -> str:
-        return layout.block_path(self.directory, key)
+    def _use(self, segment: Segment, touched: list[tuple[str, int]]) -> None:
+        """Make ``segment`` the most recently used; its new mtime goes to ``touched`` (holding the lock)."""
+        if self._index.use(segment):
+            touched.append((segment.path, self._next_stamp()))
 
     def _make_room(self, size: int) -> None:
-        """Evict least recently used blocks until ``size`` more bytes fit (holding the lock)."""
-        while self._index and self._used_bytes + self._reserved_bytes + size > self.capacity_bytes:
-            key, entry = self._index.popitem(last=False)
-            self._used_bytes -= entry.size
-            self._stats.evicted_blocks += 1
-            layout.remove(self._block_path(key))
+        """Evict least recently used segments until ``size`` more bytes fit (holding the lock)."""
+        while self._index.used_bytes + self._reserved_bytes + size > self.capacity_bytes:
+            segment = self._index.evict()
+            if segment is None:
+                return
+            self._stats.evicted_blocks += len(segment.keys)
+            layout.remove(segment.path)
 
     def _next_stamp(self) -> int:
         self._last_stamp = layout.next_stamp(self._last_stamp)
         return self._last_stamp
 
     def _load_index(self) -> None:
-        """Index the block files an earlier run left, oldest mtime first."""
+        """Index the segments an earlier run left, least recently used first; a damaged one is
+        deleted, and one cut short keeps the blocks still whole in it."""
         try:
-            found, wrong_size = layout.scan(self.directory, self.file_size)
+            found = layout.scan(self.directory)
         except OSError as exc:
             raise ValueError(f"KV tier 'disk': 'path' {self.root!r}: cannot read {self.directory!r}: {exc}.") from exc
-        self._extra["corrupt_blocks"] += wrong_size
-        for block in found:
-            self._index[block.key] = _Entry(block.size, next(self._generations))
-            self._used_bytes += block.size
-            self._last_stamp = max(self._last_stamp, block.mtime_ns)
+        block_bytes = self.block_bytes
+        for segment in found:
+            self._last_stamp = max(self._last_stamp, segment.mtime_ns)
+            try:
+                table = read_table(segment.path, block_bytes)
+            except CorruptSegmentError as exc:
+                self._extra["corrupt_blocks"] += max(1, (segment.size - HEADER_SIZE) // block_bytes)  # as its size says
+                logger.warning("disk KV tier: deleted a segment whose table is damaged: %s", exc)
+                layout.remove(segment.path)
+                continue
+            except OSError as exc:
+                logger.warning("disk KV tier: skipping unreadable %s: %s", segment.path, exc)
+                continue
+            whole = [block for block in table if block.offset + block_bytes <= segment.size]
+            self._extra["corrupt_blocks"] += len(table) - len(whole)
+            for emptied in self._index.add(segment.path, segment.size, whole):
+                layout.remove(emptied.path)  # every block cut off, or stored again later
+        self._segment_numbers = itertools.count(max((s.number for s in found), default=-1) + 1)
         self._make_room(0)  # a smaller capacity than last time: the oldest go
 
     def _unlock_directory(self) -> None:
@@ -390,7 +448,7 @@ class DiskKVTier(KVTier):
 
     def _is_block(self, tensor: Any) -> bool:
         return (
-            isinstance(tensor, torch.Tensor) and tensor.dtype == self.dtype and tensor.numel() == self.spec.block_numel
+            isinstance(tensor, torch.Tensor) and tensor.dtype == self.dtype and tensor.numel() == self.block_numel
         )
 
     def _check_open(self) -> None:

@@ -1,4 +1,4 @@
-"""The disk KV tier: round trips, LRU on disk and across restarts, faults, config, threads."""
+"""The disk KV tier: round trips, segments, LRU on disk and across restarts, faults, config, threads."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -19,12 +20,59 @@ import xxhash
 
 from engine.interfaces.kv_tier import KVTierSpec
 from engine.plugins.manager import get_plugin_manager
-from engine_kv_tier_disk.blockfile import FORMAT_VERSION, HEADER_SIZE, MAGIC
 from engine_kv_tier_disk.tier import DiskKVTier
 
 SPEC = KVTierSpec("ab" * 16, "bfloat16", 4, ((4, 2, 8), (4, 2, 8)))  # 256 elements, 512 bytes
-FILE_SIZE = HEADER_SIZE + SPEC.block_bytes
-THREE_BLOCKS_GB = 3 * FILE_SIZE / 2**30
+
+# the segment format as its README states it, written out here independently of the tier's code
+MAGIC, FORMAT_VERSION, HEADER = b"EKVS", 2, struct.Struct("<4sHHQ")
+
+
+def segment_size(*key_bytes: int, block_bytes: int = SPEC.block_bytes) -> int:
+    """Bytes of a segment holding blocks under keys of these lengths: header, table, payloads."""
+    return HEADER.size + sum(1 + k + 8 + block_bytes for k in key_bytes)
+
+
+ONE_BLOCK = segment_size(16)  # a block stored alone under a 16-byte key: 553 bytes
+THREE_BLOCKS_GB = 3 * ONE_BLOCK / 2**30
+
+
+class StoredBlock(NamedTuple):
+    key: bytes
+    payload: bytes
+    offset: int  # of the payload in its segment file
+    segment: Path
+
+
+def parse_segment(path: Path, block_bytes: int = SPEC.block_bytes) -> list[StoredBlock]:
+    """The blocks of a segment file, read by the documented format; fails on anything else."""
+    data = path.read_bytes()
+    magic, version, count, table_checksum = HEADER.unpack_from(data)
+    assert (magic, version) == (MAGIC, FORMAT_VERSION) and count > 0
+    pos, entries = HEADER.size, []
+    for _ in range(count):
+        key = data[pos + 1 : pos + 1 + data[pos]]
+        (payload_checksum,) = struct.unpack_from("<Q", data, pos + 1 + len(key))
+        entries.append((key, payload_checksum))
+        pos += 1 + len(key) + 8
+    assert xxhash.xxh3_64_intdigest(data[HEADER.size : pos], seed=count) == table_checksum
+    assert len(data) == pos + count * block_bytes
+    blocks = []
+    for i, (key, payload_checksum) in enumerate(entries):
+        offset = pos + i * block_bytes
+        payload = data[offset : offset + block_bytes]
+        assert xxhash.xxh3_64_intdigest(payload) == payload_checksum
+        blocks.append(StoredBlock(key, payload, offset, path))
+    return blocks
+
+
+def segment_files(root: Path | str, spec: KVTierSpec = SPEC) -> list[Path]:
+    return sorted((Path(root) / spec.digest).glob("*.kvs"))
+
+
+def stored_blocks(root: Path | str, spec: KVTierSpec = SPEC) -> dict[bytes, StoredBlock]:
+    """Every block in the segment files under ``root``'s digest directory, by key."""
+    return {b.key: b for path in segment_files(root, spec) for b in parse_segment(path, spec.block_bytes)}
 
 
 def make_keys(n: int, seed: int = 0) -> list[bytes]:
@@ -45,8 +93,8 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def block_file(root: Path | str, key: bytes, spec: KVTierSpec = SPEC) -> Path:
-    return Path(root) / spec.digest / key.hex()[:2] / f"{key.hex()}.kvb"
+def payload_of(block: torch.Tensor) -> bytes:
+    return block.view(torch.uint8).numpy().tobytes()
 
 
 def files_under(root: Path | str, suffix: str) -> list[Path]:
@@ -81,7 +129,7 @@ def tier(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_round_trip_is_byte_exact_and_files_follow_the_format(tmp_path, dtype):
+def test_round_trip_is_byte_exact_and_one_store_is_one_segment_in_the_format(tmp_path, dtype):
     spec = KVTierSpec("ab" * 16, dtype, 4, ((4, 2, 8), (4, 2, 8)))
     tier = open_tier(tmp_path, spec)
     keys = make_keys(4)
@@ -92,18 +140,17 @@ def test_round_trip_is_byte_exact_and_files_follow_the_format(tmp_path, dtype):
     assert tier.load(keys, out).result() == [True] * 4
     assert all(same_bytes(got, want) for got, want in zip(out, blocks))
 
-    for key, block in zip(keys, blocks):  # the file, read independently of the tier
-        data = block_file(tmp_path, key, spec).read_bytes()
-        payload = block.view(torch.uint8).numpy().tobytes()
-        assert len(data) == HEADER_SIZE + spec.block_bytes
-        header = struct.pack("<4sHHQQ", MAGIC, FORMAT_VERSION, 0, len(payload), xxhash.xxh3_64_intdigest(payload))
-        assert data[:HEADER_SIZE] == header
-        assert data[HEADER_SIZE:] == payload
+    [segment] = segment_files(tmp_path, spec)  # read independently of the tier
+    assert [(b.key, b.payload) for b in parse_segment(segment, spec.block_bytes)] == [
+        (key, payload_of(block)) for key, block in zip(keys, blocks)
+    ]
+    size = segment_size(16, 16, 16, 16, block_bytes=spec.block_bytes)
+    assert segment.stat().st_size == size
 
     stats = tier.stats()
     assert (stats.stored_blocks, stats.loaded_blocks, stats.hits, stats.misses) == (4, 4, 4, 0)
     assert stats.bytes_written == stats.bytes_read == 4 * spec.block_bytes
-    assert stats.extra["blocks"] == 4 and stats.extra["used_bytes"] == 4 * (HEADER_SIZE + spec.block_bytes)
+    assert stats.extra["blocks"] == 4 and stats.extra["segments"] == 1 and stats.extra["used_bytes"] == size
     tier.close()
 
 
@@ -138,7 +185,7 @@ def test_store_copies_the_block_before_returning_and_serves_it_until_written(tie
     assert tier.load(key, out).result() == [True] and same_bytes(out[0], random_block(seed=3))
     gate.set()
     assert future.result() == [True]
-    assert block_file(tier.root, key[0]).stat().st_size == FILE_SIZE
+    assert stored_blocks(tier.root)[key[0]].payload == payload_of(random_block(seed=3))
     assert tier.load(key, out).result() == [True] and same_bytes(out[0], random_block(seed=3))
 
 
@@ -146,7 +193,25 @@ def test_storing_a_key_again_keeps_the_block_it_has(tier):
     key = make_keys(1)
     tier.store(key, [random_block(seed=1)]).result()
     assert tier.store(key, [random_block(seed=1)]).result() == [True]
-    assert tier.stats().stored_blocks == 2 and tier.stats().extra["blocks"] == 1
+    stats = tier.stats()
+    assert stats.stored_blocks == 2 and stats.extra["blocks"] == 1 and stats.extra["segments"] == 1
+
+
+def test_a_store_is_written_in_segments_of_at_most_segment_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(DiskKVTier, "segment_bytes", 3 * SPEC.block_bytes)
+    tier = open_tier(tmp_path)
+    keys = make_keys(7)
+    assert tier.store(keys, [random_block(seed=i) for i in range(7)]).result() == [True] * 7
+    # each segment's buffer is reused for a later one once written: what was stored comes back
+    more = make_keys(6, seed=1)
+    assert tier.store(more, [random_block(seed=10 + i) for i in range(6)]).result() == [True] * 6
+    segments = [[b.key for b in parse_segment(path)] for path in segment_files(tmp_path)]  # in the order written
+    assert segments == [keys[0:3], keys[3:6], keys[6:7], more[0:3], more[3:6]]
+    out = [empty_block() for _ in range(13)]
+    assert tier.load(keys + more, out).result() == [True] * 13
+    assert all(same_bytes(out[i], random_block(seed=i if i < 7 else 3 + i)) for i in range(13))
+    assert tier.stats().extra["segments"] == 5
+    tier.close()
 
 
 # capacity and least-recently-used order
@@ -161,13 +226,44 @@ def test_evicts_least_recently_used_at_capacity(tmp_path):
     tier.load([keys[0]], [empty_block()]).result()  # key 0 becomes the most recently used
     tier.store([keys[3]], [random_block(seed=3)]).result()  # evicts key 1
     assert [tier.lookup([k]) for k in keys[:4]] == [1, 0, 1, 1]  # order now 0, 2, 3
-    assert not block_file(tmp_path, keys[1]).exists()
+    assert keys[1] not in stored_blocks(tmp_path)
     tier.lookup([keys[0]])  # a lookup hit counts as a use too: order 2, 3, 0
     tier.store([keys[4]], [random_block(seed=4)]).result()  # evicts key 2
     assert [tier.lookup([k]) for k in keys] == [1, 0, 0, 1, 1]
     stats = tier.stats()
     assert stats.evicted_blocks == 2 and stats.extra["blocks"] == 3
-    assert len(files_under(tmp_path, ".kvb")) == 3
+    assert sorted(stored_blocks(tmp_path)) == sorted([keys[0], keys[3], keys[4]]) and len(segment_files(tmp_path)) == 3
+    tier.close()
+
+
+def test_eviction_takes_whole_segments_and_a_hit_keeps_its_whole_segment(tmp_path):
+    two_blocks = segment_size(16, 16)
+    tier = open_tier(tmp_path, capacity_gb=2 * two_blocks / 2**30)  # room for two segments of two blocks
+    a, b, c, d, e, f = make_keys(6)
+    tier.store([a, b], [random_block(seed=0), random_block(seed=1)]).result()
+    tier.store([c, d], [random_block(seed=2), random_block(seed=3)]).result()
+    assert tier.lookup([b]) == 1  # the segment of a and b becomes the most recently used
+    tier.store([e, f], [random_block(seed=4), random_block(seed=5)]).result()  # evicts c and d together
+    assert [tier.lookup([k]) for k in (a, b, c, d, e, f)] == [1, 1, 0, 0, 1, 1]
+    assert sorted(stored_blocks(tmp_path)) == sorted([a, b, e, f])
+    stats = tier.stats()
+    assert stats.evicted_blocks == 2 and stats.extra["segments"] == 2 and stats.extra["used_bytes"] == 2 * two_blocks
+    out = [empty_block(), empty_block()]
+    assert tier.load([a, f], out).result() == [True, True]
+    assert same_bytes(out[0], random_block(seed=0)) and same_bytes(out[1], random_block(seed=5))
+    tier.close()
+
+
+def test_a_store_larger_than_the_capacity_keeps_its_newest_blocks(tmp_path):
+    # room for 3 one-block segments (1659 bytes); segments then hold at most 2 blocks, since 2
+    # blocks under the longest keys (64 bytes) need 16 + 2 * (73 + 512) = 1186 bytes and 3 need 1771
+    tier = open_tier(tmp_path, capacity_gb=THREE_BLOCKS_GB, threads=1)
+    keys = make_keys(5)
+    assert tier.store(keys, [random_block(seed=i) for i in range(5)]).result() == [True] * 5
+    # segments [0, 1] (1090 bytes), [2, 3] (1090: evicts [0, 1]), [4] (553: fits beside [2, 3])
+    assert [tier.lookup([k]) for k in keys] == [0, 0, 1, 1, 1]
+    stats = tier.stats()
+    assert stats.evicted_blocks == 2 and stats.extra["used_bytes"] == segment_size(16, 16) + ONE_BLOCK
     tier.close()
 
 
@@ -183,7 +279,8 @@ def test_lru_order_survives_a_restart(tmp_path, use):
         tier.lookup([keys[0]])
     tier.close()
 
-    mtimes = [block_file(tmp_path, k).stat().st_mtime_ns for k in keys[:3]]
+    blocks = stored_blocks(tmp_path)
+    mtimes = [blocks[k].segment.stat().st_mtime_ns for k in keys[:3]]
     assert mtimes[1] < mtimes[2] < mtimes[0]
     tier = open_tier(tmp_path, capacity_gb=THREE_BLOCKS_GB)
     tier.store([keys[3]], [random_block(seed=3)]).result()  # evicts key 1, the least recently used
@@ -197,9 +294,9 @@ def test_a_smaller_capacity_at_restart_evicts_the_oldest(tmp_path):
     for i, key in enumerate(keys):
         tier.store([key], [random_block(seed=i)]).result()
     tier.close()
-    tier = open_tier(tmp_path, capacity_gb=FILE_SIZE / 2**30)
+    tier = open_tier(tmp_path, capacity_gb=ONE_BLOCK / 2**30)
     assert [tier.lookup([k]) for k in keys] == [0, 0, 1]
-    assert tier.stats().evicted_blocks == 2 and len(files_under(tmp_path, ".kvb")) == 1
+    assert tier.stats().evicted_blocks == 2 and list(stored_blocks(tmp_path)) == [keys[2]]
     tier.close()
 
 
@@ -210,14 +307,21 @@ def test_restart_with_the_same_digest_reuses_blocks_and_another_digest_sees_none
     keys = make_keys(5)
     blocks = [random_block(seed=i) for i in range(5)]
     tier = open_tier(tmp_path)
-    assert tier.store(keys, blocks).result() == [True] * 5
+    assert tier.store(keys[:3], blocks[:3]).result() == [True] * 3
+    assert tier.store(keys[3:], blocks[3:]).result() == [True] * 2
     tier.close()
 
     tier = open_tier(tmp_path)
-    assert tier.stats().extra["blocks"] == 5 and tier.lookup(keys) == 5
+    stats = tier.stats()
+    assert stats.extra["blocks"] == 5 and stats.extra["segments"] == 2 and tier.lookup(keys) == 5
+    assert stats.extra["used_bytes"] == segment_size(16, 16, 16) + segment_size(16, 16)
     out = [empty_block() for _ in keys]
     assert tier.load(keys, out).result() == [True] * 5
     assert all(same_bytes(got, want) for got, want in zip(out, blocks))
+    tier.store(make_keys(1, seed=1), [random_block(seed=9)]).result()  # numbered after the segments found
+    assert [[b.key for b in parse_segment(path)] for path in segment_files(tmp_path)] == [
+        keys[:3], keys[3:], make_keys(1, seed=1)
+    ]
     tier.close()
 
     other_spec = KVTierSpec("cd" * 16, "bfloat16", 4, ((4, 2, 8), (4, 2, 8)))
@@ -225,25 +329,99 @@ def test_restart_with_the_same_digest_reuses_blocks_and_another_digest_sees_none
     assert other.stats().extra["blocks"] == 0 and other.lookup(keys) == 0
     assert other.load(keys[:1], out[:1]).result() == [False]
     other.close()
-    assert len(files_under(tmp_path / SPEC.digest, ".kvb")) == 5
+    assert len(stored_blocks(tmp_path)) == 6
 
 
-def test_restart_removes_leftover_temp_files_and_wrong_sized_blocks(tmp_path):
+def test_restart_drops_a_write_cut_short_and_keeps_the_whole_blocks_of_a_cut_segment(tmp_path):
+    keys = make_keys(5)
+    tier = open_tier(tmp_path)
+    tier.store(keys[:3], [random_block(seed=i) for i in range(3)]).result()
+    tier.close()
+    blocks = stored_blocks(tmp_path)
+    segment = blocks[keys[0]].segment
+    # a crash while writing a segment leaves its temporary file, never a segment file
+    leftover = segment.parent / f".{int(segment.stem, 16) + 1:016x}.kvs.123.456.0.tmp"
+    leftover.write_bytes(segment.read_bytes()[: blocks[keys[2]].offset])
+    # damage from outside: the segment cut in the middle of the second block
+    with open(segment, "r+b") as file:
+        file.truncate(blocks[keys[1]].offset + 100)
+    unrelated = tmp_path / SPEC.digest / "README"
+    unrelated.write_text("not a segment")
+
+    tier = open_tier(tmp_path)
+    assert not leftover.exists() and unrelated.exists()
+    assert [tier.lookup([k]) for k in keys[:3]] == [1, 0, 0]
+    stats = tier.stats()
+    assert stats.extra["corrupt_blocks"] == 2 and stats.extra["blocks"] == 1
+    assert stats.extra["used_bytes"] == blocks[keys[1]].offset + 100  # the cut file still holds block 0
+    out = [empty_block()]
+    assert tier.load(keys[:1], out).result() == [True] and same_bytes(out[0], random_block(seed=0))
+    tier.close()
+
+
+def test_a_segment_whose_every_block_has_a_newer_copy_is_deleted_at_restart(tmp_path):
+    keys = make_keys(2)
+    tier = open_tier(tmp_path)
+    tier.store(keys, [random_block(seed=0), random_block(seed=1)]).result()
+    tier.close()
+    [older] = segment_files(tmp_path)
+    newer = older.with_name(f"{int(older.stem, 16) + 1:016x}.kvs")  # as a run that stored both again would leave
+    shutil.copyfile(older, newer)
+    stamp = older.stat().st_mtime_ns + 1
+    os.utime(newer, ns=(stamp, stamp))
+
+    tier = open_tier(tmp_path)
+    assert not older.exists() and segment_files(tmp_path) == [newer]
+    stats = tier.stats()
+    assert stats.extra["segments"] == 1 and stats.extra["used_bytes"] == segment_size(16, 16)
+    out = [empty_block(), empty_block()]
+    assert tier.load(keys, out).result() == [True, True]
+    assert same_bytes(out[0], random_block(seed=0)) and same_bytes(out[1], random_block(seed=1))
+    tier.close()
+
+
+def flip_magic(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def flip_key_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[HEADER.size + 1] ^= 0xFF  # the first key's first byte
+    path.write_bytes(bytes(data))
+
+
+def newer_version(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<H", data, 4, FORMAT_VERSION + 1)
+    path.write_bytes(bytes(data))
+
+
+def truncate_header(path: Path) -> None:
+    with open(path, "r+b") as file:
+        file.truncate(HEADER.size // 2)
+
+
+# a segment whose table cannot be trusted counts the blocks its size can hold, at least one
+@pytest.mark.parametrize("damage,counted", [(flip_magic, 2), (flip_key_byte, 2), (newer_version, 2),
+                                            (truncate_header, 1)])
+def test_a_segment_with_a_damaged_table_is_deleted_at_restart_and_costs_only_its_blocks(tmp_path, damage, counted):
     keys = make_keys(3)
     tier = open_tier(tmp_path)
-    tier.store(keys, [random_block(seed=i) for i in range(3)]).result()
+    tier.store(keys[:2], [random_block(seed=0), random_block(seed=1)]).result()
+    tier.store(keys[2:], [random_block(seed=2)]).result()
     tier.close()
-    leftover = block_file(tmp_path, keys[0]).parent / f".{keys[0].hex()}.kvb.123.456.0.tmp"
-    leftover.write_bytes(b"half a block")
-    with open(block_file(tmp_path, keys[1]), "r+b") as file:
-        file.truncate(FILE_SIZE - 1)
-    unrelated = tmp_path / SPEC.digest / "README"
-    unrelated.write_text("not a block")
+    damaged = stored_blocks(tmp_path)[keys[0]].segment
+    damage(damaged)
 
     tier = open_tier(tmp_path)
-    assert not leftover.exists() and not block_file(tmp_path, keys[1]).exists() and unrelated.exists()
-    assert [tier.lookup([k]) for k in keys] == [1, 0, 1]
-    assert tier.stats().extra["corrupt_blocks"] == 1
+    assert not damaged.exists()
+    assert [tier.lookup([k]) for k in keys] == [0, 0, 1]
+    stats = tier.stats()
+    assert stats.extra["corrupt_blocks"] == counted and stats.extra["blocks"] == 1 and stats.extra["segments"] == 1
+    out = [empty_block()]
+    assert tier.load(keys[2:], out).result() == [True] and same_bytes(out[0], random_block(seed=2))
     tier.close()
 
 
@@ -258,59 +436,76 @@ def test_one_open_tier_per_directory_and_digest(tmp_path):
 # faults on read
 
 
-def flip_payload_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[HEADER_SIZE + 100] ^= 0xFF
-    path.write_bytes(bytes(data))
+def flip_first_payload_byte(blocks: dict[bytes, StoredBlock], keys: list[bytes]) -> list[bool]:
+    block = blocks[keys[0]]
+    data = bytearray(block.segment.read_bytes())
+    data[block.offset + 100] ^= 0xFF
+    block.segment.write_bytes(bytes(data))
+    return [False, True]
 
 
-def flip_magic(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[0] ^= 0xFF
-    path.write_bytes(bytes(data))
+def cut_into_second_payload(blocks: dict[bytes, StoredBlock], keys: list[bytes]) -> list[bool]:
+    block = blocks[keys[1]]
+    with open(block.segment, "r+b") as file:
+        file.truncate(block.offset + SPEC.block_bytes // 2)
+    return [True, False]
 
 
-def truncate_payload(path: Path) -> None:
-    with open(path, "r+b") as file:
-        file.truncate(HEADER_SIZE + SPEC.block_bytes // 2)
-
-
-def truncate_header(path: Path) -> None:
-    with open(path, "r+b") as file:
-        file.truncate(HEADER_SIZE // 2)
-
-
-def append_byte(path: Path) -> None:
-    with open(path, "ab") as file:
-        file.write(b"\0")
-
-
-@pytest.mark.parametrize("damage", [flip_payload_byte, flip_magic, truncate_payload, truncate_header, append_byte])
-def test_a_damaged_file_fails_its_load_is_counted_and_removed(tier, damage):
+@pytest.mark.parametrize("damage", [flip_first_payload_byte, cut_into_second_payload])
+def test_a_damaged_payload_fails_only_its_block_and_the_key_can_be_stored_again(tmp_path, damage):
     keys = make_keys(2)
+    tier = open_tier(tmp_path)
     tier.store(keys, [random_block(seed=0), random_block(seed=1)]).result()
-    damage(block_file(tier.root, keys[0]))
+    expected = damage(stored_blocks(tmp_path), keys)
     assert tier.lookup(keys) == 2  # lookup trusts the index; the load finds out
     out = [empty_block(), empty_block()]
-    assert tier.load(keys, out).result() == [False, True]
-    assert same_bytes(out[1], random_block(seed=1))
+    assert tier.load(keys, out).result() == expected
+    good = expected.index(True)
+    assert same_bytes(out[good], random_block(seed=good))
     stats = tier.stats()
-    assert stats.load_failures == 1 and stats.extra["corrupt_blocks"] == 1 and stats.extra["blocks"] == 1
-    assert not block_file(tier.root, keys[0]).exists()
-    assert tier.lookup(keys) == 0
-    assert tier.store(keys[:1], [random_block(seed=0)]).result() == [True]  # and it can be stored again
-    assert tier.load(keys[:1], out[:1]).result() == [True] and same_bytes(out[0], random_block(seed=0))
+    assert stats.load_failures == 1 and stats.extra["corrupt_blocks"] == 1
+    assert stats.extra["blocks"] == 1 and stats.extra["segments"] == 1  # the segment still serves the other block
+    bad = expected.index(False)
+    assert [tier.lookup([k]) for k in keys] == expected
+    assert tier.store([keys[bad]], [random_block(seed=bad)]).result() == [True]  # a new segment holds it
+    tier.close()
+
+    tier = open_tier(tmp_path)  # the damaged copy is still on disk; the newer one wins
+    assert tier.load(keys, out).result() == [True, True]
+    assert same_bytes(out[0], random_block(seed=0)) and same_bytes(out[1], random_block(seed=1))
+    # the scan sees a payload cut short again; a flipped byte only a load can find
+    assert tier.stats().extra["corrupt_blocks"] == int(damage is cut_into_second_payload)
+    tier.close()
 
 
-def test_a_file_deleted_behind_the_tiers_back_fails_its_load(tier):
+def test_a_segment_whose_every_block_failed_is_deleted(tier):
     keys = make_keys(2)
     tier.store(keys, [random_block(seed=0), random_block(seed=1)]).result()
-    block_file(tier.root, keys[1]).unlink()
-    assert tier.lookup(keys) == 2
-    assert tier.load(keys, [empty_block(), empty_block()]).result() == [True, False]
+    blocks = stored_blocks(tier.root)
+    segment = blocks[keys[0]].segment
+    data = bytearray(segment.read_bytes())
+    for key in keys:
+        data[blocks[key].offset] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    assert tier.load(keys, [empty_block(), empty_block()]).result() == [False, False]
+    assert not segment.exists()
     stats = tier.stats()
-    assert stats.load_failures == 1 and stats.extra["lost_blocks"] == 1 and stats.extra["blocks"] == 1
-    assert tier.lookup(keys) == 1
+    assert stats.extra["corrupt_blocks"] == 2 and stats.extra["segments"] == 0 and stats.extra["used_bytes"] == 0
+
+
+def test_a_segment_deleted_behind_the_tiers_back_loses_all_its_blocks(tier):
+    keys = make_keys(3)
+    tier.store(keys[:2], [random_block(seed=0), random_block(seed=1)]).result()
+    tier.store(keys[2:], [random_block(seed=2)]).result()
+    stored_blocks(tier.root)[keys[0]].segment.unlink()
+    assert tier.lookup(keys) == 3
+    out = [empty_block(), empty_block()]
+    assert tier.load([keys[0], keys[2]], out).result() == [False, True]
+    assert same_bytes(out[1], random_block(seed=2))
+    stats = tier.stats()
+    assert stats.load_failures == 1 and stats.extra["lost_blocks"] == 2
+    assert stats.extra["blocks"] == 1 and stats.extra["used_bytes"] == ONE_BLOCK
+    assert [tier.lookup([k]) for k in keys] == [0, 0, 1]  # its other block is gone from the index too
 
 
 # faults on write
@@ -329,7 +524,7 @@ def test_a_failing_write_fails_its_blocks_leaves_no_temp_files_and_the_tier_reco
     stats = tier.stats()
     assert stats.store_failures == 2 and stats.stored_blocks == 0 and stats.bytes_written == 0
     assert stats.extra["blocks"] == stats.extra["pending_blocks"] == 0
-    assert files_under(tier.root, ".tmp") == [] and files_under(tier.root, ".kvb") == []
+    assert files_under(tier.root, ".tmp") == [] and segment_files(tier.root) == []
     assert tier.lookup(keys[:2]) == 0
 
     monkeypatch.undo()  # the disk has room again
@@ -377,24 +572,19 @@ def read_only(*directories: Path):
 
 def test_a_read_only_directory_fails_stores_but_still_serves_loads(tmp_path):
     keys = make_keys(3)
-    first = keys[0]
-    same_shard = first[:1] + bytes(15)  # a key whose file would go next to the first one's
     tier = open_tier(tmp_path)
-    tier.store([first], [random_block(seed=0)]).result()
-    digest_dir = tmp_path / SPEC.digest
-    shard = block_file(tmp_path, first).parent
-    with read_only(digest_dir, shard):
-        new = [same_shard, keys[1] if keys[1][:1] != first[:1] else keys[2]]
-        assert tier.store(new, [random_block(seed=1), random_block(seed=2)]).result() == [False, False]
+    tier.store(keys[:1], [random_block(seed=0)]).result()
+    with read_only(tmp_path / SPEC.digest):
+        assert tier.store(keys[1:], [random_block(seed=1), random_block(seed=2)]).result() == [False, False]
         assert tier.stats().store_failures == 2
         out = [empty_block()]
-        assert tier.load([first], out).result() == [True] and same_bytes(out[0], random_block(seed=0))
+        assert tier.load(keys[:1], out).result() == [True] and same_bytes(out[0], random_block(seed=0))
         tier.close()
         reopened = open_tier(tmp_path)  # a read-only cache still opens and serves
-        assert reopened.lookup([first]) == 1
-        assert reopened.load([first], out).result() == [True] and same_bytes(out[0], random_block(seed=0))
+        assert reopened.lookup(keys[:1]) == 1
+        assert reopened.load(keys[:1], out).result() == [True] and same_bytes(out[0], random_block(seed=0))
         assert files_under(tmp_path, ".tmp") == []
-    assert reopened.store(new, [random_block(seed=1), random_block(seed=2)]).result() == [True, True]
+    assert reopened.store(keys[1:], [random_block(seed=1), random_block(seed=2)]).result() == [True, True]
     reopened.close()
 
 
@@ -413,17 +603,20 @@ def test_stores_beyond_the_pending_limit_are_dropped_not_queued(tier, monkeypatc
 # keys
 
 
-def test_keys_cannot_name_a_file_outside_the_digest_directory(tmp_path):
+def test_keys_are_data_and_never_name_a_file(tmp_path):
     tier = open_tier(tmp_path)
-    hostile = [b"../../../../etc/passwd", b"/etc/shadow", b"..", b"a/../../b", b"\\..\\x", b"\x00\xff/.."]
-    assert tier.store(hostile, [random_block(seed=i) for i in range(len(hostile))]).result() == [True] * 6
-    assert tier.lookup(hostile) == 6
-    assert tier.load(hostile[:1], [empty_block()]).result() == [True]
+    hostile = [b"../../../../etc/passwd", b"/etc/shadow", b"..", b"a/../../b", b"\\..\\x", b"\x00\xff/..", b"k" * 64]
+    blocks = [random_block(seed=i) for i in range(len(hostile))]
+    assert tier.store(hostile, blocks).result() == [True] * 7
+    assert tier.lookup(hostile) == 7
     tier.close()
     files = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"]
-    assert sorted(p.relative_to(tmp_path) for p in files) == sorted(
-        Path(SPEC.digest) / key.hex()[:2] / f"{key.hex()}.kvb" for key in hostile
-    )
+    assert files == segment_files(tmp_path) and len(files) == 1
+    assert [(b.key, b.payload) for b in parse_segment(files[0])] == list(zip(hostile, map(payload_of, blocks)))
+    tier = open_tier(tmp_path)
+    out = [empty_block() for _ in hostile]
+    assert tier.load(hostile, out).result() == [True] * 7 and all(map(same_bytes, out, blocks))
+    tier.close()
 
 
 @pytest.mark.parametrize("key", [b"", b"x" * 65, "a string", None, bytearray(b"k" * 16)])
@@ -434,7 +627,7 @@ def test_a_key_that_is_not_1_to_64_bytes_fails_its_block_without_raising(tier, k
     assert tier.load([key, good], [empty_block(), empty_block()]).result() == [False, True]
     stats = tier.stats()
     assert stats.store_failures == 1 and stats.load_failures == 1
-    assert files_under(tier.root, ".kvb") == [block_file(tier.root, good)]
+    assert list(stored_blocks(tier.root)) == [good] and len(segment_files(tier.root)) == 1
 
 
 # config
@@ -446,7 +639,7 @@ def test_a_key_that_is_not_1_to_64_bytes_fails_its_block_without_raising(tier, k
     ({"path": 3}, "'path' must be a directory path (a non-empty string), got 3"),
     ({"path": "{tmp}", "capacity_gb": -1}, "'capacity_gb' must be a number above 0, got -1"),
     ({"path": "{tmp}", "capacity_gb": "lots"}, "'capacity_gb' must be a number above 0, got 'lots'"),
-    ({"path": "{tmp}", "capacity_gb": 1e-9}, "'capacity_gb'=1e-09 holds no block file of 536 bytes"),
+    ({"path": "{tmp}", "capacity_gb": 1e-9}, "'capacity_gb'=1e-09 holds no segment of one block (553 bytes)"),
     ({"path": "{tmp}", "threads": 0}, "'threads' must be an integer of at least 1, got 0"),
     ({"path": "{tmp}", "threads": 1.5}, "'threads' must be an integer of at least 1, got 1.5"),
     ({"path": "{tmp}", "threads": True}, "'threads' must be an integer of at least 1, got True"),
@@ -498,8 +691,32 @@ def test_concurrent_stores_from_several_threads_all_land(tmp_path):
     out = [empty_block() for _ in keys]
     assert tier.load(keys, out).result() == [True] * len(keys)
     assert all(same_bytes(out[i], random_block(seed=i)) for i in range(len(keys)))
-    assert tier.stats().stored_blocks == len(keys) and len(files_under(tmp_path, ".kvb")) == len(keys)
+    assert tier.stats().stored_blocks == len(keys) and sorted(stored_blocks(tmp_path)) == sorted(keys)
+    assert len(segment_files(tmp_path)) == num_threads  # one segment per store
     tier.close()
+
+
+def test_concurrent_stores_of_the_same_keys_write_each_block_once(tmp_path):
+    tier = open_tier(tmp_path, threads=4)
+    keys = make_keys(32)
+    blocks = [random_block(seed=i) for i in range(32)]
+    start = threading.Barrier(4)
+    futures: list = [None] * 4
+
+    def worker(t: int) -> None:
+        start.wait()
+        futures[t] = tier.store(keys, blocks)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(f.result() == [True] * 32 for f in futures)
+    tier.close()
+    written = [b for path in segment_files(tmp_path) for b in parse_segment(path)]
+    assert sorted(b.key for b in written) == sorted(keys)  # every key in exactly one segment
+    assert all(b.payload == payload_of(blocks[keys.index(b.key)]) for b in written)
 
 
 def test_a_large_load_is_split_across_reader_threads_and_keeps_each_flag_in_place(tmp_path, monkeypatch):
@@ -508,7 +725,7 @@ def test_a_large_load_is_split_across_reader_threads_and_keeps_each_flag_in_plac
     keys = make_keys(40)
     stored = [i for i in range(40) if i % 4 != 1]
     tier.store([keys[i] for i in stored], [random_block(seed=i) for i in stored]).result()
-    flip_payload_byte(block_file(tier.root, keys[10]))
+    flip_first_payload_byte(stored_blocks(tier.root), keys[10:])
     tier.min_read_job_bytes = 2 * SPEC.block_bytes
     threads = set()
     load_block = tier._load_block
@@ -541,7 +758,7 @@ def test_close_waits_for_pending_stores_and_later_calls_raise(tmp_path, monkeypa
     gate.set()
     closer.join(10)
     assert not closer.is_alive() and future.done() and future.result() == [True] * 4
-    assert all(block_file(tmp_path, key).exists() for key in keys)
+    assert list(stored_blocks(tmp_path)) == keys
 
     for call in (lambda: tier.lookup(keys), lambda: tier.store(keys[:1], [random_block()]),
                  lambda: tier.load(keys[:1], [empty_block()])):

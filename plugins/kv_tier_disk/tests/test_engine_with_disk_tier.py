@@ -1,5 +1,5 @@
 """The disk tier under the engine: outputs stay those of an engine without a tier while
-blocks come back from disk, across a restart, and through damaged files and a full disk."""
+blocks come back from disk, across a restart, and through damaged segments and a full disk."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from engine import LLM, SamplingParams
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+BLOCK_BYTES = 4 * 512  # a block of 4 tokens of the tiny Llama's fp32 KV (512 bytes a token)
 
 
 @pytest.fixture(scope="module")
@@ -46,28 +47,46 @@ def one_by_one(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
 
-def block_files(root: Path) -> list[Path]:
-    return sorted(root.rglob("*.kvb"))
+def segment_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.kvs"))
 
 
-def first_block_file(llm: LLM, root: Path, prompt: list[int]) -> Path:
-    """The file of the block holding ``prompt``'s first tokens."""
+def stored_keys(root: Path) -> dict[bytes, Path]:
+    """The segment file of every block under ``root`` whose payload checks out, by key."""
+    from engine_kv_tier_disk.segment import read_block, read_table
+
+    found = {}
+    for path in segment_files(root):
+        for entry in read_table(str(path), BLOCK_BYTES):
+            read_block(str(path), entry, memoryview(bytearray(BLOCK_BYTES)))  # raises unless whole and intact
+            found[entry.key] = path
+    return found
+
+
+def first_block_key(llm: LLM, prompt: list[int]) -> bytes:
+    """The key of the block holding ``prompt``'s first tokens."""
     from engine.runtime.request import Request
 
     request = Request("probe", prompt, SamplingParams())
     llm.engine.kv_manager.update_hashes(request)
-    key = request.block_hashes[0].hex()
-    return root / llm.engine.kv_tier.spec.digest / key[:2] / f"{key}.kvb"
+    return request.block_hashes[0]
 
 
-def test_restart_reuses_blocks_and_damaged_files_cost_only_themselves(checkpoint, prompts, reference, tmp_path):
+def test_restart_reuses_blocks_and_damaged_segments_cost_only_their_blocks(
+    checkpoint, prompts, reference, tmp_path, monkeypatch
+):
+    from engine_kv_tier_disk.tier import DiskKVTier
+
+    monkeypatch.setattr(DiskKVTier, "segment_bytes", 1)  # one block a segment: each damaged file costs one block
     llm = make_llm(checkpoint, tmp_path)
     assert one_by_one(llm, prompts) == reference
-    damaged = [first_block_file(llm, tmp_path, p) for p in prompts[:3]]
+    keys = [first_block_key(llm, p) for p in prompts[:3]]
     llm.engine.close()  # the cached blocks go to the tier too, and pending writes land
     # every request's 18 full blocks (70 prompt tokens and 5 computed outputs) are on disk: the
     # evicted ones and those still cached at close
-    assert len(block_files(tmp_path)) == 6 * 18 and all(f.exists() for f in damaged)
+    stored = stored_keys(tmp_path)
+    assert len(stored) == 6 * 18 and len(segment_files(tmp_path)) == 6 * 18
+    damaged = [stored[key] for key in keys]
     # damage the first block of three prompts behind the tier's back: a flipped byte, a
     # truncation (seen when the tier opens), a deletion (after it opened)
     flipped = bytearray(damaged[0].read_bytes())
@@ -84,22 +103,39 @@ def test_restart_reuses_blocks_and_damaged_files_cost_only_themselves(checkpoint
     assert stats.extra["corrupt_blocks"] == 2 and stats.extra["lost_blocks"] == 1
     assert stats.load_failures == 2  # the flipped and the deleted block (the truncated one was never listed)
     again.engine.close()
-    # the damaged blocks were recomputed and, evicted again, written anew and whole
-    assert damaged[0].read_bytes() != bytes(flipped) and damaged[1].stat().st_size == len(flipped)
+    # the damaged segments are gone; their blocks were recomputed and, evicted again, written anew and whole
+    assert not any(path.exists() for path in damaged)
+    assert all(key in stored_keys(tmp_path) for key in keys)
+
+
+def test_blocks_stored_together_share_segments_and_all_come_back_after_a_restart(
+    checkpoint, prompts, reference, tmp_path
+):
+    llm = make_llm(checkpoint, tmp_path)
+    assert one_by_one(llm, prompts) == reference
+    llm.engine.close()
+    assert len(stored_keys(tmp_path)) == 6 * 18 and len(segment_files(tmp_path)) < 6 * 18
+
+    again = make_llm(checkpoint, tmp_path)
+    assert one_by_one(again, prompts) == reference
+    assert again.engine.kv_tier.stats.prefetched_blocks == 6 * 17
+    stats = again.engine.kv_tier.tier.stats()
+    assert stats.load_failures == stats.extra["corrupt_blocks"] == stats.extra["lost_blocks"] == 0
+    again.engine.close()
 
 
 def test_another_layout_never_sees_the_blocks(checkpoint, prompts, reference, tmp_path):
     llm = make_llm(checkpoint, tmp_path)
     one_by_one(llm, prompts)
     llm.engine.close()
-    stored = len(block_files(tmp_path))
+    stored = len(segment_files(tmp_path))
     # another block size makes another digest: none of the first engine's blocks may come back
     # (with the same digest, every prompt of this pass would start from the disk)
     other = make_llm(checkpoint, tmp_path, block_size=8)
     assert one_by_one(other, prompts) == reference
     assert other.engine.kv_tier.stats.prefetched_blocks == 0
     other.engine.close()
-    assert len(block_files(tmp_path)) > stored  # the first digest's files are still there, beside the new ones
+    assert len(segment_files(tmp_path)) > stored  # the first digest's files are still there, beside the new ones
 
 
 def test_a_full_disk_costs_stores_never_requests(checkpoint, prompts, reference, tmp_path, monkeypatch):
@@ -115,4 +151,4 @@ def test_a_full_disk_costs_stores_never_requests(checkpoint, prompts, reference,
     tier = llm.engine.kv_tier.tier
     llm.engine.close()
     assert tier.stats().store_failures >= 5 * 17
-    assert block_files(tmp_path) == [] and [p for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"] == []
+    assert segment_files(tmp_path) == [] and [p for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"] == []

@@ -351,7 +351,8 @@ class LLMEngine:
                     finished.append(request)
                     break
         if self.spec is not None:
-            self.spec.record_step(batch.total_tokens, time.perf_counter() - started)
+            decode_only = all(n == 1 for n in batch.num_tokens)  # prompt chunks cost differently per token
+            self.spec.record_step(batch.total_tokens, time.perf_counter() - started, decode_only)
             self._forget_spec_state(finished)
         return StepResult(updated=sampled_requests, finished=finished)
 

@@ -1,61 +1,93 @@
 """How many drafts each request gets: the adaptive speculative budget.
 
 Each request keeps an estimate ``α`` of the chance that its next draft is accepted
-(an exponentially weighted average over the drafts it had verified, starting at
-``INITIAL_ACCEPTANCE``). Draft j of request i is a *candidate* worth its expected
-accepted tokens, ``g = Π_{l≤j} c_l`` with ``c_l = α`` (or, when the proposer gives
-draft probabilities, the mean of ``α`` and the draft's own probability). A step's cost
-comes from a table of measured step times by number of tokens computed (filled as the
-engine runs, proposer time included; a least-squares line through it estimates any
-size, and with fewer than two sizes measured drafts count as free, so the first steps
-explore). Candidates are admitted in order of ``g`` while the expected tokens
-per second of the step, ``(sampled rows + Σ g) / t(tokens)``, rises and ``g`` is at
-least ``MIN_GAIN``, so a step never carries drafts that are expected to make it slower
-than not speculating. A request
-with no draft admitted is not offered to the proposer again until, every
-``PROBE_INTERVAL`` of its steps, it is probed with one draft, so that its estimate can
-recover.
+(an exponentially weighted average over the drafts it had verified, starting from the
+same average over every request so far, itself starting at ``INITIAL_ACCEPTANCE``: a
+new request expects what the proposer has been delivering). Draft j of request i is a
+*candidate* worth its expected accepted tokens, ``g = Π_{l≤j} c_l`` with ``c_l = α``
+(or, when the proposer gives draft probabilities, the mean of ``α`` and the draft's own
+probability).
+
+A step's cost comes from a table of measured decode-step times (proposer time
+included) by number of tokens computed: per size the median of its latest
+``COST_SAMPLES`` steps, made non-decreasing in the size (timing noise must not make
+drafts look free) and linear between measured sizes. Beyond the largest size measured,
+a step counts as costing what that size does, so larger steps get tried and measured;
+before any step was timed, steps count as equally costly.
+
+Candidates are taken in order of ``g`` (at least ``MIN_GAIN`` each), and the step
+carries the number of them that maximises its expected tokens per second,
+``(sampled rows + Σ g) / t(tokens)`` — none when no number beats not speculating.
+Costs are not smooth (a platform's kernels change at batch sizes), so every number is
+weighed, not only the next one. A request offered drafts that were not taken is not
+offered to the proposer again until it is due a probe of one draft, after
+``PROBE_INTERVAL`` of its steps; each probe that fails doubles the interval (up to
+``MAX_PROBE_INTERVAL``), and an accepted draft resets it. Probes run together, on
+every ``PROBE_INTERVAL``-th engine step, so that a large batch pays for them on few
+steps rather than a little on every one.
 """
 
 from __future__ import annotations
 
+import bisect
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 INITIAL_ACCEPTANCE = 0.6
 SMOOTHING = 0.8  # weight of the old estimate in each update
 PROBE_INTERVAL = 16
+MAX_PROBE_INTERVAL = 256
 MIN_GAIN = 0.1  # a draft less likely than this to be kept is not worth proposing and verifying
-COST_SMOOTHING = 0.7
+COST_SAMPLES = 5  # latest steps of a size whose median is its cost
 
 
 class StepCostTable:
-    """Measured seconds per engine step by number of tokens computed."""
+    """Measured seconds of decode steps (no prompt tokens) by number of tokens computed."""
 
     def __init__(self) -> None:
-        self.seconds: dict[int, float] = {}
+        self.samples: dict[int, deque[float]] = {}
+        self._curve: tuple[list[int], list[float]] | None = None  # sizes, non-decreasing costs
 
     def record(self, num_tokens: int, seconds: float) -> None:
-        old = self.seconds.get(num_tokens)
-        self.seconds[num_tokens] = seconds if old is None else COST_SMOOTHING * old + (1 - COST_SMOOTHING) * seconds
+        self.samples.setdefault(num_tokens, deque(maxlen=COST_SAMPLES)).append(seconds)
+        self._curve = None
+
+    def _costs(self) -> tuple[list[int], list[float]]:
+        if self._curve is None:
+            sizes = sorted(self.samples)
+            costs, highest = [], 0.0
+            for size in sizes:
+                highest = max(highest, statistics.median(self.samples[size]))
+                costs.append(highest)
+            self._curve = (sizes, costs)
+        return self._curve
 
     def estimate(self, num_tokens: int) -> float | None:
-        """Seconds for a step of ``num_tokens``: the least-squares line through the measured
-        sizes, never falling with more tokens (timing noise must not make drafts look free
-        or cheaper than nothing); None with fewer than two sizes measured."""
-        if len(self.seconds) < 2:
+        """Seconds for a step of ``num_tokens``: linear between the measured sizes around it;
+        beyond the largest measured size, that size's cost (optimistic, so that a larger
+        step gets tried and measured); None before anything was measured."""
+        sizes, costs = self._costs()
+        if not sizes:
             return None
-        sizes = list(self.seconds)
-        mean_x = sum(sizes) / len(sizes)
-        mean_y = sum(self.seconds.values()) / len(sizes)
-        spread = sum((x - mean_x) ** 2 for x in sizes)
-        slope = max(0.0, sum((x - mean_x) * (self.seconds[x] - mean_y) for x in sizes) / spread)
-        return max(1e-9, mean_y + slope * (num_tokens - mean_x))
+        i = bisect.bisect_left(sizes, num_tokens)
+        if i == len(sizes):
+            return costs[-1]
+        if sizes[i] == num_tokens or i == 0:
+            return costs[i]
+        slope = (costs[i] - costs[i - 1]) / (sizes[i] - sizes[i - 1])
+        return costs[i - 1] + slope * (num_tokens - sizes[i - 1])
 
 
 @dataclass
 class RequestEstimate:
     acceptance: float = INITIAL_ACCEPTANCE
     steps_without_drafts: int = 0
+    probe_interval: int = PROBE_INTERVAL
+
+    @property
+    def due_probe(self) -> bool:
+        return self.steps_without_drafts + 1 >= self.probe_interval
 
 
 class SpecBudget:
@@ -63,16 +95,31 @@ class SpecBudget:
         self.max_drafts = max_drafts
         self.costs = StepCostTable()
         self.requests: dict[str, RequestEstimate] = {}
+        self.acceptance = INITIAL_ACCEPTANCE  # over every request: a new request's prior
+        self.steps = 0
 
     def estimate(self, request_id: str) -> RequestEstimate:
-        return self.requests.setdefault(request_id, RequestEstimate())
+        estimate = self.requests.get(request_id)
+        if estimate is None:
+            estimate = self.requests[request_id] = RequestEstimate(acceptance=self.acceptance)
+        return estimate
+
+    def start_step(self) -> None:
+        self.steps += 1
+
+    @property
+    def probe_step(self) -> bool:
+        return self.steps % PROBE_INTERVAL == 0
+
+    def _due_probe(self, estimate: RequestEstimate) -> bool:
+        return self.probe_step and estimate.due_probe
 
     def wants_drafts(self, request_id: str) -> bool:
         """Whether to ask the proposer for this request: it had drafts verified last step
         (or is new), or it is due a probe. A request whose drafts did not pay off stops
         costing proposer time until then."""
         estimate = self.estimate(request_id)
-        return estimate.steps_without_drafts == 0 or estimate.steps_without_drafts + 1 >= PROBE_INTERVAL
+        return estimate.steps_without_drafts == 0 or self._due_probe(estimate)
 
     def plan(
         self, request_ids: list[str], confidences: list[list[float | None]], num_sampled: int, base_tokens: int,
@@ -90,32 +137,35 @@ class SpecBudget:
             gain = 1.0
             for j, c in enumerate(confidence[: min(self.max_drafts, limits[i])]):
                 gain *= alpha if c is None else (alpha + c) / 2
+                if gain < MIN_GAIN:
+                    break
                 candidates.append((gain, i, j))
+        # a request's later drafts never gain more than its earlier ones: every prefix of this
+        # order takes drafts in position order
         candidates.sort(key=lambda c: (-c[0], c[2]))
+        best, best_rate, expected = 0, self._rate(num_sampled, base_tokens), float(num_sampled)
+        for n, (gain, _, _) in enumerate(candidates, start=1):
+            expected += gain
+            rate = self._rate(expected, base_tokens + n)
+            if rate > best_rate:
+                best, best_rate = n, rate
         taken = [0] * len(request_ids)
-        expected, tokens = float(num_sampled), base_tokens
-        base_cost = self.costs.estimate(tokens)
-        rate = expected / base_cost if base_cost else 0.0
-        for gain, i, j in candidates:
-            if gain < MIN_GAIN:
-                break
-            if j != taken[i]:  # a later draft only after the earlier ones
-                continue
-            cost = self.costs.estimate(tokens + 1)
-            new_rate = (expected + gain) / cost if cost else None
-            if new_rate is not None and new_rate <= rate:
-                break
+        for _, i, _ in candidates[:best]:
             taken[i] += 1
-            expected, tokens = expected + gain, tokens + 1
-            rate = new_rate if new_rate is not None else rate
         for i, request_id in enumerate(request_ids):
             estimate = self.estimate(request_id)
             if not confidences[i] or limits[i] == 0:
                 continue  # nothing offered: the proposer had no drafts, which costs nothing to ask again
-            if taken[i] == 0 and estimate.steps_without_drafts + 1 >= PROBE_INTERVAL:
-                taken[i] = 1  # probe
+            if taken[i] == 0 and self._due_probe(estimate):
+                taken[i] = 1
+                estimate.probe_interval = min(2 * estimate.probe_interval, MAX_PROBE_INTERVAL)  # reset on acceptance
             estimate.steps_without_drafts = 0 if taken[i] else estimate.steps_without_drafts + 1
         return taken
+
+    def _rate(self, expected_tokens: float, num_tokens: int) -> float:
+        """Expected tokens per second of a step (before any step was timed: per step)."""
+        cost = self.costs.estimate(num_tokens)
+        return expected_tokens / max(cost, 1e-9) if cost is not None else expected_tokens
 
     def record(self, request_id: str, proposed: int, accepted: int) -> None:
         """Update the estimate from a verification: drafts 1..accepted were accepted and,
@@ -124,9 +174,12 @@ class SpecBudget:
         observations = [1.0] * accepted + ([0.0] if accepted < proposed else [])
         for x in observations:
             estimate.acceptance = SMOOTHING * estimate.acceptance + (1 - SMOOTHING) * x
+            self.acceptance = SMOOTHING * self.acceptance + (1 - SMOOTHING) * x
+        if accepted:
+            estimate.probe_interval = PROBE_INTERVAL
 
     def skip(self, request_id: str) -> None:
-        """The request decoded without asking the proposer (its estimate is too low)."""
+        """The request decoded without asking the proposer (not due a probe)."""
         self.estimate(request_id).steps_without_drafts += 1
 
     def remove(self, request_id: str) -> None:

@@ -85,6 +85,7 @@ class SpecDecoder:
 
     def plan(self, batch: ScheduledBatch, last_hidden: dict[str, torch.Tensor]) -> None:
         """Propose and admit drafts for the batch's decoding requests; sets ``batch.drafts``."""
+        self.budget.start_step()
         candidates = []
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_tokens)):
             decoding = n == 1 and request.num_computed_tokens + 1 == request.num_tokens
@@ -163,13 +164,15 @@ class SpecDecoder:
         self.stats.record(len(drafts), accepted)
         return accepted
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
-        """After the step's tokens were appended: give back the blocks of rejected drafts."""
+    def record_step(self, num_tokens: int, seconds: float, decode_only: bool) -> None:
+        """After the step's tokens were appended: give back the blocks of rejected drafts, and
+        time a decode step for the cost table."""
         for request in self.pending_trim:
             if not request.status.finished:
                 self.kv_manager.trim(request)
         self.pending_trim.clear()
-        self.budget.costs.record(num_tokens, seconds)
+        if decode_only:
+            self.budget.costs.record(num_tokens, seconds)
 
     def remove(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

@@ -121,3 +121,23 @@ def run_kit_in_subprocess(pytester, **files: str) -> dict[tuple[str, str], str]:
             _, cls, check = nodeid.split(" ")[0].split("::")
             outcomes[(cls, check)] = status.lower()
     return outcomes
+
+
+def kit_subclasses(kit_class: str, plugin: str, name_attribute: str, names: list[str]) -> str:
+    """Source of a test module with one ``Test_<name>`` subclass of the kit class per name."""
+    return f"from engine.testing.kit import {kit_class}\n" + "".join(
+        f"\nclass Test_{name}({kit_class}):\n    plugin = {plugin!r}\n    {name_attribute} = {name!r}\n"
+        for name in names
+    )
+
+
+def assert_broken_caught_and_good_passes(
+    outcomes: dict[tuple[str, str], str], caught_by: dict[str, tuple[str, ...]], good_checks: int
+) -> None:
+    """Every check named for a broken variant failed on it, and variant ``good`` passed its
+    ``good_checks`` checks (and nothing else)."""
+    for name, checks in caught_by.items():
+        for check in checks:
+            assert outcomes.get((f"Test_{name}", check)) == "failed", f"{name}: {check} did not fail"
+    good = {check: outcome for (cls, check), outcome in outcomes.items() if cls == "Test_good"}
+    assert len(good) == good_checks and set(good.values()) == {"passed"}, good

@@ -8,7 +8,7 @@ from pathlib import Path
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
-from plugin_helpers import run_kit_in_subprocess  # noqa: E402
+from plugin_helpers import assert_broken_caught_and_good_passes, kit_subclasses, run_kit_in_subprocess  # noqa: E402
 
 pytest_plugins = ["pytester"]
 
@@ -85,27 +85,21 @@ def register_kv_tiers(register):
         register(cls)
 '''
 
-# broken variant -> the kit check that must fail for it
+# broken variant -> the kit checks that must fail for it
 CAUGHT_BY = {
-    "liar": "test_partial_load_and_lookup_of_leading_keys",
-    "zeros": "test_byte_exact_round_trip[bfloat16]",
-    "loser": "test_byte_exact_round_trip[float32]",
-    "no_copy": "test_store_keeps_its_own_copy",
-    "hoarder": "test_eviction_keeps_within_capacity",
-    "undead": "test_closed_tier_refuses_calls",
+    "liar": ("test_partial_load_and_lookup_of_leading_keys",),
+    "zeros": ("test_byte_exact_round_trip[bfloat16]",),
+    "loser": ("test_byte_exact_round_trip[float32]",),
+    "no_copy": ("test_store_keeps_its_own_copy",),
+    "hoarder": ("test_eviction_keeps_within_capacity",),
+    "undead": ("test_closed_tier_refuses_calls",),
 }
 
-TESTS = "from engine.testing.kit import KVTierTests\n" + "".join(
-    f"\nclass Test_{name}(KVTierTests):\n    plugin = 'broken_tiers'\n    tier_name = '{name}'\n"
-    for name in ("good", *CAUGHT_BY)
-)
+TESTS = kit_subclasses("KVTierTests", "broken_tiers", "tier_name", ["good", *CAUGHT_BY])
 
 
 def test_every_broken_tier_is_caught_by_its_check(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
     outcomes = run_kit_in_subprocess(pytester, broken_tiers=PLUGIN, test_tier_kit=TESTS)
-    for name, check in CAUGHT_BY.items():
-        assert outcomes[(f"Test_{name}", check)] == "failed", f"{name}: {check} did not fail"
-    good = {check: outcome for (cls, check), outcome in outcomes.items() if cls == "Test_good"}
     # every check but the persistence one (skipped: the cpu tier is not persistent) passes
-    assert len(good) == 10 and set(good.values()) == {"passed"}, good
+    assert_broken_caught_and_good_passes(outcomes, CAUGHT_BY, good_checks=10)

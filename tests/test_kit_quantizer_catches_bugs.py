@@ -9,7 +9,7 @@ from pathlib import Path
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
-from plugin_helpers import run_kit_in_subprocess  # noqa: E402
+from plugin_helpers import assert_broken_caught_and_good_passes, kit_subclasses, run_kit_in_subprocess  # noqa: E402
 
 pytest_plugins = ["pytester"]
 
@@ -89,17 +89,10 @@ CAUGHT_BY = {
     "quantizes_head": ("test_declines_head_and_router_and_leaves_them_untouched",),
 }
 
-TESTS = "from engine.testing.kit import QuantizerTests\n" + "".join(
-    f"\nclass Test_{name}(QuantizerTests):\n    plugin = 'broken_quantizers'\n    quantizer_name = '{name}'\n"
-    for name in ("good", *CAUGHT_BY)
-)
+TESTS = kit_subclasses("QuantizerTests", "broken_quantizers", "quantizer_name", ["good", *CAUGHT_BY])
 
 
 def test_every_broken_quantizer_is_caught_by_its_check(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
     outcomes = run_kit_in_subprocess(pytester, broken_quantizers=PLUGIN, test_quantizer_kit=TESTS)
-    for name, checks in CAUGHT_BY.items():
-        for check in checks:
-            assert outcomes[(f"Test_{name}", check)] == "failed", f"{name}: {check} did not fail"
-    good = {check: outcome for (cls, check), outcome in outcomes.items() if cls == "Test_good"}
-    assert len(good) == 7 and set(good.values()) == {"passed"}, good
+    assert_broken_caught_and_good_passes(outcomes, CAUGHT_BY, good_checks=7)

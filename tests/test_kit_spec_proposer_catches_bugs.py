@@ -9,7 +9,7 @@ from pathlib import Path
 
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
-from plugin_helpers import run_kit_in_subprocess  # noqa: E402
+from plugin_helpers import assert_broken_caught_and_good_passes, kit_subclasses, run_kit_in_subprocess  # noqa: E402
 
 pytest_plugins = ["pytester"]
 
@@ -92,18 +92,11 @@ CAUGHT_BY = {
     "forgetful": ("test_copes_with_rollback_and_removal",),
 }
 
-TESTS = "from engine.testing.kit import SpecProposerTests\n" + "".join(
-    f"\nclass Test_{name}(SpecProposerTests):\n    plugin = 'broken_proposers'\n    proposer_name = '{name}'\n"
-    for name in ("good", *CAUGHT_BY)
-)
+TESTS = kit_subclasses("SpecProposerTests", "broken_proposers", "proposer_name", ["good", *CAUGHT_BY])
 
 
 def test_every_broken_proposer_is_caught_by_its_check(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(pytester.path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     outcomes = run_kit_in_subprocess(pytester, broken_proposers=PLUGIN, test_proposer_kit=TESTS)
-    for name, checks in CAUGHT_BY.items():
-        for check in checks:
-            assert outcomes[(f"Test_{name}", check)] == "failed", f"{name}: {check} did not fail"
-    good = {check: outcome for (cls, check), outcome in outcomes.items() if cls == "Test_good"}
-    assert len(good) == 5 and set(good.values()) == {"passed"}, good
+    assert_broken_caught_and_good_passes(outcomes, CAUGHT_BY, good_checks=5)

@@ -50,13 +50,10 @@ class TestRandomProposerViaModulePath(TestRandomProposerViaEntryPoint):
     plugin = "engine_example_plugins.plugin"
 
 
-def test_serves_a_model_like_transformers(tiny_checkpoint):
-    from engine.llm import LLM
+def assert_greedy_like(llm, hf_model) -> None:
+    """12 greedy tokens of the engine equal transformers' generate on the same prompt."""
     from engine.sampling_params import SamplingParams
 
-    path, hf_model = tiny_checkpoint("LlamaForCausalLM")
-    llm = LLM(str(path), plugins=["cpu", "llama", "example"], attention_backend="example_torch_paged",
-              dtype="float32", kv_cache_memory=0.01, progress=False)
     prompt = [5, 17, 42, 7, 99]
     output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                           use_tqdm=False)[0].outputs[0]
@@ -66,11 +63,19 @@ def test_serves_a_model_like_transformers(tiny_checkpoint):
     assert output.token_ids == expected
 
 
+def test_serves_a_model_like_transformers(tiny_checkpoint):
+    from engine.llm import LLM
+
+    path, hf_model = tiny_checkpoint("LlamaForCausalLM")
+    llm = LLM(str(path), plugins=["cpu", "llama", "example"], attention_backend="example_torch_paged",
+              dtype="float32", kv_cache_memory=0.01, progress=False)
+    assert_greedy_like(llm, hf_model)
+
+
 def test_quantized_model_generates_like_the_dequantized_weights(tiny_checkpoint):
     """--quantization example_int8 gives the greedy tokens of transformers running the same
     checkpoint with every quantized weight replaced by its dequantized value."""
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
     from engine_example_plugins.int8_quantizer import quantize_rows
 
     path, hf_model = tiny_checkpoint("LlamaForCausalLM")
@@ -82,10 +87,4 @@ def test_quantized_model_generates_like_the_dequantized_weights(tiny_checkpoint)
             q, scale = quantize_rows(tensor)
             tensor.copy_(q.float() * scale[:, None])
     hf_model.load_state_dict(state)
-    prompt = [5, 17, 42, 7, 99]
-    output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
-    with torch.no_grad():
-        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                     min_new_tokens=12)[0, len(prompt):].tolist()
-    assert output.token_ids == expected
+    assert_greedy_like(llm, hf_model)

@@ -49,3 +49,22 @@ def chi_squared_p_value(observed: list[int], probabilities: list[float]) -> floa
     statistic = sum((o - total * p) ** 2 / (total * p) for o, p in zip(observed, probabilities))
     dof = torch.tensor((len(observed) - 1) / 2, dtype=torch.float64)
     return torch.special.gammaincc(dof, torch.tensor(statistic / 2, dtype=torch.float64)).item()
+
+
+def equal_mass_bins(tokens: list[int], probabilities: torch.Tensor, bins: int) -> tuple[list[int], list[float]]:
+    """Counts of ``tokens`` and the probability mass in each of ``bins`` groups of token ids
+    holding about equal mass (ids taken by descending probability), so that every group
+    expects enough samples for a chi-squared test."""
+    order = probabilities.argsort(descending=True).tolist()
+    group = {}
+    mass = [0.0] * bins
+    before = 0.0
+    for token in order:
+        index = min(int(before * bins), bins - 1)
+        group[token] = index
+        mass[index] += probabilities[token].item()
+        before += probabilities[token].item()
+    counts = [0] * bins
+    for token in tokens:
+        counts[group[token]] += 1
+    return counts, mass

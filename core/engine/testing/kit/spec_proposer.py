@@ -152,7 +152,7 @@ class SpecProposerTests(KitTests):
         import torch
 
         from engine import SamplingParams
-        from engine.testing.oracles import chi_squared_p_value
+        from engine.testing.oracles import chi_squared_p_value, equal_mass_bins
 
         prompt = [17, 42, 99, 5]
         plain = self.make_llm(target, False)
@@ -172,21 +172,3 @@ class SpecProposerTests(KitTests):
             f"bins of equal probability {observed}, expected {[round(SAMPLES * p) for p in probabilities]}"
         )
 
-
-def equal_mass_bins(tokens: list[int], probabilities: Any, bins: int) -> tuple[list[int], list[float]]:
-    """Counts of ``tokens`` and the probability mass in each of ``bins`` groups of token ids
-    holding about equal mass (ids taken by descending probability), so that every group
-    expects enough samples for a chi-squared test."""
-    order = probabilities.argsort(descending=True).tolist()
-    group = {}
-    mass = [0.0] * bins
-    before = 0.0
-    for token in order:
-        index = min(int(before * bins), bins - 1)
-        group[token] = index
-        mass[index] += probabilities[token].item()
-        before += probabilities[token].item()
-    counts = [0] * bins
-    for token in tokens:
-        counts[group[token]] += 1
-    return counts, mass

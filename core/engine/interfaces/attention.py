@@ -23,6 +23,11 @@ class AttentionSpec:
 
     ``scale`` multiplies ``q·k``; ``sliding_window`` is the number of most recent
     keys (including the query's own position) a query may attend to.
+
+    MLA (``kind`` mla / sparse_mla) caches one latent entry per token and no separate
+    values: ``num_kv_heads`` is 1, ``head_size`` is the entry's size (``kv_lora_rank +
+    qk_rope_head_dim``) and ``latent_size`` its first part (``kv_lora_rank``), which
+    serves as the value. Queries arrive absorbed (see :meth:`AttentionBackend.forward`).
     """
 
     kind: str
@@ -31,9 +36,15 @@ class AttentionSpec:
     head_size: int
     scale: float
     sliding_window: int | None = None
+    latent_size: int | None = None  # MLA: the leading part of a cache entry that is the value
+
+    @property
+    def is_latent(self) -> bool:
+        return self.kind in (MLA, SPARSE_MLA)
 
     def kv_bytes_per_token(self, element_size: int) -> int:
-        return 2 * self.num_kv_heads * self.head_size * element_size
+        tensors = 1 if self.is_latent else 2  # MLA keeps no separate values
+        return tensors * self.num_kv_heads * self.head_size * element_size
 
 
 @dataclass(frozen=True)
@@ -169,4 +180,10 @@ class AttentionBackend(ABC):
         the compute dtype. Each token attends causally to its sequence's cached
         and new keys (and only the last ``sliding_window`` of them when set).
         Returns [T, num_heads, head_size]. Mutates ``kv_cache`` only.
+
+        MLA (absorbed form): q is [T, num_heads, head_size], each head's query already
+        multiplied into the latent space (``[W_UKᵀ q_nope; q_rope]``); k is [T, 1,
+        head_size], the new cache entries ``[c; k_rope]``; v is None. Scores are
+        ``scale · q·entry``, the values are the entries' first ``latent_size`` dims, and
+        the result is [T, num_heads, latent_size] (the model applies ``W_UV``).
         """

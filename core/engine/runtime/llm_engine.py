@@ -192,6 +192,12 @@ class LLMEngine:
             return None
         if not config.enable_prefix_caching:
             raise ValueError("A KV tier holds prefix-cache blocks: it needs prefix caching on.")
+        latent = sorted({spec.kind for spec in self.model.kv_cache_specs() if spec.is_latent})
+        if latent:
+            raise SelectionError(
+                f"KV tiers hold K/V blocks of MHA/GQA layers; {self.architecture} has {', '.join(latent)} layers, "
+                f"whose latent caches they do not carry yet. Run it without --kv-tier."
+            )
         tier_cls = components.kv_tiers.get(config.kv_tier)
         spec = tier_spec(self.kv_cache, self.kv_manager.salt, self.dtype)
         tier = tier_cls(spec, config.kv_tier_config)

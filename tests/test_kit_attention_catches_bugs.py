@@ -1,9 +1,10 @@
 """The attention kit can fail: it runs against deliberately broken backends and must
 catch each bug in the checks meant for it, while a correct backend passes it all.
 
-The backends live in a throwaway plugin module (``PLUGIN_SOURCE``): a small
-pure-torch paged backend with its own cache layout (correct) and copies with one
-bug each, plus a subclass of the real ``cpu_paged`` with a wrong scale. Each
+The backends live in a throwaway plugin module (``PLUGIN_SOURCE``): small
+pure-torch paged backends for MHA and for MLA, each with its own cache layout
+(correct), and copies with one bug each, plus subclasses of the real ``cpu_paged``
+and ``cpu_mla`` with a wrong scale. Each
 variant gets a generated kit class; all run in one pytest subprocess. (In-process
 ``pytester`` runs drop the modules they imported from ``sys.modules`` afterwards;
 the second such run, re-importing engine-cpu, died with a segfault.)
@@ -28,8 +29,9 @@ import dataclasses
 import torch
 
 import engine
-from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionBackend, AttentionCapabilities
+from engine.interfaces.attention import MHA, MLA, SLIDING_WINDOW, AttentionBackend, AttentionCapabilities
 from engine_cpu.attention import CpuPagedAttention
+from engine_cpu.mla import CpuMlaAttention
 
 
 class ReferencePaged(AttentionBackend):
@@ -130,15 +132,116 @@ class CpuWrongScale(CpuPagedAttention):
         super().__init__(dataclasses.replace(spec, scale=1.0 / spec.head_size), block_size, dtype, device)
 
 
+class ReferenceMla(AttentionBackend):
+    """Correct MLA. Cache layout [block, entry dim, offset] (not cpu_mla's); one loop over
+    sequences; cached entries come from the cache, this step's from k."""
+
+    name = "kit_mla_ref"
+    capabilities = AttentionCapabilities(
+        kinds=frozenset({MLA}), platforms=frozenset({"cpu"}), dtypes=frozenset({"float32"})
+    )
+
+    def kv_cache_shape(self, num_blocks):
+        return (num_blocks, self.spec.head_size, self.block_size)
+
+    def build_metadata(self, common):
+        return common
+
+    def scale(self):
+        return self.spec.scale
+
+    def allowed(self, query_pos, key_pos):  # [n, 1], [1, L] -> [n, L]
+        return key_pos <= query_pos
+
+    def scores(self, q, entries):  # [H, n, D], [L, D] -> [H, n, L]
+        return q @ entries.T
+
+    def values(self, entries):  # [L, D] -> [L, latent_size]
+        return entries[:, : self.spec.latent_size]
+
+    def write(self, kv_cache, slots, k):
+        kv_cache[slots // self.block_size, :, slots % self.block_size] = k[:, 0]
+
+    def forward(self, q, k, v, kv_cache, common):
+        assert v is None
+        self.write(kv_cache, common.slot_mapping, k)
+        bs, outs = self.block_size, []
+        starts = common.query_start_loc.tolist()
+        for b, (context, seq_len) in enumerate(zip(common.context_lens.tolist(), common.seq_lens.tolist())):
+            rows = slice(starts[b], starts[b + 1])
+            pos = torch.arange(context)
+            # entries: [L, D]
+            entries = torch.cat([kv_cache[common.block_tables[b, pos // bs], :, pos % bs], k[rows, 0]]).float()
+            scores = self.scores(q[rows].transpose(0, 1).float(), entries) * self.scale()
+            mask = self.allowed(torch.arange(context, seq_len)[:, None], torch.arange(seq_len)[None, :])
+            probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            outs.append((probs @ self.values(entries)).transpose(0, 1).to(q.dtype))  # [n, H, latent_size]
+        return torch.cat(outs)
+
+
+class MlaValueTail(ReferenceMla):
+    name = "kit_bug_mla_value_tail"
+
+    def values(self, entries):
+        return entries[:, -self.spec.latent_size :]
+
+
+class MlaFullValue(ReferenceMla):
+    name = "kit_bug_mla_full_value"
+
+    def values(self, entries):
+        return entries
+
+
+class MlaScoresWithoutRope(ReferenceMla):
+    name = "kit_bug_mla_no_rope_scores"
+
+    def scores(self, q, entries):
+        latent = self.spec.latent_size
+        return q[..., :latent] @ entries[:, :latent].T
+
+
+class MlaDefaultScale(ReferenceMla):
+    name = "kit_bug_mla_default_scale"
+
+    def scale(self):
+        return self.spec.head_size ** -0.5
+
+
+class MlaCausalSeesNextKey(ReferenceMla):
+    name = "kit_bug_mla_causal_next"
+
+    def allowed(self, query_pos, key_pos):
+        return key_pos <= query_pos + 1
+
+
+class MlaNoCacheWrite(ReferenceMla):
+    name = "kit_bug_mla_no_write"
+
+    def write(self, kv_cache, slots, k):
+        pass
+
+
+class CpuMlaWrongScale(CpuMlaAttention):
+    """The real cpu_mla with spec.scale replaced by 1/head_size."""
+
+    name = "kit_bug_cpu_mla_scale"
+
+    def __init__(self, spec, block_size, dtype, device):
+        super().__init__(dataclasses.replace(spec, scale=1.0 / spec.head_size), block_size, dtype, device)
+
+
 @engine.hookimpl
 def register_attention_backends(register):
     for cls in (ReferencePaged, WrongScale, DefaultScale, CausalSeesNextKey, CausalDropsDiagonal, IgnoresWindow,
-                NoCacheWrite, CpuWrongScale):
+                NoCacheWrite, CpuWrongScale, ReferenceMla, MlaValueTail, MlaFullValue, MlaScoresWithoutRope,
+                MlaDefaultScale, MlaCausalSeesNextKey, MlaNoCacheWrite, CpuMlaWrongScale):
         register(cls)
 '''
 
 # backend -> (the bug, kit checks that must fail, kit checks that must pass)
 ATTENTION_CHECKS = {"test_mha", "test_sliding_window", "test_kv_cache_write"}
+MLA_CHECKS = {"test_mla", "test_kv_cache_write"}
 OTHER_CHECKS = {"test_discoverable", "test_validate"}
 VARIANTS = {
     "kit_ref": ("none: the correct reference", set(), ATTENTION_CHECKS | OTHER_CHECKS),
@@ -152,6 +255,14 @@ VARIANTS = {
     "kit_bug_window": ("ignores the sliding window", {"test_sliding_window"},
                        {"test_mha", "test_kv_cache_write"} | OTHER_CHECKS),
     "kit_bug_no_write": ("does not write the new K/V into the cache", ATTENTION_CHECKS, OTHER_CHECKS),
+    "kit_mla_ref": ("none: the correct MLA reference", set(), MLA_CHECKS | OTHER_CHECKS),
+    "kit_bug_mla_value_tail": ("MLA values are the entries' last latent_size dims", MLA_CHECKS, OTHER_CHECKS),
+    "kit_bug_mla_full_value": ("MLA values are the whole entries", MLA_CHECKS, OTHER_CHECKS),
+    "kit_bug_mla_no_rope_scores": ("MLA scores leave out the rope dims", MLA_CHECKS, OTHER_CHECKS),
+    "kit_bug_mla_default_scale": ("MLA: head_size ** -0.5 instead of spec.scale", {"test_mla"}, OTHER_CHECKS),
+    "kit_bug_mla_causal_next": ("MLA causal mask lets a query see the next key", {"test_mla"}, OTHER_CHECKS),
+    "kit_bug_mla_no_write": ("MLA: does not write the new entries into the cache", MLA_CHECKS, OTHER_CHECKS),
+    "kit_bug_cpu_mla_scale": ("cpu_mla subclass, scale 1/head_size", MLA_CHECKS, OTHER_CHECKS),
 }
 
 

@@ -41,6 +41,33 @@ def naive_attention(
     return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values)
 
 
+def naive_mla_attention(
+    q: torch.Tensor, entries: torch.Tensor, context_len: int, scale: float, latent_size: int
+) -> torch.Tensor:
+    """Causal multi-head latent attention (absorbed form) of one sequence over its unpaged
+    cache entries.
+
+    q: [n, H, D], the absorbed queries at positions ``context_len .. context_len + n - 1``;
+    entries: [L, 1, D], the cache entries ``[c; k_rope]`` of positions ``0 .. L - 1``
+    (L >= context_len + n; later positions are ignored). Every head scores every entry
+    over all ``D`` dims, ``scale · q·entry``; the query at position ``p`` attends to
+    entries ``0 .. p``, and the values are the entries' first ``latent_size`` dims.
+
+    Returns [n, H, latent_size] in float32, whatever the input dtype.
+    """
+    n = q.shape[0]
+    seq_len = context_len + n
+    assert entries.shape[0] >= seq_len and entries.shape[1] == 1, (entries.shape, context_len, n)
+    latents = entries[:seq_len, 0].float()  # [L, D]
+    # scores: [H, n, L]
+    scores = torch.einsum("nhd,ld->hnl", q.float(), latents) * scale
+    query_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]  # [n, 1]
+    key_pos = torch.arange(seq_len, device=q.device)[None, :]  # [1, L]
+    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    # [H, n, L] @ [L, latent_size] -> [n, H, latent_size]
+    return torch.einsum("hnl,lr->nhr", scores.softmax(dim=-1), latents[:, :latent_size])
+
+
 def chi_squared_p_value(observed: list[int], probabilities: list[float]) -> float:
     """Pearson's goodness-of-fit test of ``observed`` counts against ``probabilities``
     (summing to 1): the probability that χ² with len - 1 degrees of freedom reaches the

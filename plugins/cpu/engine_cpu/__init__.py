@@ -1,1 +1,1 @@
-"""engine-cpu: the CPU platform and a paged attention backend in plain torch."""
+"""engine-cpu: the CPU platform and paged attention backends (MHA/GQA, MLA) in plain torch."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from engine.interfaces.attention import MHA, SLIDING_WINDOW
+from engine.interfaces.attention import MHA, MLA, SLIDING_WINDOW
 from engine.interfaces.platform import Availability, MemoryInfo, Platform
 
 
@@ -19,7 +19,7 @@ class CpuPlatform(Platform):
     default_dtype = "bfloat16"
     # float16 matmuls are very slow on CPUs without native fp16 arithmetic
     auto_dtype_overrides = {"float16": "bfloat16"}
-    attention_backends = {MHA: ("cpu_paged",), SLIDING_WINDOW: ("cpu_paged",)}
+    attention_backends = {MHA: ("cpu_paged",), SLIDING_WINDOW: ("cpu_paged",), MLA: ("cpu_mla",)}
 
     @classmethod
     def is_available(cls) -> Availability:

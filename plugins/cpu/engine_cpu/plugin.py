@@ -11,3 +11,4 @@ def register_platforms(register):
 @engine.hookimpl
 def register_attention_backends(register):
     register("cpu_paged", "engine_cpu.attention:CpuPagedAttention")
+    register("cpu_mla", "engine_cpu.mla:CpuMlaAttention")

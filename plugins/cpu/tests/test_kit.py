@@ -12,6 +12,12 @@ class TestCpuPagedAttentionKit(AttentionBackendTests):
     dtypes = ("float32", "bfloat16")
 
 
+class TestCpuMlaAttentionKit(AttentionBackendTests):
+    plugin = "cpu"
+    backend_name = "cpu_mla"
+    dtypes = ("float32", "bfloat16")
+
+
 # platform
 
 

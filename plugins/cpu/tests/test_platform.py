@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.interfaces.attention import MHA, SLIDING_WINDOW
+from engine.interfaces.attention import MHA, MLA, SLIDING_WINDOW
 from engine.plugins.manager import get_plugin_manager
 from engine_cpu.platform import CpuPlatform, read_meminfo, tune_malloc
 
@@ -23,7 +23,8 @@ def test_declared_dtypes_work():
 
 def test_backend_preferences_resolve_to_registered_backends():
     components = get_plugin_manager(["cpu"]).components()
-    for kind in (MHA, SLIDING_WINDOW):
+    for kind in (MHA, SLIDING_WINDOW, MLA):
+        assert CpuPlatform().attention_backend_preferences(kind), kind
         for name in CpuPlatform().attention_backend_preferences(kind):
             assert kind in components.attention_backends.get(name).capabilities.kinds
 

@@ -6,7 +6,9 @@ a cache tensor of its own ``kv_cache_shape`` and, per step, the
 tables. The cache layout stays private: cached prefixes get into the cache
 through the backend's own ``forward`` (a prefill step of the prefixes) before
 the step under test. Every step's output is compared with
-:func:`engine.testing.oracles.naive_attention` over the unpaged K/V.
+:func:`engine.testing.oracles.naive_attention` over the unpaged K/V, or for MLA
+(absorbed queries, one latent entry cached per token, no values) with
+:func:`engine.testing.oracles.naive_mla_attention` over the unpaged entries.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from engine.interfaces.attention import (
     ATTENTION_KINDS,
     MHA,
+    MLA,
     SLIDING_WINDOW,
     AttentionBackend,
     AttentionCapabilities,
@@ -28,12 +31,16 @@ from engine.interfaces.attention import (
     CommonAttentionMetadata,
 )
 from engine.testing.kit.base import KitTests, capability_skip
-from engine.testing.oracles import naive_attention
+from engine.testing.oracles import naive_attention, naive_mla_attention
 
-KINDS_WITHOUT_ORACLE = [kind for kind in ATTENTION_KINDS if kind not in (MHA, SLIDING_WINDOW)]  # mla, linear, ...
+KINDS_WITH_ORACLE = (MHA, SLIDING_WINDOW, MLA)
+KINDS_WITHOUT_ORACLE = [kind for kind in ATTENTION_KINDS if kind not in KINDS_WITH_ORACLE]  # sparse_mla, linear
 KIT_BLOCK_SIZES = (1, 4, 16)
 KIT_HEAD_SIZES = (16, 32, 64)
 HEAD_LAYOUTS = {"mha": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "mqa": (4, 1)}  # (num_heads, num_kv_heads)
+# MLA entries: (latent_size, rope dims), head_size their sum; and the numbers of query heads
+MLA_SIZES = {"32+8": (32, 8), "64+16": (64, 16)}
+MLA_NUM_HEADS = (1, 4, 16)
 BATCHES = ("decode", "prefill", "mixed")
 # sliding windows, as a function of the block size: a single key, just across a block edge, across
 # two edges, and wider than every sequence (the same as full causal attention)
@@ -112,8 +119,8 @@ class PagedCase:
     tables: list[list[int]]  # each sequence's physical blocks, for all its positions
     num_blocks: int
     q: list[torch.Tensor]  # per sequence [L, H, D]
-    k: list[torch.Tensor]  # per sequence [L, Hkv, D]
-    v: list[torch.Tensor]
+    k: list[torch.Tensor]  # per sequence [L, Hkv, D] (MLA: the cache entries, Hkv = 1)
+    v: list[torch.Tensor]  # per sequence [L, Hkv, D] (MLA: empty, there are no values)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -185,6 +192,14 @@ class AttentionBackendTests(KitTests):
         sizes = [h for h in KIT_HEAD_SIZES if declared is None or h in declared] or sorted(declared)[:3]
         return sizes[index % len(sizes)]
 
+    def mla_sizes(self, index: int) -> tuple[int, int]:
+        """The ``index``-th (cyclically) MLA ``(latent_size, rope dims)`` to check: 32+8 and 64+16
+        where their sum is a declared head size, else declared head sizes split 8:1 (576: 512+64)."""
+        declared = self.backend_class().capabilities.head_sizes
+        sizes = [s for s in MLA_SIZES.values() if declared is None or sum(s) in declared]
+        sizes = sizes or [(h - h // 9, h // 9) for h in sorted(declared)[:2]]
+        return sizes[index % len(sizes)]
+
     def new_case(self, cls: type[AttentionBackend], spec: AttentionSpec, block_size: int, dtype: str,
                  device: torch.device, seq_lens: list[int], gen: torch.Generator, stale_cache: bool) -> PagedCase:
         """A backend, its cache (zeros as the engine allocates it, or stale values as blocks freed
@@ -199,29 +214,32 @@ class AttentionBackendTests(KitTests):
         def rand(heads: int) -> list[torch.Tensor]:  # per sequence [L, heads, D]
             return [torch.randn(n, heads, spec.head_size, generator=gen).to(torch_dtype).to(device) for n in seq_lens]
 
-        q, k, v = rand(spec.num_heads), rand(spec.num_kv_heads), rand(spec.num_kv_heads)
+        q, k = rand(spec.num_heads), rand(spec.num_kv_heads)
+        v = [] if spec.is_latent else rand(spec.num_kv_heads)
         return PagedCase(spec, block_size, dtype, backend, cache, tables, num_blocks, q, k, v)
 
     def run_step(self, case: PagedCase, label: str, seqs: list[int], starts: list[int], lens: list[int]) -> None:
         """One engine step: batch row ``i`` is sequence ``seqs[i]`` with ``starts[i]`` cached
         tokens and ``lens[i]`` new ones. Checks the output against the oracle (with the kit's
-        spec, whatever the backend did with it) and that q/k/v are left alone."""
+        spec, whatever the backend did with it) and that q/k/v are left alone (MLA: v is None
+        and the output [T, H, latent_size])."""
         spec, bs, (atol, rtol) = case.spec, case.block_size, self.tolerances[case.dtype]
         ends = [s + n for s, n in zip(starts, lens)]
         step_tables = [case.tables[b][: -(-end // bs)] for b, end in zip(seqs, ends)]  # blocks allocated so far
         common = make_common_metadata(starts, lens, step_tables, bs, case.cache.device)
-        # q: [T, H, D]; k, v: [T, Hkv, D]
-        q, k, v = (torch.cat([full[b][s:e] for b, s, e in zip(seqs, starts, ends)])
-                   for full in (case.q, case.k, case.v))
-        inputs = [t.clone() for t in (q, k, v)]
+        # q: [T, H, D]; k, v: [T, Hkv, D] (MLA: k the new entries, no v)
+        q, k, *values = (torch.cat([full[b][s:e] for b, s, e in zip(seqs, starts, ends)])
+                         for full in ((case.q, case.k) if spec.is_latent else (case.q, case.k, case.v)))
+        v = values[0] if values else None
+        inputs = [t.clone() for t in (q, k, *values)]
         with torch.inference_mode():
             out = case.backend.forward(q, k, v, case.cache, case.backend.build_metadata(common))
-        assert out.shape == q.shape and out.dtype == q.dtype, f"{label}: output {out.dtype} {tuple(out.shape)}"
-        assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, v))), f"{label}: forward modified q, k or v"
-        expected = torch.cat([
-            naive_attention(case.q[b][s:e], case.k[b], case.v[b], s, spec.scale, spec.sliding_window)
-            for b, s, e in zip(seqs, starts, ends)
-        ])
+        out_shape = (q.shape[0], spec.num_heads, spec.latent_size) if spec.is_latent else tuple(q.shape)
+        assert tuple(out.shape) == out_shape and out.dtype == q.dtype, (
+            f"{label}: output {out.dtype} {tuple(out.shape)}, expected {q.dtype} {out_shape}"
+        )
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, *values))), f"{label}: forward modified q, k or v"
+        expected = torch.cat([self.oracle(case, b, s, e) for b, s, e in zip(seqs, starts, ends)])
         rows = common.query_start_loc.tolist()
         errors = [(b, s, n, round(float((out[r0:r1].float() - expected[r0:r1]).abs().max()), 6))
                   for b, s, n, r0, r1 in zip(seqs, starts, lens, rows, rows[1:])]
@@ -229,6 +247,23 @@ class AttentionBackendTests(KitTests):
             out.float(), expected, atol=atol, rtol=rtol,
             msg=lambda m: f"{label}, {spec}, block size {bs}: (seq, cached, new, max abs err) = {errors}\n{m}",
         )
+
+    def oracle(self, case: PagedCase, seq: int, start: int, end: int) -> torch.Tensor:
+        """The float32 output of sequence ``seq``'s queries at positions ``start .. end - 1``."""
+        spec = case.spec
+        if spec.is_latent:
+            return naive_mla_attention(case.q[seq][start:end], case.k[seq], start, spec.scale, spec.latent_size)
+        return naive_attention(case.q[seq][start:end], case.k[seq], case.v[seq], start, spec.scale,
+                               spec.sliding_window)
+
+    def run_prefix_then_new_tokens(self, case: PagedCase, context_lens: list[int], query_lens: list[int]) -> None:
+        """Step 1 prefills the sequences' cached prefixes, step 2 runs the new tokens after them."""
+        prefixed = [b for b, c in enumerate(context_lens) if c > 0]
+        if prefixed:
+            self.run_step(case, "step 1 (prefill of the cached prefixes)", prefixed, [0] * len(prefixed),
+                          [context_lens[b] for b in prefixed])
+        self.run_step(case, "step 2 (new tokens after the cached prefixes)", list(range(len(query_lens))),
+                      context_lens, query_lens)
 
     def check_random_case(self, kind: str, batch: str, block_size: int, heads: str, window: str | None,
                           dtype: str, engine_device: str) -> None:
@@ -245,12 +280,29 @@ class AttentionBackendTests(KitTests):
         context_lens, query_lens = random_batch(batch, gen)
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
         case = self.new_case(cls, spec, block_size, dtype, device, seq_lens, gen, stale_cache=True)
-        prefixed = [b for b, c in enumerate(context_lens) if c > 0]
-        if prefixed:
-            self.run_step(case, "step 1 (prefill of the cached prefixes)", prefixed, [0] * len(prefixed),
-                          [context_lens[b] for b in prefixed])
-        self.run_step(case, "step 2 (new tokens after the cached prefixes)", list(range(len(seq_lens))),
-                      context_lens, query_lens)
+        self.run_prefix_then_new_tokens(case, context_lens, query_lens)
+
+    def check_mla_case(self, batch: str, block_size: int, sizes: str, dtype: str, engine_device: str) -> None:
+        """Three steps over a random ragged batch in a stale cache: a prefill of the cached
+        prefixes, the new tokens after them, then one decode each with the batch rows reversed
+        (which reads step 2's entries through the block tables only); all must match the oracle."""
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{MLA}/{batch}/{block_size}/{sizes}".encode()))
+        cls, device = self.setup_backend(MLA, dtype, engine_device, block_size)
+        size_index = list(MLA_SIZES).index(sizes)
+        latent_size, rope_size = self.mla_sizes(size_index)
+        # every number of heads meets every entry size across the batches and block sizes
+        index = BATCHES.index(batch) + KIT_BLOCK_SIZES.index(block_size) + size_index
+        head_size = latent_size + rope_size
+        scale = head_size**-0.5 * (0.5 + float(torch.rand((), generator=gen)))  # not the usual scale
+        spec = AttentionSpec(MLA, MLA_NUM_HEADS[index % len(MLA_NUM_HEADS)], 1, head_size, scale,
+                             latent_size=latent_size)
+        context_lens, query_lens = random_batch(batch, gen)
+        seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+        case = self.new_case(cls, spec, block_size, dtype, device, [n + 1 for n in seq_lens], gen, stale_cache=True)
+        self.run_prefix_then_new_tokens(case, context_lens, query_lens)
+        order = list(reversed(range(len(seq_lens))))
+        self.run_step(case, "step 3 (one decode each after the new tokens, batch rows reversed)", order,
+                      [seq_lens[b] for b in order], [1] * len(order))
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -280,6 +332,16 @@ class AttentionBackendTests(KitTests):
         batch, heads = BATCHES[index % len(BATCHES)], list(HEAD_LAYOUTS)[index % len(HEAD_LAYOUTS)]
         self.check_random_case(SLIDING_WINDOW, batch, block_size, heads, window, dtype, engine_device)
 
+    @pytest.mark.parametrize("sizes", list(MLA_SIZES))
+    @pytest.mark.parametrize("batch", BATCHES)
+    @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
+    def test_mla(self, batch: str, block_size: int, sizes: str, dtype: str, engine_device: str) -> None:
+        """Multi-head latent attention (absorbed queries, one cached entry per token whose first
+        ``latent_size`` dims are the value) over shuffled paged blocks matches the oracle for
+        decode-only, prefill-after-prefix and mixed ragged batches, 1/4/16 query heads, and for
+        a later decode step reading the new entries back."""
+        self.check_mla_case(batch, block_size, sizes, dtype, engine_device)
+
     @pytest.mark.parametrize("kind", KINDS_WITHOUT_ORACLE)
     def test_kind_without_oracle(self, kind: str) -> None:
         """Kinds the kit cannot check yet are reported, never passed silently."""
@@ -289,36 +351,48 @@ class AttentionBackendTests(KitTests):
 
     @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
     def test_kv_cache_write(self, block_size: int, dtype: str, engine_device: str) -> None:
-        """forward writes the new keys and values into a zeroed cache byte-exact (after the cast)
-        and writes nothing else; in the engine's conventional layout ``[2, blocks, block_size,
-        Hkv, D]`` each lands in its own slot. Any layout: a later step whose batch rows are other
-        sequences sharing those blocks (as prefix caching does) reads them back."""
-        kind = next((k for k in (MHA, SLIDING_WINDOW) if k in self.backend_class().capabilities.kinds), MHA)
+        """forward writes the new keys and values (MLA: the new entries) into a zeroed cache
+        byte-exact (after the cast) and writes nothing else; in the engine's conventional layout
+        ``[2, blocks, block_size, Hkv, D]`` (MLA: ``[blocks, block_size, D]``) each lands in its
+        own slot. Any layout: a later step whose batch rows are other sequences sharing those
+        blocks (as prefix caching does) reads them back. Checks the first declared of MHA,
+        sliding window and MLA."""
+        kinds = self.backend_class().capabilities.kinds
+        kind = next((k for k in KINDS_WITH_ORACLE if k in kinds), MHA)
         cls, device = self.setup_backend(kind, dtype, engine_device, block_size)
         gen = torch.Generator().manual_seed(zlib.crc32(f"write/{block_size}/{dtype}".encode()))
-        head_size = self.head_size(1)
-        spec = AttentionSpec(kind, 4, 2, head_size, head_size**-0.5, 1000 if kind == SLIDING_WINDOW else None)
+        if kind == MLA:
+            latent_size, rope_size = self.mla_sizes(1)
+            head_size = latent_size + rope_size
+            spec = AttentionSpec(MLA, 4, 1, head_size, head_size**-0.5, latent_size=latent_size)
+        else:
+            head_size = self.head_size(1)
+            spec = AttentionSpec(kind, 4, 2, head_size, head_size**-0.5, 1000 if kind == SLIDING_WINDOW else None)
         lens = [5, 1, 2 * block_size + 1]  # prefilled first, then one decode each
         case = self.new_case(cls, spec, block_size, dtype, device, [n + 1 for n in lens], gen, stale_cache=False)
+        # what the cache holds, and the conventional layout of it
+        cached, what = (("k",), "entries") if spec.is_latent else (("k", "v"), "keys and values")
+        conventional = (case.num_blocks, block_size, head_size) if spec.is_latent else (
+            2, case.num_blocks, block_size, spec.num_kv_heads, head_size)
         for t in case.k + case.v:  # no exact zeros, which would look unwritten
             t.add_(t.sign() * 0.25)
 
         def check_written(label: str, upto: list[int]) -> None:
-            """The cache holds exactly positions 0..upto[b]-1 of every sequence's k and v."""
-            k = torch.cat([case.k[b][:n] for b, n in enumerate(upto)])  # [T, Hkv, D]
-            v = torch.cat([case.v[b][:n] for b, n in enumerate(upto)])
+            """The cache holds exactly positions 0..upto[b]-1 of every sequence's k and v (MLA: k)."""
+            # each [T, Hkv, D]
+            stored = [torch.cat([getattr(case, name)[b][:n] for b, n in enumerate(upto)]) for name in cached]
             written = bits(case.cache).flatten()
             written = written[written != 0].sort().values
-            expected = bits(torch.cat([k.flatten(), v.flatten()])).sort().values
+            expected = bits(torch.cat([t.flatten() for t in stored])).sort().values
             assert written.shape == expected.shape and torch.equal(written, expected), (
-                f"{label}: the cache's nonzero elements are not exactly the new keys and values "
+                f"{label}: the cache's nonzero elements are not exactly the new {what} "
                 f"({written.numel()} written, {expected.numel()} expected)"
             )
-            if tuple(case.cache.shape) == (2, case.num_blocks, block_size, spec.num_kv_heads, head_size):
+            if tuple(case.cache.shape) == conventional:
                 slots = make_common_metadata([0] * 3, upto, case.tables, block_size, device).slot_mapping
-                at_slots = case.cache.view(2, -1, spec.num_kv_heads, head_size)[:, slots]
-                assert torch.equal(bits(at_slots[0]), bits(k)) and torch.equal(bits(at_slots[1]), bits(v)), (
-                    f"{label}: keys/values not at their slots {slots.tolist()}"
+                at_slots = case.cache.view(len(cached), -1, spec.num_kv_heads, head_size)[:, slots]
+                assert all(torch.equal(bits(at_slots[i]), bits(t)) for i, t in enumerate(stored)), (
+                    f"{label}: {what} not at their slots {slots.tolist()}"
                 )
 
         self.run_step(case, "write step (prefill)", [0, 1, 2], [0] * 3, lens)
@@ -344,6 +418,9 @@ class AttentionBackendTests(KitTests):
             dtypes = ("float64", "float16", "bfloat16", "float32")
             dtype = next((d for d in dtypes if d not in caps.dtypes), "kit_undeclared_dtype")
         spec = AttentionSpec(kind, 4, 2, self.head_size(0), 0.25, 8 if kind == SLIDING_WINDOW else None)
+        if spec.is_latent:  # one entry per token, its leading part the value
+            latent_size, rope_size = self.mla_sizes(0)
+            spec = AttentionSpec(kind, 4, 1, latent_size + rope_size, 0.25, latent_size=latent_size)
         reasons = cls.validate(spec, platform=platform, dtype=dtype, block_size=block_size)
         assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons), reasons
         request = f"{spec}, platform {platform}, dtype {dtype}, block size {block_size}"

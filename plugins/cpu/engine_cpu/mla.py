@@ -1,0 +1,203 @@
+"""Paged multi-head latent attention (MLA, absorbed form) on the CPU.
+
+The cache holds one entry per token, ``[c; k_rope]`` of ``head_size = latent_size +
+rope dims``, as [block, offset in block, head_size]; there are no separate values.
+Every head's absorbed query scores the same entries, so a step is multi-query
+attention with one KV head whose values are the entries' first ``latent_size``
+dims. It runs as torch's scaled-dot-product attention with the whole entry as the
+value (the CPU flash kernel wants equal key and value sizes) and keeps the first
+``latent_size`` dims of the result; that kernel accumulates and takes the softmax
+in float32 for bf16 inputs, and tiles the keys, so no [H, n, L] score tensor is
+materialised.
+
+A step's sequences split in two groups, each one batched call with no Python
+loop over sequences:
+
+- decode rows (one new token): the heads are the query rows of a [1, H] block per
+  sequence, against that sequence's gathered entries padded to the longest;
+- prefill chunks (several new tokens, maybe after a cached prefix): queries
+  padded to [chunks, H, longest chunk], entries to the longest sequence, with a
+  causal mask offset by each chunk's cached length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.interfaces.attention import (
+    MLA,
+    AttentionBackend,
+    AttentionCapabilities,
+    AttentionSpec,
+    CommonAttentionMetadata,
+)
+
+
+@dataclass
+class MlaGroup:
+    """Some sequences of the step as one padded batch over their gathered cache entries.
+
+    ``tokens`` are their query rows in the step's batch; query ``i`` of them is row
+    ``row[i]`` of padded sequence ``seq[i]`` (decode groups: one row each, so
+    ``seq`` is ``arange`` and ``row`` zeros)."""
+
+    tokens: torch.Tensor  # [n] batch rows of the group's queries
+    seq: torch.Tensor  # [n] padded sequence of each query
+    row: torch.Tensor  # [n] row of each query within its sequence's chunk
+    key_slots: torch.Tensor  # [b, max_seq_len] cache slot of each key position
+    # [b, 1, max_query_len, max_seq_len] True where attention is allowed; None: plain causal
+    # (one chunk from position 0, as a fresh prompt is)
+    mask: torch.Tensor | None
+    max_query_len: int
+
+
+@dataclass
+class CpuMlaMetadata:
+    common: CommonAttentionMetadata
+    decode: MlaGroup | None  # sequences with one new token
+    prefill: MlaGroup | None  # sequences with several
+
+
+class CpuMlaAttention(AttentionBackend):
+    name = "cpu_mla"
+    capabilities = AttentionCapabilities(
+        kinds=frozenset({MLA}),
+        platforms=frozenset({"cpu"}),
+        dtypes=frozenset({"float32", "bfloat16"}),
+    )
+
+    def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(spec, block_size, dtype, device)
+        reasons = latent_spec_reasons(spec)
+        if reasons:
+            raise ValueError(f"cpu_mla cannot serve {spec}: {'; '.join(reasons)}.")
+
+    @classmethod
+    def validate(
+        cls, spec: AttentionSpec, *, platform: str, dtype: str, block_size: int, kv_cache_dtype: str = "auto"
+    ) -> list[str]:
+        reasons = super().validate(
+            spec, platform=platform, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype
+        )
+        if spec.kind == MLA:
+            reasons += latent_spec_reasons(spec)
+        return reasons
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        # [block, offset in block, entry]
+        return (num_blocks, self.block_size, self.spec.head_size)
+
+    def gather_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries held in cache ``slots`` as keys [n, 1, head_size], and an empty value
+        tensor [n, 0, head_size]: MLA caches no separate values. (The engine refuses KV tiers
+        for latent caches, so no tier calls this yet.)"""
+        entries = kv_cache.view(-1, 1, self.spec.head_size)[slots]
+        return entries, entries.new_empty(entries.shape[0], 0, self.spec.head_size)
+
+    def scatter_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Writes the entries ``k`` [n, 1, head_size] into cache ``slots``; ``v`` must be None
+        or empty (the inverse of :meth:`gather_kv`)."""
+        if v is not None and v.numel():
+            raise ValueError(f"cpu_mla caches no values: got v of shape {tuple(v.shape)}; pass None or an empty v.")
+        kv_cache.view(-1, 1, self.spec.head_size)[slots] = k
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> CpuMlaMetadata:
+        if common.is_decode_only:  # token i belongs to sequence i
+            seqs = torch.arange(common.num_seqs, device=common.slot_mapping.device)
+            return CpuMlaMetadata(common, decode_group(common, seqs, seqs, common.max_seq_len), None)
+        is_decode = common.query_lens == 1
+        decode_seqs, prefill_seqs = is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()
+        decode = None
+        if decode_seqs.numel():
+            max_seq_len = int(common.seq_lens[decode_seqs].max())
+            decode = decode_group(common, decode_seqs, common.query_start_loc[decode_seqs], max_seq_len)
+        return CpuMlaMetadata(common, decode, prefill_group(common, prefill_seqs))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor,
+        metadata: CpuMlaMetadata,
+    ) -> torch.Tensor:
+        """q: [T, H, head_size] absorbed queries; k: [T, 1, head_size] new entries; v: None.
+        Returns [T, H, latent_size]."""
+        spec = self.spec
+        entries = kv_cache.view(-1, spec.head_size)  # [slots, head_size]
+        entries.index_copy_(0, metadata.common.slot_mapping, k.reshape(-1, spec.head_size))
+        if metadata.prefill is None:  # decode only: the rows are the sequences, in order
+            return self._attend_decode(q.unsqueeze(1), entries, metadata.decode).contiguous()
+        out = q.new_empty(q.shape[0], spec.num_heads, spec.latent_size)
+        if metadata.decode is not None:
+            out[metadata.decode.tokens] = self._attend_decode(q[metadata.decode.tokens].unsqueeze(1), entries,
+                                                              metadata.decode)
+        group = metadata.prefill
+        # queries: [n, H, D] -> padded [chunks, longest chunk, H, D]
+        padded = q.new_zeros(group.key_slots.shape[0], group.max_query_len, spec.num_heads, spec.head_size)
+        padded[group.seq, group.row] = q[group.tokens]
+        keys = entries[group.key_slots].unsqueeze(1)  # [chunks, 1, L, D]
+        result = F.scaled_dot_product_attention(
+            padded.transpose(1, 2), keys, keys, attn_mask=group.mask, is_causal=group.mask is None,
+            scale=spec.scale, enable_gqa=True,
+        )  # [chunks, H, longest chunk, D]
+        out[group.tokens] = result.transpose(1, 2)[group.seq, group.row, :, : spec.latent_size]
+        return out
+
+    def _attend_decode(self, q: torch.Tensor, entries: torch.Tensor, group: MlaGroup) -> torch.Tensor:
+        """q: [B, 1, H, D], each sequence's heads as the rows of one query block -> [B, H, latent_size]."""
+        keys = entries[group.key_slots].unsqueeze(1)  # [B, 1, L, D]
+        result = F.scaled_dot_product_attention(q, keys, keys, attn_mask=group.mask, scale=self.spec.scale)
+        return result[:, 0, :, : self.spec.latent_size]
+
+
+def latent_spec_reasons(spec: AttentionSpec) -> list[str]:
+    """Why ``spec`` is not a well-formed MLA spec (one entry per token, value its leading part)."""
+    reasons = []
+    if spec.num_kv_heads != 1:
+        reasons.append(f"MLA caches one entry per token: num_kv_heads must be 1, not {spec.num_kv_heads}")
+    if spec.latent_size is None or not 0 < spec.latent_size <= spec.head_size:
+        reasons.append(f"latent_size must be set within the entry's head_size {spec.head_size} "
+                       f"(got {spec.latent_size})")
+    return reasons
+
+
+def key_slots_of(common: CommonAttentionMetadata, seqs: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+    """[len(seqs), max_seq_len] cache slot of each key position of sequences ``seqs`` (positions
+    past a sequence's end read padding blocks, masked out)."""
+    bs = common.block_size
+    key_pos = torch.arange(max_seq_len, device=seqs.device)
+    return common.block_tables[seqs][:, key_pos // bs] * bs + key_pos % bs
+
+
+def decode_group(common: CommonAttentionMetadata, seqs: torch.Tensor, tokens: torch.Tensor,
+                 max_seq_len: int) -> MlaGroup:
+    """The sequences ``seqs``, each with its single new token at batch row ``tokens``."""
+    device = seqs.device
+    key_pos = torch.arange(max_seq_len, device=device)
+    mask = (key_pos[None, :] < common.seq_lens[seqs, None])[:, None, None, :]  # [B, 1, 1, L]: the heads share it
+    n = tokens.shape[0]
+    return MlaGroup(tokens, torch.arange(n, device=device), torch.zeros(n, dtype=torch.int64, device=device),
+                    key_slots_of(common, seqs, max_seq_len), mask, 1)
+
+
+def prefill_group(common: CommonAttentionMetadata, seqs: torch.Tensor) -> MlaGroup:
+    """The sequences ``seqs`` with several new tokens each, padded to the longest chunk."""
+    device = seqs.device
+    query_lens, context_lens = common.query_lens[seqs], common.context_lens[seqs]
+    max_query_len, max_seq_len = common.max_query_len, int(common.seq_lens[seqs].max())
+    seq = torch.repeat_interleave(torch.arange(seqs.shape[0], device=device), query_lens)  # [n]
+    starts = common.query_start_loc[seqs]
+    offsets = torch.zeros_like(query_lens)
+    offsets[1:] = query_lens.cumsum(0)[:-1]
+    row = torch.arange(seq.shape[0], device=device) - offsets[seq]
+    tokens = starts[seq] + row
+    # query row r of chunk b sits at position context_lens[b] + r (padding rows clamp to the
+    # last real position so that no row is fully masked)
+    key_slots = key_slots_of(common, seqs, max_seq_len)
+    if seqs.shape[0] == 1 and int(context_lens[0]) == 0:
+        return MlaGroup(tokens, seq, row, key_slots, None, max_query_len)
+    rows = torch.arange(max_query_len, device=device)
+    query_pos = torch.minimum(context_lens[:, None] + rows[None, :], context_lens[:, None] + query_lens[:, None] - 1)
+    key_pos = torch.arange(max_seq_len, device=device)
+    mask = (key_pos[None, None, :] <= query_pos[:, :, None]).unsqueeze(1)  # [b, 1, max_query_len, L]
+    return MlaGroup(tokens, seq, row, key_slots, mask, max_query_len)

@@ -28,8 +28,16 @@ def rope_parameters(config: HFConfig) -> dict[str, Any]:
     return params
 
 
-def inverse_frequencies(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    """inv_freq [rotary_dim // 2] in fp32 and the cos/sin scaling factor."""
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature factor for a context extended ``scale`` times."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def inverse_frequencies(
+    rotary_dim: int, params: dict[str, Any], max_positions: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """inv_freq [rotary_dim // 2] in fp32 and the cos/sin scaling factor. ``max_positions``
+    (the model's ``max_position_embeddings``) gives YaRN's factor when the config has none."""
     base = float(params["rope_theta"])
     inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     rope_type = params["rope_type"]
@@ -51,9 +59,47 @@ def inverse_frequencies(rotary_dim: int, params: dict[str, Any]) -> tuple[torch.
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled), 1.0
+    if rope_type == "yarn":
+        return _yarn(inv_freq, rotary_dim, base, params, max_positions)
     raise ValueError(
-        f"Unsupported rope_type {rope_type!r}. Supported: default, linear, llama3."
+        f"Unsupported rope_type {rope_type!r}. Supported: default, linear, llama3, yarn."
     )
+
+
+def _yarn(
+    inv_freq: torch.Tensor, dim: int, base: float, params: dict[str, Any], max_positions: int | None
+) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers computes it: frequencies below the correction
+    range are interpolated by ``factor``, those above kept, a linear ramp between."""
+    original = float(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:
+        if max_positions is None:
+            raise ValueError("YaRN rope_parameters without 'factor' need the model's max_position_embeddings.")
+        factor = max_positions / original
+    factor = float(factor)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # share of each frequency kept as it is
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -63,7 +109,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim or head_size
-        inv_freq, attention_scaling = inverse_frequencies(self.rotary_dim, params)
+        inv_freq, attention_scaling = inverse_frequencies(self.rotary_dim, params, max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         # cos, sin: [max_positions, rotary_dim]

@@ -28,7 +28,15 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
+TINY_CONFIGS["DeepseekV3ForCausalLM"] = dict(
+    hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
+    first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+    v_head_dim=16, vocab_size=320, max_position_embeddings=512,
+)
+
 _CONFIG_CLASSES = {
+    "DeepseekV3ForCausalLM": "DeepseekV3Config",
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
@@ -74,13 +82,16 @@ def make_tiny_checkpoint(
 
 
 def randomize_constant_parameters(hf_model: Any, seed: int) -> None:
-    """HF initialises norm weights to 1 and biases to 0: give every constant parameter
-    random values around its constant (noise of std 0.1)."""
+    """HF initialises norm weights to 1 and biases to 0: give every constant parameter (and
+    every constant buffer the checkpoint saves) random values around its constant (noise of
+    std 0.1)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
+    saved = set(hf_model.state_dict())
+    buffers = [b for name, b in hf_model.named_buffers() if name in saved]  # e.g. a router's score bias
     with torch.no_grad():
-        for param in hf_model.parameters():
+        for param in [*hf_model.parameters(), *buffers]:
             flat = param.detach().flatten()
             if param.is_floating_point() and bool((flat == flat[0]).all()):
                 noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)

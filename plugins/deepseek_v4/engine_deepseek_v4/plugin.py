@@ -1,0 +1,8 @@
+"""Hook implementations of engine-deepseek-v4. Imports nothing heavy."""
+
+import engine
+
+
+@engine.hookimpl
+def register_models(register):
+    register("DeepseekV3ForCausalLM", "engine_deepseek_v4.deepseek_v3:DeepseekV3ForCausalLM")

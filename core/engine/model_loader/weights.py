@@ -25,9 +25,14 @@ def iterate_weights(files: list[Path], *, progress: bool = True) -> Iterator[tup
 
 
 def load_weights(model: Model, files: list[Path], *, progress: bool = True) -> None:
-    """Fill every parameter of ``model`` from ``files``, raising naming what is missing,
-    then let each linear layer's method process what it loaded (quantize, repack)."""
-    loaded = model.load_weights(iterate_weights(files, progress=progress))
+    """Fill every parameter of ``model`` from ``files`` (see :func:`load_tensors`)."""
+    load_tensors(model, iterate_weights(files, progress=progress))
+
+
+def load_tensors(model: Model, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Fill every parameter of ``model`` from ``(name, tensor)`` pairs, raising naming what is
+    missing, then let each linear layer's method process what it loaded (quantize, repack)."""
+    loaded = model.load_weights(weights)
     tied = tied_linear_layers(model)
     layers = {path: layer for path, layer in linear_layers(model).items() if path not in tied}
     in_layers = {f"{path}.{name}" for path, layer in layers.items() for name, _ in layer.named_parameters()}

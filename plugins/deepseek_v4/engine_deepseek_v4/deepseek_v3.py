@@ -346,42 +346,56 @@ class DeepseekV3ForCausalLM(Model):
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        linears = linear_layers(self)
-        loaded: set[str] = set()
         skipped_mtp = 0
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name.startswith("lm_head.") and self.tie_word_embeddings:
-                continue
-            layer = re.match(r"model\.layers\.(\d+)\.", name)
-            if layer and int(layer.group(1)) >= self.dims.num_layers and self.num_mtp_layers:
-                skipped_mtp += 1  # multi-token-prediction layers: a proposer's weights, not the model's
-                continue
-            expert = EXPERT_TENSOR.match(name)
-            fused = FUSED_EXPERT_TENSOR.match(name)
-            if expert or fused:
-                match = expert or fused
-                experts = self.get_submodule(match.group("moe"))
-                done = (experts.load(int(expert.group("expert")), expert.group("proj"), tensor) if expert
-                        else experts.load_fused(fused.group("proj"), tensor))
-                if done:
-                    loaded.update(f"{match.group('moe')}.{p}" for p in ("w13", "w2"))
-                continue
-            routed = route_linear_tensor(linears, name, STACKED_PARAMS)
-            if routed is not None:
-                path, shard, tensor_name = routed
-                if linears[path].load_checkpoint_tensor(tensor_name, shard, tensor):
-                    loaded.update(f"{path}.{p}" for p, _ in linears[path].named_parameters())
-                continue
-            param = params.get(name)
-            if param is None:
-                raise KeyError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: model expects shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}.")
-            param.data.copy_(tensor)
-            loaded.add(name)
+
+        def main_model_tensors():
+            nonlocal skipped_mtp
+            for name, tensor in weights:
+                if name.startswith("lm_head.") and self.tie_word_embeddings:
+                    continue
+                layer = re.match(r"model\.layers\.(\d+)\.", name)
+                if layer and int(layer.group(1)) >= self.dims.num_layers and self.num_mtp_layers:
+                    skipped_mtp += 1  # multi-token-prediction layers: the mtp proposer's weights
+                    continue
+                yield name, tensor
+
+        loaded = load_named_tensors(self, main_model_tensors())
         if skipped_mtp:
             logger.info("skipped %d multi-token-prediction tensors (layers >= %d)", skipped_mtp, self.dims.num_layers)
         return loaded
+
+
+def load_named_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Fill ``module`` (a DeepSeek model or MTP layer, by its own parameter names) from
+    checkpoint tensors: routed experts, linear layers (fused gate/up included) and plain
+    parameters; returns the parameter names filled. An unknown tensor is a ``KeyError``."""
+    params = dict(module.named_parameters())
+    linears = linear_layers(module)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        expert = EXPERT_TENSOR.match(name)
+        fused = FUSED_EXPERT_TENSOR.match(name)
+        if expert or fused:
+            match = expert or fused
+            experts = module.get_submodule(match.group("moe"))
+            done = (experts.load(int(expert.group("expert")), expert.group("proj"), tensor) if expert
+                    else experts.load_fused(fused.group("proj"), tensor))
+            if done:
+                loaded.update(f"{match.group('moe')}.{p}" for p in ("w13", "w2"))
+            continue
+        routed = route_linear_tensor(linears, name, STACKED_PARAMS)
+        if routed is not None:
+            path, shard, tensor_name = routed
+            if linears[path].load_checkpoint_tensor(tensor_name, shard, tensor):
+                loaded.update(f"{path}.{p}" for p, _ in linears[path].named_parameters())
+            continue
+        param = params.get(name)
+        if param is None:
+            raise KeyError(f"Checkpoint tensor {name!r} has no place in {type(module).__name__}.")
+        if param.shape != tensor.shape:
+            raise ValueError(f"{name}: model expects shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}.")
+        param.data.copy_(tensor)
+        loaded.add(name)
+    return loaded

@@ -6,3 +6,8 @@ import engine
 @engine.hookimpl
 def register_models(register):
     register("DeepseekV3ForCausalLM", "engine_deepseek_v4.deepseek_v3:DeepseekV3ForCausalLM")
+
+
+@engine.hookimpl
+def register_spec_proposers(register):
+    register("mtp", "engine_deepseek_v4.mtp:MtpProposer")

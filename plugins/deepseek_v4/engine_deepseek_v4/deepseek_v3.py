@@ -23,15 +23,21 @@ from engine.interfaces.attention import MLA, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import Linear, MergedLinear, VocabEmbedding, linear_layers, route_linear_tensor
+from engine.layers.decoder import (
+    GATE_UP_PARAMS,
+    DecoderStack,
+    GatedMLP,
+    PreNormDecoderLayer,
+    load_tensor,
+    require_silu,
+)
+from engine.layers.linear import Linear, linear_layers
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
 from engine.model_config import HFConfig
 from engine.runtime.forward_context import ForwardContext
 
 logger = logging.getLogger("engine.deepseek")
 
-# checkpoint module name -> (fused module name, shard index)
-STACKED_PARAMS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 EXPERT_TENSOR = re.compile(r"(?P<moe>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 FUSED_EXPERT_TENSOR = re.compile(r"(?P<moe>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
@@ -159,16 +165,6 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, d.num_heads * d.v_head_dim))
 
 
-class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, False, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.down_proj(ctx.ops.silu_and_mul(self.gate_up_proj(x)))
-
-
 class Router(nn.Module):
     """Sigmoid scores; experts chosen by score + ``e_score_correction_bias`` among the
     ``topk_group`` best groups (a group's worth: its two best biased scores); weights are
@@ -259,7 +255,7 @@ class MoE(nn.Module):
         self.gate = Router(dims)
         self.experts = Experts(dims, dtype)
         self.shared_experts = (
-            DenseMLP(dims.hidden_size, dims.moe_intermediate_size * dims.num_shared_experts, dtype)
+            GatedMLP(dims.hidden_size, dims.moe_intermediate_size * dims.num_shared_experts, False, dtype)
             if dims.num_shared_experts else None
         )
 
@@ -271,39 +267,11 @@ class MoE(nn.Module):
         return out
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, dims: Dims, attention: MLAttention, mlp: nn.Module, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.self_attn = attention
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-
-    def forward(self, h, residual, ctx: ForwardContext, cos_sin):
-        if residual is None:
-            residual, h = h, self.input_layernorm(h, ops=ctx.ops)
-        else:
-            h, residual = self.input_layernorm(h, residual, ops=ctx.ops)
-        h = self.self_attn(h, ctx, cos_sin)
-        h, residual = self.post_attention_layernorm(h, residual, ops=ctx.ops)
-        return self.mlp(h, ctx), residual
-
-
-class Backbone(nn.Module):
-    def __init__(self, dims: Dims, layers: list[DecoderLayer], dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-
-
 class DeepseekV3ForCausalLM(Model):
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
         config, dtype = init.config, init.dtype
-        activation = config.get("hidden_act", "silu")
-        if activation != "silu":
-            raise ValueError(f"{type(self).__name__} supports hidden_act 'silu' only, config has {activation!r}.")
+        require_silu(config, self)
         self.dims = d = Dims.from_config(config)
         if d.num_experts % d.num_groups:
             raise ValueError(f"n_routed_experts={d.num_experts} is not a multiple of n_group={d.num_groups}.")
@@ -315,15 +283,8 @@ class DeepseekV3ForCausalLM(Model):
         self.num_mtp_layers = int(config.get("num_nextn_predict_layers", 0) or 0)
         interleaved = bool(config.get("rope_interleave", True))
         with torch.device(init.device):
-            layers = [
-                DecoderLayer(
-                    d, MLAttention(d, self.spec, i, interleaved, dtype),
-                    DenseMLP(d.hidden_size, d.intermediate_size, dtype) if i < d.first_k_dense_replace else MoE(d, dtype),
-                    dtype,
-                )
-                for i in range(d.num_layers)
-            ]
-            self.model = Backbone(d, layers, dtype)
+            layers = [decoder_layer(d, self.spec, i, i, interleaved, dtype) for i in range(d.num_layers)]
+            self.model = DecoderStack(d.vocab_size, d.hidden_size, d.rms_norm_eps, layers, dtype)
             self.rotary = RotaryEmbedding(d.qk_rope_head_dim, int(config.get("max_position_embeddings", 4096)), rope)
             self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
             self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
@@ -334,13 +295,7 @@ class DeepseekV3ForCausalLM(Model):
         return [self.spec] * self.dims.num_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions, h.dtype)
-        residual = None
-        for layer in self.model.layers:
-            h, residual = layer(h, residual, ctx, cos_sin)
-        h, _ = self.model.norm(h, residual, ops=ctx.ops)
-        return h
+        return self.model(input_ids, ctx, lambda dtype: self.rotary.cos_sin(positions, dtype))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
@@ -369,8 +324,7 @@ def load_named_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
     """Fill ``module`` (a DeepSeek model or MTP layer, by its own parameter names) from
     checkpoint tensors: routed experts, linear layers (fused gate/up included) and plain
     parameters; returns the parameter names filled. An unknown tensor is a ``KeyError``."""
-    params = dict(module.named_parameters())
-    linears = linear_layers(module)
+    params, linears = dict(module.named_parameters()), linear_layers(module)
     loaded: set[str] = set()
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq"):
@@ -385,17 +339,15 @@ def load_named_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
             if done:
                 loaded.update(f"{match.group('moe')}.{p}" for p in ("w13", "w2"))
             continue
-        routed = route_linear_tensor(linears, name, STACKED_PARAMS)
-        if routed is not None:
-            path, shard, tensor_name = routed
-            if linears[path].load_checkpoint_tensor(tensor_name, shard, tensor):
-                loaded.update(f"{path}.{p}" for p, _ in linears[path].named_parameters())
-            continue
-        param = params.get(name)
-        if param is None:
-            raise KeyError(f"Checkpoint tensor {name!r} has no place in {type(module).__name__}.")
-        if param.shape != tensor.shape:
-            raise ValueError(f"{name}: model expects shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}.")
-        param.data.copy_(tensor)
-        loaded.add(name)
+        loaded |= load_tensor(module, params, linears, name, tensor, GATE_UP_PARAMS)
     return loaded
+
+
+def decoder_layer(dims: Dims, spec: AttentionSpec, layer_index: int, attention_index: int, interleaved_rope: bool,
+                  dtype: torch.dtype) -> PreNormDecoderLayer:
+    """Decoder layer ``layer_index`` of the network (dense MLP before ``first_k_dense_replace``,
+    experts after), its attention at ``attention_index`` of the KV-cache specs."""
+    mlp = (GatedMLP(dims.hidden_size, dims.intermediate_size, False, dtype) if layer_index < dims.first_k_dense_replace
+           else MoE(dims, dtype))
+    return PreNormDecoderLayer(MLAttention(dims, spec, attention_index, interleaved_rope, dtype), mlp,
+                               dims.hidden_size, dims.rms_norm_eps, dtype)

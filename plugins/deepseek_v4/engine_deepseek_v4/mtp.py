@@ -31,15 +31,7 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, VocabEmbedding
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
-from engine_deepseek_v4.deepseek_v3 import (
-    DecoderLayer,
-    DenseMLP,
-    Dims,
-    MLAttention,
-    MoE,
-    load_named_tensors,
-    softmax_scale,
-)
+from engine_deepseek_v4.deepseek_v3 import Dims, decoder_layer, load_named_tensors, softmax_scale
 
 LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")  # of the decoder layer
 
@@ -64,10 +56,9 @@ class MtpLayer(Model):
             kind=MLA, num_heads=d.num_heads, num_kv_heads=1, head_size=d.kv_lora_rank + d.qk_rope_head_dim,
             scale=softmax_scale(d, rope), latent_size=d.kv_lora_rank,
         )
-        index = d.num_layers  # the MTP layer follows the main ones: dense or MoE by the same rule
-        mlp = DenseMLP(d.hidden_size, d.intermediate_size, dtype) if index < d.first_k_dense_replace else MoE(d, dtype)
-        self.layer = DecoderLayer(d, MLAttention(d, self.spec, 0, bool(config.get("rope_interleave", True)), dtype),
-                                  mlp, dtype)
+        # the MTP layer follows the main ones (dense or experts by the same rule); its attention is
+        # the only one of its own cache
+        self.layer = decoder_layer(d, self.spec, d.num_layers, 0, bool(config.get("rope_interleave", True)), dtype)
         self.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype)
         self.enorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype)

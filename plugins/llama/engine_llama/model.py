@@ -12,19 +12,21 @@ from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import Linear, MergedLinear, VocabEmbedding, linear_layers, route_linear_tensor
+from engine.layers.decoder import (
+    GATE_UP_PARAMS,
+    DecoderStack,
+    GatedMLP,
+    PreNormDecoderLayer,
+    load_tensor,
+    require_silu,
+)
+from engine.layers.linear import Linear, MergedLinear, linear_layers
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
 from engine.runtime.forward_context import ForwardContext
 
 # checkpoint module name -> (fused module name, shard index)
-STACKED_PARAMS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+STACKED_PARAMS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), **GATE_UP_PARAMS}
 
 
 @dataclass(frozen=True)
@@ -92,54 +94,13 @@ class LlamaAttentionBlock(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, dims: Dims, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(dims.hidden_size, [dims.intermediate_size] * 2, bias, dtype)
-        self.down_proj = Linear(dims.intermediate_size, dims.hidden_size, bias, dtype)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.down_proj(ctx.ops.silu_and_mul(self.gate_up_proj(x)))
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, dims: Dims, attention: LlamaAttentionBlock, mlp_bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.self_attn = attention
-        self.mlp = LlamaMLP(dims, mlp_bias, dtype)
-        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-
-    def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # residual stream: residual holds the sum so far, h this layer's input before its norm
-        if residual is None:
-            residual, h = h, self.input_layernorm(h, ops=ctx.ops)
-        else:
-            h, residual = self.input_layernorm(h, residual, ops=ctx.ops)
-        h = self.self_attn(h, ctx, cos_sin)
-        h, residual = self.post_attention_layernorm(h, residual, ops=ctx.ops)
-        return self.mlp(h, ctx), residual
-
-
-class LlamaBackbone(nn.Module):
-    def __init__(self, dims: Dims, layers: list[LlamaDecoderLayer], dtype: torch.dtype) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype)
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, dtype)
-
-
 class LlamaForCausalLM(Model):
     variant: ClassVar[Variant] = Variant()
 
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
         config, dtype = init.config, init.dtype
-        activation = config.get("hidden_act", "silu")
-        if activation != "silu":
-            raise ValueError(f"{type(self).__name__} supports hidden_act 'silu' only, config has {activation!r}.")
+        require_silu(config, self)
         self.dims = dims = Dims.from_config(config)
         variant = self.variant
         attention_bias = bool(config.get("attention_bias", False))
@@ -148,15 +109,14 @@ class LlamaForCausalLM(Model):
         self.specs = self._attention_specs(config, dims)
         with torch.device(init.device):
             layers = [
-                LlamaDecoderLayer(
-                    dims,
+                PreNormDecoderLayer(
                     LlamaAttentionBlock(dims, self.specs[i], i, qkv_bias, o_bias, variant.qk_norm, dtype),
-                    bool(config.get("mlp_bias", False)),
-                    dtype,
+                    GatedMLP(dims.hidden_size, dims.intermediate_size, bool(config.get("mlp_bias", False)), dtype),
+                    dims.hidden_size, dims.rms_norm_eps, dtype,
                 )
                 for i in range(dims.num_layers)
             ]
-            self.model = LlamaBackbone(dims, layers, dtype)
+            self.model = DecoderStack(dims.vocab_size, dims.hidden_size, dims.rms_norm_eps, layers, dtype)
             self.rotary = RotaryEmbedding(
                 dims.head_dim, int(config.get("max_position_embeddings", 2048)), rope_parameters(config),
                 rotary_dim=int(dims.head_dim * float(config.get("partial_rotary_factor", 1.0))),
@@ -191,40 +151,20 @@ class LlamaForCausalLM(Model):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, hidden_size]
-        h = self.model.embed_tokens(input_ids)
-        cos_sin = self.rotary.cos_sin(positions, h.dtype)
-        residual = None
-        for layer in self.model.layers:
-            h, residual = layer(h, residual, ctx, cos_sin)
-        h, _ = self.model.norm(h, residual, ops=ctx.ops)
-        return h
+        return self.model(input_ids, ctx, lambda dtype: self.rotary.cos_sin(positions, dtype))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        linears = linear_layers(self)
+        params, linears = dict(self.named_parameters()), linear_layers(self)
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name.startswith("lm_head.") and self.tie_word_embeddings:
                 continue  # some tied checkpoints also store the shared matrix under lm_head
-            routed = route_linear_tensor(linears, name, STACKED_PARAMS)
-            if routed is not None:
-                path, shard, tensor_name = routed
-                layer = linears[path]
-                if layer.load_checkpoint_tensor(tensor_name, shard, tensor):
-                    loaded.update(f"{path}.{param}" for param, _ in layer.named_parameters())
-                continue
-            param = params.get(name)
-            if param is None:
-                raise KeyError(f"Checkpoint tensor {name!r} has no place in {type(self).__name__}.")
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: model expects shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}.")
-            param.data.copy_(tensor)
-            loaded.add(name)
+            loaded |= load_tensor(self, params, linears, name, tensor, STACKED_PARAMS)
         return loaded
 
 

@@ -1,0 +1,107 @@
+"""Building blocks most decoder-only models share: the gated SiLU MLP, the pre-norm
+decoder layer with its residual stream, the embedding + layers + norm stack (named as
+HF checkpoints name them), and the loading of one checkpoint tensor into a linear layer
+or a plain parameter."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import Linear, MergedLinear, VocabEmbedding, route_linear_tensor
+
+if TYPE_CHECKING:
+    from engine.runtime.forward_context import ForwardContext
+
+# checkpoint module name -> (fused module name, shard index), for a gated MLP's projections
+GATE_UP_PARAMS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def require_silu(config, model: nn.Module) -> None:
+    """The gated MLPs here compute SiLU: refuse a config that names another activation."""
+    activation = config.get("hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"{type(model).__name__} supports hidden_act 'silu' only, config has {activation!r}.")
+
+
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one layer."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.down_proj(ctx.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class PreNormDecoderLayer(nn.Module):
+    """``self_attn(h, ctx, cos_sin)`` and ``mlp(h, ctx)``, each after an RMSNorm, on a
+    residual stream: ``residual`` holds the sum so far and ``h`` the layer's input before
+    its norm, so each norm can fuse the residual add (``ops.add_rms_norm``)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype)
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = h, self.input_layernorm(h, ops=ctx.ops)
+        else:
+            h, residual = self.input_layernorm(h, residual, ops=ctx.ops)
+        h = self.self_attn(h, ctx, cos_sin)
+        h, residual = self.post_attention_layernorm(h, residual, ops=ctx.ops)
+        return self.mlp(h, ctx), residual
+
+
+class DecoderStack(nn.Module):
+    """``embed_tokens``, ``layers`` and the final ``norm``."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, eps: float, layers: list[nn.Module], dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(vocab_size, hidden_size, dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden_size, eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
+                cos_sin: Callable[[torch.dtype], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden]; ``cos_sin(dtype)`` gives the step's rope table."""
+        h = self.embed_tokens(input_ids)
+        table = cos_sin(h.dtype)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, ctx, table)
+        h, _ = self.norm(h, residual, ops=ctx.ops)
+        return h
+
+
+def load_tensor(
+    owner: nn.Module, params: dict[str, nn.Parameter], linears: dict[str, MergedLinear], name: str,
+    tensor: torch.Tensor, stacked: dict[str, tuple[str, int]],
+) -> set[str]:
+    """Put one checkpoint tensor in place: into its (possibly fused, possibly quantized)
+    linear layer, else into the parameter of that name. Returns the parameter names now
+    complete (a linear layer's once all its tensors arrived). A tensor with no place is a
+    ``KeyError`` naming ``owner``'s class; a shape mismatch a ``ValueError``."""
+    routed = route_linear_tensor(linears, name, stacked)
+    if routed is not None:
+        path, shard, tensor_name = routed
+        if linears[path].load_checkpoint_tensor(tensor_name, shard, tensor):
+            return {f"{path}.{p}" for p, _ in linears[path].named_parameters()}
+        return set()
+    param = params.get(name)
+    if param is None:
+        raise KeyError(f"Checkpoint tensor {name!r} has no place in {type(owner).__name__}.")
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: model expects shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}.")
+    param.data.copy_(tensor)
+    return {name}

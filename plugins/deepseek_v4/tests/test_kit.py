@@ -23,3 +23,15 @@ class TestDeepseekV3YarnKit(ModelTests):
                             "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
                             "original_max_position_embeddings": 64},
     }
+
+
+class TestKimiK2StyleKit(ModelTests):
+    """Kimi-K2's routing: one expert group, three experts a token, its scaling factor, no
+    dense layer first, two shared experts."""
+
+    plugin = "deepseek_v4"
+    architecture = "DeepseekV3ForCausalLM"
+    config_overrides: ClassVar[dict[str, Any]] = {
+        "n_group": 1, "topk_group": 1, "num_experts_per_tok": 3, "routed_scaling_factor": 2.827,
+        "first_k_dense_replace": 0, "n_shared_experts": 2, "norm_topk_prob": True,
+    }

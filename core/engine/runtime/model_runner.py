@@ -94,42 +94,37 @@ class ModelRunner:
         if not sampling:
             return [], []
         requests = [batch.requests[i] for i in sampling]
-        drafted = [i for i in sampling if batch.drafts.get(i)]
-        if not drafted:
-            sample_rows = torch.tensor([ends[i] - 1 for i in sampling], device=self.device)
-            logits = self.model.compute_logits(hidden[sample_rows])
-            sampled = self.sampler(logits, requests)
-            if sampled.logprobs is not None:
-                record_sample_logprobs(requests, sampled.logprobs)
-            self._keep_hidden(requests, hidden, sample_rows)
-            return requests, [[t] for t in sampled.token_ids.tolist()]
-        return requests, self._verify(batch, sampling, hidden, ends)
-
-    def _verify(self, batch: ScheduledBatch, sampling: list[int], hidden: torch.Tensor, ends: list[int]) -> list[list[int]]:
-        """A step with drafts: requests without drafts sample as usual; the drafted ones
-        are verified on the logits of their last token and every draft."""
-        tokens: dict[int, list[int]] = {}
         plain = [i for i in sampling if not batch.drafts.get(i)]
-        if plain:
-            rows = torch.tensor([ends[i] - 1 for i in plain], device=self.device)
-            sampled = self.sampler(self.model.compute_logits(hidden[rows]), [batch.requests[i] for i in plain])
-            if sampled.logprobs is not None:
-                record_sample_logprobs([batch.requests[i] for i in plain], sampled.logprobs)
-            tokens.update(zip(plain, ([t] for t in sampled.token_ids.tolist())))
-            self._keep_hidden([batch.requests[i] for i in plain], hidden, rows)
         drafted = [i for i in sampling if batch.drafts.get(i)]
+        tokens = dict(zip(plain, self._sample(batch, plain, hidden, ends))) if plain else {}
+        if drafted:
+            tokens.update(zip(drafted, self._verify(batch, drafted, hidden, ends)))
+        return requests, [tokens[i] for i in sampling]
+
+    def _sample(self, batch: ScheduledBatch, indices: list[int], hidden: torch.Tensor, ends: list[int]) -> list[list[int]]:
+        """Requests ``indices`` of the batch, without drafts, sample one token each from the
+        logits of their last row."""
+        requests = [batch.requests[i] for i in indices]
+        rows = torch.tensor([ends[i] - 1 for i in indices], device=self.device)
+        sampled = self.sampler(self.model.compute_logits(hidden[rows]), requests)
+        if sampled.logprobs is not None:
+            record_sample_logprobs(requests, sampled.logprobs)
+        self._keep_hidden(requests, hidden, rows)
+        return [[t] for t in sampled.token_ids.tolist()]
+
+    def _verify(self, batch: ScheduledBatch, drafted: list[int], hidden: torch.Tensor, ends: list[int]) -> list[list[int]]:
+        """Requests ``drafted`` are verified on the logits of their last token and every draft."""
+        requests = [batch.requests[i] for i in drafted]
         rows = [r for i in drafted for r in range(ends[i] - len(batch.drafts[i]) - 1, ends[i])]
-        row_tensor = torch.tensor(rows, device=self.device)
         kept = verify(
-            self.sampler, self.model.compute_logits(hidden[row_tensor]), [batch.requests[i] for i in drafted],
+            self.sampler, self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), requests,
             [batch.drafts[i] for i in drafted], [batch.draft_probs.get(i) for i in drafted],
         )
-        tokens.update(zip(drafted, kept))
         if self.keep_hidden_states:  # the row that produced each request's newest token
             last = torch.tensor([ends[i] - len(batch.drafts[i]) - 1 + len(k) - 1 for i, k in zip(drafted, kept)],
                                 device=self.device)
-            self._keep_hidden([batch.requests[i] for i in drafted], hidden, last)
-        return [tokens[i] for i in sampling]
+            self._keep_hidden(requests, hidden, last)
+        return kept
 
     def _keep_hidden(self, requests: list[Request], hidden: torch.Tensor, rows: torch.Tensor) -> None:
         if self.keep_hidden_states:

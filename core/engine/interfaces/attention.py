@@ -12,9 +12,10 @@ import torch
 MHA = "mha"  # multi-head, grouped-query and multi-query attention
 SLIDING_WINDOW = "sliding_window"  # MHA/GQA restricted to the last `sliding_window` keys
 MLA = "mla"  # multi-head latent attention (DeepSeek)
-SPARSE_MLA = "sparse_mla"  # MLA with top-k token selection
+SPARSE_MLA = "sparse_mla"  # MLA over the positions an indexer selected for each query
+INDEXER = "indexer"  # DeepSeek sparse attention's lightning indexer: caches keys, returns top-k positions
 LINEAR = "linear"  # linear / recurrent attention with a fixed-size per-request state
-ATTENTION_KINDS = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, LINEAR)
+ATTENTION_KINDS = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, INDEXER, LINEAR)
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class AttentionSpec:
     values: ``num_kv_heads`` is 1, ``head_size`` is the entry's size (``kv_lora_rank +
     qk_rope_head_dim``) and ``latent_size`` its first part (``kv_lora_rank``), which
     serves as the value. Queries arrive absorbed (see :meth:`AttentionBackend.forward`).
+
+    An indexer (``kind`` indexer) caches one key per token (``num_kv_heads`` 1,
+    ``head_size`` the indexer's head dim), scored by ``num_heads`` query heads with
+    ``scale``; ``index_topk`` is how many positions it selects for each query (see
+    :meth:`AttentionBackend.forward_index`). Its layer index is its own, separate from
+    the sparse-MLA layer it serves, so its keys are their own KV-cache group.
     """
 
     kind: str
@@ -37,13 +44,19 @@ class AttentionSpec:
     scale: float
     sliding_window: int | None = None
     latent_size: int | None = None  # MLA: the leading part of a cache entry that is the value
+    index_topk: int | None = None  # indexer: positions selected for each query
 
     @property
     def is_latent(self) -> bool:
         return self.kind in (MLA, SPARSE_MLA)
 
+    @property
+    def has_values(self) -> bool:
+        """Whether the cache keeps values beside the keys (MLA entries and indexer keys do not)."""
+        return self.kind not in (MLA, SPARSE_MLA, INDEXER)
+
     def kv_bytes_per_token(self, element_size: int) -> int:
-        tensors = 1 if self.is_latent else 2  # MLA keeps no separate values
+        tensors = 2 if self.has_values else 1
         return tensors * self.num_kv_heads * self.head_size * element_size
 
 
@@ -187,3 +200,36 @@ class AttentionBackend(ABC):
         ``scale · q·entry``, the values are the entries' first ``latent_size`` dims, and
         the result is [T, num_heads, latent_size] (the model applies ``W_UV``).
         """
+
+    def forward_sparse(
+        self, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, indices: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Sparse MLA (kind ``sparse_mla``): write the new entries, then attend each query to
+        the positions ``indices`` selects. Backends declaring ``sparse_mla`` implement this.
+
+        q, k and the result are as for MLA in :meth:`forward`. ``indices``: [T, n] int64,
+        positions within each query's own sequence (``0 .. seq_len - 1``, at or before the
+        query's position), in any order, padded with ``-1``; every row selects at least one
+        position. ``None`` means every query selects all of its causal positions (what an
+        indexer returns when no sequence is longer than its ``index_topk``): plain MLA.
+        Mutates ``kv_cache`` only.
+        """
+        raise NotImplementedError(f"attention backend {self.name!r} does not implement sparse MLA (forward_sparse)")
+
+    def forward_index(
+        self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+    ) -> torch.Tensor | None:
+        """The indexer of DeepSeek sparse attention (kind ``indexer``): write the new keys,
+        then select each query's ``index_topk`` positions. Backends declaring ``indexer``
+        implement this.
+
+        q: [T, num_heads, head_size]; k: [T, 1, head_size] the new keys; weights:
+        [T, num_heads] float32. The score of the key at position ``j`` for query ``t`` is
+        ``Σ_h weights[t, h] · relu(scale · q[t, h]·key_j)``, over the positions ``j`` at or
+        before the query's own (float32 accumulation). Returns [T, index_topk] int64: the
+        positions of each query's ``index_topk`` highest scores, in any order (ties broken
+        either way), padded with ``-1`` where the query has fewer positions; or ``None``
+        when no sequence of the step is longer than ``index_topk`` (every query then selects
+        all of its positions). Mutates ``kv_cache`` only.
+        """
+        raise NotImplementedError(f"attention backend {self.name!r} does not implement the indexer (forward_index)")

@@ -27,3 +27,14 @@ class ForwardContext:
 
     def attention(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.backends[layer_index].forward(q, k, v, self.kv_caches[layer_index], self.metadata[layer_index])
+
+    def sparse_attention(self, layer_index: int, q: torch.Tensor, k: torch.Tensor,
+                         indices: torch.Tensor | None) -> torch.Tensor:
+        """Sparse MLA over the positions ``indices`` selects (see ``AttentionBackend.forward_sparse``)."""
+        return self.backends[layer_index].forward_sparse(q, k, self.kv_caches[layer_index],
+                                                         self.metadata[layer_index], indices)
+
+    def index(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        """An indexer's top-k positions for each query (see ``AttentionBackend.forward_index``)."""
+        return self.backends[layer_index].forward_index(q, k, weights, self.kv_caches[layer_index],
+                                                        self.metadata[layer_index])

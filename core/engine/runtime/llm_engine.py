@@ -192,11 +192,11 @@ class LLMEngine:
             return None
         if not config.enable_prefix_caching:
             raise ValueError("A KV tier holds prefix-cache blocks: it needs prefix caching on.")
-        latent = sorted({spec.kind for spec in self.model.kv_cache_specs() if spec.is_latent})
-        if latent:
+        keys_only = sorted({spec.kind for spec in self.model.kv_cache_specs() if not spec.has_values})
+        if keys_only:
             raise SelectionError(
-                f"KV tiers hold K/V blocks of MHA/GQA layers; {self.architecture} has {', '.join(latent)} layers, "
-                f"whose latent caches they do not carry yet. Run it without --kv-tier."
+                f"KV tiers hold K/V blocks of MHA/GQA layers; {self.architecture} has {', '.join(keys_only)} layers, "
+                f"whose caches (latent entries, indexer keys) they do not carry yet. Run it without --kv-tier."
             )
         tier_cls = components.kv_tiers.get(config.kv_tier)
         spec = tier_spec(self.kv_cache, self.kv_manager.salt, self.dtype)
@@ -415,10 +415,17 @@ def build_kv_cache(
     dtype = getattr(torch, dtype_name)
     specs = model.kv_cache_specs()
     groups = []
+    # a requested backend serves the groups of the kinds it declares (a model may mix kinds: sparse
+    # MLA and its indexer); the rest take the platform's preferences. One it serves none of is refused.
+    requested_kinds = set()
+    if attention_backend is not None:
+        requested_kinds = set(components.attention_backends.get(attention_backend).capabilities.kinds)
+        if not requested_kinds & {spec.kind for spec in specs}:
+            requested_kinds = {spec.kind for spec in specs}  # let validation say why it cannot
     for spec, layers in group_layers(specs):
         backend_cls = select_attention_backend(
             components.attention_backends, platform, spec, dtype=dtype_name, block_size=block_size,
-            requested=attention_backend,
+            requested=attention_backend if spec.kind in requested_kinds else None,
         )
         groups.append(KVCacheGroup(spec, backend_cls(spec, block_size, dtype, device), layers))
         logger.info("attention kind %s: backend %s for %d layers", spec.kind, backend_cls.name, len(layers))

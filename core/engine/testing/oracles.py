@@ -42,16 +42,19 @@ def naive_attention(
 
 
 def naive_mla_attention(
-    q: torch.Tensor, entries: torch.Tensor, context_len: int, scale: float, latent_size: int
+    q: torch.Tensor, entries: torch.Tensor, context_len: int, scale: float, latent_size: int,
+    indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal multi-head latent attention (absorbed form) of one sequence over its unpaged
-    cache entries.
+    cache entries; with ``indices``, sparse MLA over the selected positions only.
 
     q: [n, H, D], the absorbed queries at positions ``context_len .. context_len + n - 1``;
     entries: [L, 1, D], the cache entries ``[c; k_rope]`` of positions ``0 .. L - 1``
     (L >= context_len + n; later positions are ignored). Every head scores every entry
     over all ``D`` dims, ``scale · q·entry``; the query at position ``p`` attends to
     entries ``0 .. p``, and the values are the entries' first ``latent_size`` dims.
+    ``indices``: [n, m] positions each query attends to (the others are masked; ``-1``
+    is padding).
 
     Returns [n, H, latent_size] in float32, whatever the input dtype.
     """
@@ -63,9 +66,36 @@ def naive_mla_attention(
     scores = torch.einsum("nhd,ld->hnl", q.float(), latents) * scale
     query_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]  # [n, 1]
     key_pos = torch.arange(seq_len, device=q.device)[None, :]  # [1, L]
-    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    allowed = key_pos <= query_pos  # [n, L]
+    if indices is not None:
+        chosen = torch.zeros(n, seq_len + 1, dtype=torch.bool, device=q.device)
+        chosen[torch.arange(n, device=q.device)[:, None], indices.long() % (seq_len + 1)] = True  # -1 -> the spare
+        allowed &= chosen[:, :seq_len]
+    scores = scores.masked_fill(~allowed, float("-inf"))
     # [H, n, L] @ [L, latent_size] -> [n, H, latent_size]
     return torch.einsum("hnl,lr->nhr", scores.softmax(dim=-1), latents[:, :latent_size])
+
+
+def naive_index_scores(
+    q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, context_len: int, scale: float
+) -> torch.Tensor:
+    """The lightning indexer's scores for one sequence's queries over its unpaged keys.
+
+    q: [n, H, D], the queries at positions ``context_len .. context_len + n - 1``; keys:
+    [L, 1, D] for positions ``0 .. L - 1`` (later positions than the queries' are
+    ignored); weights: [n, H]. The score of position ``j`` for the query at ``p`` is
+    ``Σ_h weights[h] · relu(scale · q[h]·key_j)`` for ``j <= p`` and ``-inf`` after it.
+
+    Returns [n, context_len + n] in float32, whatever the input dtype.
+    """
+    n = q.shape[0]
+    seq_len = context_len + n
+    assert keys.shape[0] >= seq_len and keys.shape[1] == 1, (keys.shape, context_len, n)
+    per_head = torch.einsum("nhd,ld->nhl", q.float(), keys[:seq_len, 0].float()) * scale  # [n, H, L]
+    scores = torch.einsum("nhl,nh->nl", per_head.relu(), weights.float())
+    query_pos = torch.arange(context_len, seq_len, device=q.device)[:, None]  # [n, 1]
+    key_pos = torch.arange(seq_len, device=q.device)[None, :]  # [1, L]
+    return scores.masked_fill(key_pos > query_pos, float("-inf"))
 
 
 def chi_squared_p_value(observed: list[int], probabilities: list[float]) -> float:

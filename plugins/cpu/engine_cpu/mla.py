@@ -18,6 +18,12 @@ loop over sequences:
 - prefill chunks (several new tokens, maybe after a cached prefix): queries
   padded to [chunks, H, longest chunk], entries to the longest sequence, with a
   causal mask offset by each chunk's cached length.
+
+Sparse MLA (kind ``sparse_mla``) attends each query to the positions its indexer
+selected: the selected entries are gathered per query ([tokens, n, head_size], in
+chunks of tokens that bound that copy) and each token is one batch row of the same
+kernel, its heads the query rows, unselected padding masked out. Without indices
+(no sequence longer than the indexer's top-k) it is the dense path above.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch.nn.functional as F
 
 from engine.interfaces.attention import (
     MLA,
+    SPARSE_MLA,
     AttentionBackend,
     AttentionCapabilities,
     AttentionSpec,
@@ -54,17 +61,22 @@ class MlaGroup:
     max_query_len: int
 
 
+# sparse MLA gathers the selected entries of this many (token, selected position, dim) elements at a time
+SPARSE_GATHER_ELEMENTS = 1 << 24
+
+
 @dataclass
 class CpuMlaMetadata:
     common: CommonAttentionMetadata
     decode: MlaGroup | None  # sequences with one new token
     prefill: MlaGroup | None  # sequences with several
+    token_seq: torch.Tensor | None = None  # sparse MLA: [T] the sequence of each token
 
 
 class CpuMlaAttention(AttentionBackend):
     name = "cpu_mla"
     capabilities = AttentionCapabilities(
-        kinds=frozenset({MLA}),
+        kinds=frozenset({MLA, SPARSE_MLA}),
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({"float32", "bfloat16"}),
     )
@@ -82,7 +94,7 @@ class CpuMlaAttention(AttentionBackend):
         reasons = super().validate(
             spec, platform=platform, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype
         )
-        if spec.kind == MLA:
+        if spec.is_latent:
             reasons += latent_spec_reasons(spec)
         return reasons
 
@@ -105,16 +117,46 @@ class CpuMlaAttention(AttentionBackend):
         kv_cache.view(-1, 1, self.spec.head_size)[slots] = k
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CpuMlaMetadata:
+        token_seq = None
+        if self.spec.kind == SPARSE_MLA:
+            token_seq = torch.repeat_interleave(torch.arange(common.num_seqs, device=common.query_lens.device),
+                                                common.query_lens)
         if common.is_decode_only:  # token i belongs to sequence i
             seqs = torch.arange(common.num_seqs, device=common.slot_mapping.device)
-            return CpuMlaMetadata(common, decode_group(common, seqs, seqs, common.max_seq_len), None)
+            return CpuMlaMetadata(common, decode_group(common, seqs, seqs, common.max_seq_len), None, token_seq)
         is_decode = common.query_lens == 1
         decode_seqs, prefill_seqs = is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()
         decode = None
         if decode_seqs.numel():
             max_seq_len = int(common.seq_lens[decode_seqs].max())
             decode = decode_group(common, decode_seqs, common.query_start_loc[decode_seqs], max_seq_len)
-        return CpuMlaMetadata(common, decode, prefill_group(common, prefill_seqs))
+        return CpuMlaMetadata(common, decode, prefill_group(common, prefill_seqs), token_seq)
+
+    def forward_sparse(
+        self, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuMlaMetadata,
+        indices: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """q: [T, H, head_size] absorbed queries; k: [T, 1, head_size] new entries; indices:
+        [T, n] selected positions (-1 padding) or None for all. Returns [T, H, latent_size]."""
+        if indices is None:
+            return self.forward(q, k, None, kv_cache, metadata)
+        spec, common = self.spec, metadata.common
+        entries = kv_cache.view(-1, spec.head_size)  # [slots, head_size]
+        entries.index_copy_(0, common.slot_mapping, k.reshape(-1, spec.head_size))
+        bs, width = common.block_size, indices.shape[1]
+        selected = indices >= 0  # [T, n]
+        positions = indices.clamp(min=0)
+        slots = common.block_tables[metadata.token_seq[:, None], positions // bs] * bs + positions % bs  # [T, n]
+        out = q.new_empty(q.shape[0], spec.num_heads, spec.latent_size)
+        chunk = max(1, SPARSE_GATHER_ELEMENTS // (width * spec.head_size))
+        for start in range(0, q.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            keys = entries[slots[rows]].unsqueeze(1)  # [c, 1, n, D]: each token its own batch row
+            result = F.scaled_dot_product_attention(
+                q[rows].unsqueeze(1), keys, keys, attn_mask=selected[rows, None, None, :], scale=spec.scale,
+            )  # [c, 1, H, D]
+            out[rows] = result[:, 0, :, : spec.latent_size]
+        return out
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor,

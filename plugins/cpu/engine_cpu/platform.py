@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from engine.interfaces.attention import MHA, MLA, SLIDING_WINDOW
+from engine.interfaces.attention import INDEXER, MHA, MLA, SLIDING_WINDOW, SPARSE_MLA
 from engine.interfaces.platform import Availability, MemoryInfo, Platform
 
 
@@ -19,7 +19,8 @@ class CpuPlatform(Platform):
     default_dtype = "bfloat16"
     # float16 matmuls are very slow on CPUs without native fp16 arithmetic
     auto_dtype_overrides = {"float16": "bfloat16"}
-    attention_backends = {MHA: ("cpu_paged",), SLIDING_WINDOW: ("cpu_paged",), MLA: ("cpu_mla",)}
+    attention_backends = {MHA: ("cpu_paged",), SLIDING_WINDOW: ("cpu_paged",), MLA: ("cpu_mla",),
+                          SPARSE_MLA: ("cpu_mla",), INDEXER: ("cpu_indexer",)}
 
     @classmethod
     def is_available(cls) -> Availability:

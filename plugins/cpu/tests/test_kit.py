@@ -18,6 +18,12 @@ class TestCpuMlaAttentionKit(AttentionBackendTests):
     dtypes = ("float32", "bfloat16")
 
 
+class TestCpuIndexerKit(AttentionBackendTests):
+    plugin = "cpu"
+    backend_name = "cpu_indexer"
+    dtypes = ("float32", "bfloat16")
+
+
 # platform
 
 

@@ -8,7 +8,10 @@ through the backend's own ``forward`` (a prefill step of the prefixes) before
 the step under test. Every step's output is compared with
 :func:`engine.testing.oracles.naive_attention` over the unpaged K/V, or for MLA
 (absorbed queries, one latent entry cached per token, no values) with
-:func:`engine.testing.oracles.naive_mla_attention` over the unpaged entries.
+:func:`engine.testing.oracles.naive_mla_attention` over the unpaged entries (sparse
+MLA: over the positions the kit selected for each query). An indexer's selections
+are checked against :func:`engine.testing.oracles.naive_index_scores`: the right
+number of distinct causal positions, none scoring below one left out.
 """
 
 from __future__ import annotations
@@ -22,25 +25,32 @@ import torch
 
 from engine.interfaces.attention import (
     ATTENTION_KINDS,
+    INDEXER,
     MHA,
     MLA,
     SLIDING_WINDOW,
+    SPARSE_MLA,
     AttentionBackend,
     AttentionCapabilities,
     AttentionSpec,
     CommonAttentionMetadata,
 )
 from engine.testing.kit.base import KitTests, capability_skip
-from engine.testing.oracles import naive_attention, naive_mla_attention
+from engine.testing.oracles import naive_attention, naive_index_scores, naive_mla_attention
 
-KINDS_WITH_ORACLE = (MHA, SLIDING_WINDOW, MLA)
-KINDS_WITHOUT_ORACLE = [kind for kind in ATTENTION_KINDS if kind not in KINDS_WITH_ORACLE]  # sparse_mla, linear
+KINDS_WITH_ORACLE = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, INDEXER)
+KINDS_WITHOUT_ORACLE = [kind for kind in ATTENTION_KINDS if kind not in KINDS_WITH_ORACLE]  # linear
 KIT_BLOCK_SIZES = (1, 4, 16)
 KIT_HEAD_SIZES = (16, 32, 64)
 HEAD_LAYOUTS = {"mha": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "mqa": (4, 1)}  # (num_heads, num_kv_heads)
 # MLA entries: (latent_size, rope dims), head_size their sum; and the numbers of query heads
 MLA_SIZES = {"32+8": (32, 8), "64+16": (64, 16)}
 MLA_NUM_HEADS = (1, 4, 16)
+# sparse MLA: how many positions the kit selects for each query (fewer where it has fewer)
+SPARSE_WIDTHS = (1, 3, 8)
+# indexers: query heads, and index_topk (one position, a few, more than any sequence has)
+INDEXER_NUM_HEADS = (1, 4, 16)
+INDEXER_TOPKS = (1, 7, 1000)
 BATCHES = ("decode", "prefill", "mixed")
 # sliding windows, as a function of the block size: a single key, just across a block edge, across
 # two edges, and wider than every sequence (the same as full causal attention)
@@ -119,8 +129,25 @@ class PagedCase:
     tables: list[list[int]]  # each sequence's physical blocks, for all its positions
     num_blocks: int
     q: list[torch.Tensor]  # per sequence [L, H, D]
-    k: list[torch.Tensor]  # per sequence [L, Hkv, D] (MLA: the cache entries, Hkv = 1)
-    v: list[torch.Tensor]  # per sequence [L, Hkv, D] (MLA: empty, there are no values)
+    k: list[torch.Tensor]  # per sequence [L, Hkv, D] (MLA: the cache entries, indexer: its keys; Hkv = 1)
+    v: list[torch.Tensor]  # per sequence [L, Hkv, D] (MLA, indexer: empty, there are no values)
+    # sparse MLA: per sequence [L, width] the positions each query attends to (-1 padding)
+    select: list[torch.Tensor] | None = None
+    weights: list[torch.Tensor] | None = None  # indexer: per sequence [L, H] head weights
+
+
+def random_selections(seq_lens: list[int], width: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Per sequence [L, width]: for the query at position p, min(width, p + 1) distinct random
+    positions 0..p and -1 padding, in random order."""
+    selections = []
+    for seq_len in seq_lens:
+        rows = []
+        for p in range(seq_len):
+            chosen = torch.randperm(p + 1, generator=gen)[:width]
+            row = torch.cat([chosen, torch.full((width - chosen.numel(),), -1, dtype=torch.int64)])
+            rows.append(row[torch.randperm(width, generator=gen)])
+        selections.append(torch.stack(rows))
+    return selections
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -215,31 +242,54 @@ class AttentionBackendTests(KitTests):
             return [torch.randn(n, heads, spec.head_size, generator=gen).to(torch_dtype).to(device) for n in seq_lens]
 
         q, k = rand(spec.num_heads), rand(spec.num_kv_heads)
-        v = [] if spec.is_latent else rand(spec.num_kv_heads)
-        return PagedCase(spec, block_size, dtype, backend, cache, tables, num_blocks, q, k, v)
+        v = rand(spec.num_kv_heads) if spec.has_values else []
+        weights = None
+        if spec.kind == INDEXER:
+            weights = [torch.randn(n, spec.num_heads, generator=gen).to(device) for n in seq_lens]
+        return PagedCase(spec, block_size, dtype, backend, cache, tables, num_blocks, q, k, v, weights=weights)
 
-    def run_step(self, case: PagedCase, label: str, seqs: list[int], starts: list[int], lens: list[int]) -> None:
+    def run_step(self, case: PagedCase, label: str, seqs: list[int], starts: list[int], lens: list[int],
+                 dense: bool = False) -> None:
         """One engine step: batch row ``i`` is sequence ``seqs[i]`` with ``starts[i]`` cached
         tokens and ``lens[i]`` new ones. Checks the output against the oracle (with the kit's
         spec, whatever the backend did with it) and that q/k/v are left alone (MLA: v is None
-        and the output [T, H, latent_size])."""
+        and the output [T, H, latent_size]). Sparse MLA attends to the kit's selections, or with
+        ``dense`` gets ``indices=None``; an indexer's selections are checked by
+        :meth:`check_selections`."""
         spec, bs, (atol, rtol) = case.spec, case.block_size, self.tolerances[case.dtype]
         ends = [s + n for s, n in zip(starts, lens)]
         step_tables = [case.tables[b][: -(-end // bs)] for b, end in zip(seqs, ends)]  # blocks allocated so far
         common = make_common_metadata(starts, lens, step_tables, bs, case.cache.device)
-        # q: [T, H, D]; k, v: [T, Hkv, D] (MLA: k the new entries, no v)
-        q, k, *values = (torch.cat([full[b][s:e] for b, s, e in zip(seqs, starts, ends)])
-                         for full in ((case.q, case.k) if spec.is_latent else (case.q, case.k, case.v)))
+
+        def step_rows(per_seq: list[torch.Tensor]) -> torch.Tensor:  # the step's rows, in batch order
+            return torch.cat([per_seq[b][s:e] for b, s, e in zip(seqs, starts, ends)])
+
+        # q: [T, H, D]; k, v: [T, Hkv, D] (MLA: k the new entries, no v; indexer: k its keys, no v)
+        q, k, *values = (step_rows(full) for full in ((case.q, case.k, case.v) if spec.has_values else (case.q, case.k)))
         v = values[0] if values else None
-        inputs = [t.clone() for t in (q, k, *values)]
+        indices = None if dense or case.select is None else step_rows(case.select).to(q.device)
+        weights = step_rows(case.weights) if case.weights is not None else None
+        extra = [t for t in (indices, weights) if t is not None]
+        inputs = [t.clone() for t in (q, k, *values, *extra)]
         with torch.inference_mode():
-            out = case.backend.forward(q, k, v, case.cache, case.backend.build_metadata(common))
+            metadata = case.backend.build_metadata(common)
+            if spec.kind == INDEXER:
+                out = case.backend.forward_index(q, k, weights, case.cache, metadata)
+            elif spec.kind == SPARSE_MLA:
+                out = case.backend.forward_sparse(q, k, case.cache, metadata, indices)
+            else:
+                out = case.backend.forward(q, k, v, case.cache, metadata)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, *values, *extra))), (
+            f"{label}: the backend modified its inputs (q, k, v, indices or weights)"
+        )
+        if spec.kind == INDEXER:
+            self.check_selections(case, label, seqs, starts, ends, common, out)
+            return
         out_shape = (q.shape[0], spec.num_heads, spec.latent_size) if spec.is_latent else tuple(q.shape)
         assert tuple(out.shape) == out_shape and out.dtype == q.dtype, (
             f"{label}: output {out.dtype} {tuple(out.shape)}, expected {q.dtype} {out_shape}"
         )
-        assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, *values))), f"{label}: forward modified q, k or v"
-        expected = torch.cat([self.oracle(case, b, s, e) for b, s, e in zip(seqs, starts, ends)])
+        expected = torch.cat([self.oracle(case, b, s, e, dense) for b, s, e in zip(seqs, starts, ends)])
         rows = common.query_start_loc.tolist()
         errors = [(b, s, n, round(float((out[r0:r1].float() - expected[r0:r1]).abs().max()), 6))
                   for b, s, n, r0, r1 in zip(seqs, starts, lens, rows, rows[1:])]
@@ -248,20 +298,64 @@ class AttentionBackendTests(KitTests):
             msg=lambda m: f"{label}, {spec}, block size {bs}: (seq, cached, new, max abs err) = {errors}\n{m}",
         )
 
-    def oracle(self, case: PagedCase, seq: int, start: int, end: int) -> torch.Tensor:
+    def check_selections(self, case: PagedCase, label: str, seqs: list[int], starts: list[int], ends: list[int],
+                         common: CommonAttentionMetadata, out: torch.Tensor | None) -> None:
+        """An indexer's result: ``None`` only when no sequence is longer than ``index_topk``;
+        else [T, index_topk] int64 where the query at position ``p`` has min(index_topk, p + 1)
+        distinct positions ``0..p`` and ``-1`` padding, and no position it left out scores
+        above one it chose (within the dtype's tolerance) by the oracle's scores."""
+        spec, (atol, rtol) = case.spec, self.tolerances[case.dtype]
+        topk = spec.index_topk
+        if out is None:
+            assert max(ends) <= topk, (
+                f"{label}: the indexer returned None (every position) though a sequence has {max(ends)} "
+                f"positions, more than index_topk={topk}"
+            )
+            return
+        expected_shape = (common.num_tokens, topk)
+        assert tuple(out.shape) == expected_shape and out.dtype == torch.int64, (
+            f"{label}: indexer output {out.dtype} {tuple(out.shape)}, expected torch.int64 {expected_shape}"
+        )
+        out = out.cpu()
+        rows = common.query_start_loc.tolist()
+        for b, s, e, r0 in zip(seqs, starts, ends, rows):
+            scores = naive_index_scores(case.q[b][s:e], case.k[b], case.weights[b][s:e], s, spec.scale).cpu()
+            for i, p in enumerate(range(s, e)):
+                row = out[r0 + i]
+                chosen = row[row >= 0]
+                count = min(topk, p + 1)
+                where = f"{label}: sequence {b}, query at position {p}, selected {sorted(chosen.tolist())}"
+                assert bool((row[row < 0] == -1).all()), f"{where}: padding must be -1, got {row.tolist()}"
+                assert chosen.numel() == count and chosen.unique().numel() == count, (
+                    f"{where}: expected {count} distinct positions"
+                )
+                assert int(chosen.max()) <= p, f"{where}: a position after the query's own"
+                if count <= p:
+                    left_out = torch.ones(p + 1, dtype=torch.bool)
+                    left_out[chosen] = False
+                    lowest_in, highest_out = float(scores[i, chosen].min()), float(scores[i, : p + 1][left_out].max())
+                    assert lowest_in >= highest_out - (atol + rtol * abs(highest_out)), (
+                        f"{where}: position {int(torch.nonzero(left_out).flatten()[scores[i, :p + 1][left_out].argmax()])} "
+                        f"scores {highest_out:.6f}, above the lowest selected score {lowest_in:.6f}"
+                    )
+
+    def oracle(self, case: PagedCase, seq: int, start: int, end: int, dense: bool = False) -> torch.Tensor:
         """The float32 output of sequence ``seq``'s queries at positions ``start .. end - 1``."""
         spec = case.spec
         if spec.is_latent:
-            return naive_mla_attention(case.q[seq][start:end], case.k[seq], start, spec.scale, spec.latent_size)
+            indices = None if dense or case.select is None else case.select[seq][start:end]
+            return naive_mla_attention(case.q[seq][start:end], case.k[seq], start, spec.scale, spec.latent_size,
+                                       indices)
         return naive_attention(case.q[seq][start:end], case.k[seq], case.v[seq], start, spec.scale,
                                spec.sliding_window)
 
     def run_prefix_then_new_tokens(self, case: PagedCase, context_lens: list[int], query_lens: list[int]) -> None:
-        """Step 1 prefills the sequences' cached prefixes, step 2 runs the new tokens after them."""
+        """Step 1 prefills the sequences' cached prefixes (sparse MLA: dense), step 2 runs the new
+        tokens after them."""
         prefixed = [b for b, c in enumerate(context_lens) if c > 0]
         if prefixed:
             self.run_step(case, "step 1 (prefill of the cached prefixes)", prefixed, [0] * len(prefixed),
-                          [context_lens[b] for b in prefixed])
+                          [context_lens[b] for b in prefixed], dense=True)
         self.run_step(case, "step 2 (new tokens after the cached prefixes)", list(range(len(query_lens))),
                       context_lens, query_lens)
 
@@ -282,20 +376,43 @@ class AttentionBackendTests(KitTests):
         case = self.new_case(cls, spec, block_size, dtype, device, seq_lens, gen, stale_cache=True)
         self.run_prefix_then_new_tokens(case, context_lens, query_lens)
 
-    def check_mla_case(self, batch: str, block_size: int, sizes: str, dtype: str, engine_device: str) -> None:
+    def check_mla_case(self, batch: str, block_size: int, sizes: str, dtype: str, engine_device: str,
+                       kind: str = MLA) -> None:
         """Three steps over a random ragged batch in a stale cache: a prefill of the cached
         prefixes, the new tokens after them, then one decode each with the batch rows reversed
-        (which reads step 2's entries through the block tables only); all must match the oracle."""
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{MLA}/{batch}/{block_size}/{sizes}".encode()))
-        cls, device = self.setup_backend(MLA, dtype, engine_device, block_size)
+        (which reads step 2's entries through the block tables only); all must match the oracle.
+        Sparse MLA: the prefill without indices (dense), the later steps over random selections."""
+        seed = f"{MLA}/{batch}/{block_size}/{sizes}" + ("" if kind == MLA else f"/{kind}")
+        gen = torch.Generator().manual_seed(zlib.crc32(seed.encode()))
+        cls, device = self.setup_backend(kind, dtype, engine_device, block_size)
         size_index = list(MLA_SIZES).index(sizes)
         latent_size, rope_size = self.mla_sizes(size_index)
         # every number of heads meets every entry size across the batches and block sizes
         index = BATCHES.index(batch) + KIT_BLOCK_SIZES.index(block_size) + size_index
         head_size = latent_size + rope_size
         scale = head_size**-0.5 * (0.5 + float(torch.rand((), generator=gen)))  # not the usual scale
-        spec = AttentionSpec(MLA, MLA_NUM_HEADS[index % len(MLA_NUM_HEADS)], 1, head_size, scale,
+        spec = AttentionSpec(kind, MLA_NUM_HEADS[index % len(MLA_NUM_HEADS)], 1, head_size, scale,
                              latent_size=latent_size)
+        context_lens, query_lens = random_batch(batch, gen)
+        seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+        case = self.new_case(cls, spec, block_size, dtype, device, [n + 1 for n in seq_lens], gen, stale_cache=True)
+        if kind == SPARSE_MLA:
+            case.select = random_selections([n + 1 for n in seq_lens], SPARSE_WIDTHS[index % len(SPARSE_WIDTHS)], gen)
+        self.run_prefix_then_new_tokens(case, context_lens, query_lens)
+        order = list(reversed(range(len(seq_lens))))
+        self.run_step(case, "step 3 (one decode each after the new tokens, batch rows reversed)", order,
+                      [seq_lens[b] for b in order], [1] * len(order))
+
+    def check_index_case(self, batch: str, block_size: int, dtype: str, engine_device: str) -> None:
+        """An indexer over three steps of a random ragged batch in a stale cache (prefixes, new
+        tokens, a decode each with the rows reversed): every step's selections are checked."""
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{INDEXER}/{batch}/{block_size}".encode()))
+        cls, device = self.setup_backend(INDEXER, dtype, engine_device, block_size)
+        index = BATCHES.index(batch) + KIT_BLOCK_SIZES.index(block_size)
+        head_size = self.head_size(index)
+        scale = head_size**-0.5 * (0.5 + float(torch.rand((), generator=gen)))
+        spec = AttentionSpec(INDEXER, INDEXER_NUM_HEADS[index % len(INDEXER_NUM_HEADS)], 1, head_size, scale,
+                             index_topk=INDEXER_TOPKS[index % len(INDEXER_TOPKS)])
         context_lens, query_lens = random_batch(batch, gen)
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
         case = self.new_case(cls, spec, block_size, dtype, device, [n + 1 for n in seq_lens], gen, stale_cache=True)
@@ -342,6 +459,25 @@ class AttentionBackendTests(KitTests):
         a later decode step reading the new entries back."""
         self.check_mla_case(batch, block_size, sizes, dtype, engine_device)
 
+    @pytest.mark.parametrize("sizes", list(MLA_SIZES))
+    @pytest.mark.parametrize("batch", BATCHES)
+    @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
+    def test_sparse_mla(self, batch: str, block_size: int, sizes: str, dtype: str, engine_device: str) -> None:
+        """Sparse MLA (``forward_sparse``): each query attends only to the positions the kit selects
+        (1, 3 or 8 of them, in random order, ``-1`` padded) and matches the oracle over those;
+        ``indices=None`` (the prefix prefill) is dense MLA. The same batches, block sizes, head
+        counts and entry sizes as the MLA check."""
+        self.check_mla_case(batch, block_size, sizes, dtype, engine_device, kind=SPARSE_MLA)
+
+    @pytest.mark.parametrize("batch", BATCHES)
+    @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
+    def test_indexer(self, batch: str, block_size: int, dtype: str, engine_device: str) -> None:
+        """The sparse-attention indexer (``forward_index``) over paged keys: for decode, prefill
+        and mixed batches, 1/4/16 query heads and index_topk 1, 7 and more than any sequence,
+        each query gets min(index_topk, its positions) distinct causal positions, and none left
+        out scores above one selected (``None`` is allowed only when every sequence fits)."""
+        self.check_index_case(batch, block_size, dtype, engine_device)
+
     @pytest.mark.parametrize("kind", KINDS_WITHOUT_ORACLE)
     def test_kind_without_oracle(self, kind: str) -> None:
         """Kinds the kit cannot check yet are reported, never passed silently."""
@@ -356,23 +492,26 @@ class AttentionBackendTests(KitTests):
         ``[2, blocks, block_size, Hkv, D]`` (MLA: ``[blocks, block_size, D]``) each lands in its
         own slot. Any layout: a later step whose batch rows are other sequences sharing those
         blocks (as prefix caching does) reads them back. Checks the first declared of MHA,
-        sliding window and MLA."""
+        sliding window, MLA, sparse MLA (dense) and indexer (keys, ``[blocks, block_size, D]``)."""
         kinds = self.backend_class().capabilities.kinds
         kind = next((k for k in KINDS_WITH_ORACLE if k in kinds), MHA)
         cls, device = self.setup_backend(kind, dtype, engine_device, block_size)
         gen = torch.Generator().manual_seed(zlib.crc32(f"write/{block_size}/{dtype}".encode()))
-        if kind == MLA:
+        if kind in (MLA, SPARSE_MLA):
             latent_size, rope_size = self.mla_sizes(1)
             head_size = latent_size + rope_size
-            spec = AttentionSpec(MLA, 4, 1, head_size, head_size**-0.5, latent_size=latent_size)
+            spec = AttentionSpec(kind, 4, 1, head_size, head_size**-0.5, latent_size=latent_size)
+        elif kind == INDEXER:
+            head_size = self.head_size(1)
+            spec = AttentionSpec(INDEXER, 4, 1, head_size, head_size**-0.5, index_topk=4)
         else:
             head_size = self.head_size(1)
             spec = AttentionSpec(kind, 4, 2, head_size, head_size**-0.5, 1000 if kind == SLIDING_WINDOW else None)
         lens = [5, 1, 2 * block_size + 1]  # prefilled first, then one decode each
         case = self.new_case(cls, spec, block_size, dtype, device, [n + 1 for n in lens], gen, stale_cache=False)
         # what the cache holds, and the conventional layout of it
-        cached, what = (("k",), "entries") if spec.is_latent else (("k", "v"), "keys and values")
-        conventional = (case.num_blocks, block_size, head_size) if spec.is_latent else (
+        cached, what = (("k", "v"), "keys and values") if spec.has_values else (("k",), "entries")
+        conventional = (case.num_blocks, block_size, head_size) if not spec.has_values else (
             2, case.num_blocks, block_size, spec.num_kv_heads, head_size)
         for t in case.k + case.v:  # no exact zeros, which would look unwritten
             t.add_(t.sign() * 0.25)
@@ -421,6 +560,8 @@ class AttentionBackendTests(KitTests):
         if spec.is_latent:  # one entry per token, its leading part the value
             latent_size, rope_size = self.mla_sizes(0)
             spec = AttentionSpec(kind, 4, 1, latent_size + rope_size, 0.25, latent_size=latent_size)
+        elif kind == INDEXER:  # one key per token, a top-k to select
+            spec = AttentionSpec(kind, 4, 1, self.head_size(0), 0.25, index_topk=8)
         reasons = cls.validate(spec, platform=platform, dtype=dtype, block_size=block_size)
         assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons), reasons
         request = f"{spec}, platform {platform}, dtype {dtype}, block size {block_size}"

@@ -35,8 +35,15 @@ TINY_CONFIGS["DeepseekV3ForCausalLM"] = dict(
     v_head_dim=16, vocab_size=320, max_position_embeddings=512,
 )
 
+# V3.2: an indexer selecting more positions than the kit's sequences hold, so that it selects every
+# causal position and transformers' result does not hinge on ties among indexer scores
+TINY_CONFIGS["DeepseekV32ForCausalLM"] = dict(
+    TINY_CONFIGS["DeepseekV3ForCausalLM"], index_n_heads=4, index_head_dim=16, index_topk=64,
+)
+
 _CONFIG_CLASSES = {
     "DeepseekV3ForCausalLM": "DeepseekV3Config",
+    "DeepseekV32ForCausalLM": "DeepseekV32Config",
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",

@@ -1,5 +1,6 @@
 """DeepSeek-V3 (and Kimi-K2, the same architecture): multi-head latent attention and a
-routed mixture of experts with shared experts.
+routed mixture of experts with shared experts; DeepSeek-V3.2, the same network with
+DeepSeek sparse attention.
 
 MLA runs in the absorbed form in prefill and decode alike: each head's query is moved
 into the latent space (``q̃ = W_UKᵀ q_nope``), the attention backend scores it against
@@ -7,6 +8,15 @@ the cached latents ``[c; k_rope]`` (one entry a token, shared by every head) and
 the latents, and ``W_UV`` lifts the result per head. ``kv_b_proj``'s weight is split
 into ``W_UK`` and ``W_UV`` after loading; quantizers leave it alone (it is read as a
 matrix, not applied as a linear layer).
+
+V3.2 adds a lightning indexer to every attention layer: its own keys (``wk``, a
+LayerNorm, rope on the first ``qk_rope_head_dim`` dims, not interleaved) cached in
+their own KV-cache group, queries from the q_lora latent (``wq_b``), and per-head
+weights (``weights_proj``, in float32). Each query attends only to the
+``index_topk`` positions scoring best, ``Σ_h w_h · relu(q_h·k / √d)``; the indexer
+and the sparse-MLA attention are attention backends (kinds ``indexer`` and
+``sparse_mla``), so a platform can bring kernels for both. When no sequence of a
+step is longer than ``index_topk`` every position is selected, as dense MLA.
 """
 
 from __future__ import annotations
@@ -19,7 +29,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from engine.interfaces.attention import MLA, AttentionSpec
+import torch.nn.functional as F
+
+from engine.interfaces.attention import INDEXER, MLA, SPARSE_MLA, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
@@ -65,6 +77,11 @@ class Dims:
     vocab_size: int
     num_layers: int
     rms_norm_eps: float
+    mlp_layer_types: tuple[str, ...] | None = None  # "dense" / "sparse" per layer, when the config lists them
+    # V3.2's indexer: query heads, head size, positions selected per query (None: no indexer)
+    index_n_heads: int | None = None
+    index_head_dim: int | None = None
+    index_topk: int | None = None
 
     @classmethod
     def from_config(cls, config: HFConfig) -> Dims:
@@ -90,7 +107,27 @@ class Dims:
             vocab_size=config.vocab_size,
             num_layers=config.num_hidden_layers,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            mlp_layer_types=tuple(config.mlp_layer_types) if config.get("mlp_layer_types") else None,
         )
+
+    def with_indexer(self, config: HFConfig) -> Dims:
+        """These dims with V3.2's indexer (``index_n_heads``, ``index_head_dim``, ``index_topk``)."""
+        from dataclasses import replace
+
+        if self.q_lora_rank is None:
+            raise ValueError("DeepSeek sparse attention's indexer reads the q_lora latent: q_lora_rank must be set.")
+        head_dim = int(config.get("index_head_dim", 128))
+        if head_dim < self.qk_rope_head_dim:
+            raise ValueError(f"index_head_dim={head_dim} is smaller than qk_rope_head_dim={self.qk_rope_head_dim}.")
+        return replace(self, index_n_heads=int(config.get("index_n_heads", 64)), index_head_dim=head_dim,
+                       index_topk=int(config.get("index_topk", 2048)))
+
+    def is_moe(self, layer_index: int) -> bool:
+        """Whether layer ``layer_index`` routes experts (``mlp_layer_types`` when listed, else
+        every layer from ``first_k_dense_replace`` on; multi-token-prediction layers do)."""
+        if self.mlp_layer_types is not None and layer_index < len(self.mlp_layer_types):
+            return self.mlp_layer_types[layer_index] == "sparse"
+        return layer_index >= self.first_k_dense_replace
 
     @property
     def qk_head_dim(self) -> int:
@@ -122,9 +159,54 @@ class LatentUpProjection(nn.Module):
         return per_head[:, : d.qk_nope_head_dim], per_head[:, d.qk_nope_head_dim :]
 
 
+class Fp32Projection(nn.Module):
+    """A bias-free projection kept and applied in float32 (the indexer's ``weights_proj``),
+    left alone by quantizers as transformers leaves it."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
+class Indexer(nn.Module):
+    """V3.2's lightning indexer for one attention layer; its keys are KV-cache layer ``layer_index``."""
+
+    def __init__(self, dims: Dims, layer_index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        d = self.dims = dims
+        self.wq_b = Linear(d.q_lora_rank, d.index_n_heads * d.index_head_dim, False, dtype)
+        self.wk = Linear(d.hidden_size, d.index_head_dim, False, dtype)
+        self.k_norm = nn.LayerNorm(d.index_head_dim, eps=1e-6, dtype=dtype)
+        self.weights_proj = Fp32Projection(d.hidden_size, d.index_n_heads)
+        self.layer_index = layer_index
+
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, ctx: ForwardContext,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        """x [T, hidden], q_latent [T, q_lora_rank] (after q_a_layernorm) -> the selected
+        positions [T, index_topk] (-1 padding), or None for all."""
+        d, num_tokens = self.dims, x.shape[0]
+        rope = d.qk_rope_head_dim
+        q = self.wq_b(q_latent).view(num_tokens, d.index_n_heads, d.index_head_dim)
+        k = self.k_norm(self.wk(x)).view(num_tokens, 1, d.index_head_dim)
+        q_rope, k_rope = ctx.ops.rotary(q[..., :rope].contiguous(), k[..., :rope].contiguous(), *cos_sin)
+        q = torch.cat([q_rope, q[..., rope:]], dim=-1)
+        k = torch.cat([k_rope, k[..., rope:]], dim=-1)
+        weights = self.weights_proj(x) * d.index_n_heads**-0.5  # [T, heads] float32
+        return ctx.index(self.layer_index, q, k, weights)
+
+
+def indexer_spec(dims: Dims) -> AttentionSpec:
+    """The KV-cache spec of V3.2's indexer keys."""
+    return AttentionSpec(kind=INDEXER, num_heads=dims.index_n_heads, num_kv_heads=1, head_size=dims.index_head_dim,
+                         scale=dims.index_head_dim**-0.5, index_topk=dims.index_topk)
+
+
 class MLAttention(nn.Module):
     def __init__(self, dims: Dims, spec: AttentionSpec, layer_index: int, interleaved_rope: bool,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, index_layer: int | None = None) -> None:
         super().__init__()
         d = self.dims = dims
         bias = dims.attention_bias
@@ -140,13 +222,16 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(d.num_heads * d.v_head_dim, d.hidden_size, bias, dtype)
         self.interleaved_rope = interleaved_rope
         self.attn = Attention(layer_index, spec)
+        # sparse MLA: the indexer, its keys at KV-cache layer index_layer
+        self.indexer = Indexer(d, index_layer, dtype) if spec.kind == SPARSE_MLA else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         d, num_tokens = self.dims, x.shape[0]
         if d.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x), ops=ctx.ops))
+            q_latent = self.q_a_layernorm(self.q_a_proj(x), ops=ctx.ops)
+            q = self.q_b_proj(q_latent)
         q = q.view(num_tokens, d.num_heads, d.qk_head_dim)
         q_nope, q_rope = q.split([d.qk_nope_head_dim, d.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
@@ -157,10 +242,14 @@ class MLAttention(nn.Module):
             k_rope = torch.cat([k_rope[..., 0::2], k_rope[..., 1::2]], dim=-1)
         q_rope, k_rope = ctx.ops.rotary(q_rope.contiguous(), k_rope.contiguous(), *cos_sin)
         w_uk, w_uv = self.kv_b_proj.split()
-        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
-        query = torch.cat([q_latent, q_rope], dim=-1)  # [T, H, R + r]
+        q_absorbed = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, H, R]
+        query = torch.cat([q_absorbed, q_rope], dim=-1)  # [T, H, R + r]
         entry = torch.cat([latent.unsqueeze(1), k_rope], dim=-1)  # [T, 1, R + r]
-        out = self.attn(query, entry, None, ctx)  # [T, H, R]
+        if self.indexer is None:
+            out = self.attn(query, entry, None, ctx)  # [T, H, R]
+        else:
+            indices = self.indexer(x, q_latent, ctx, cos_sin)
+            out = ctx.sparse_attention(self.attn.layer_index, query, entry, indices)
         out = torch.einsum("thr,hvr->thv", out, w_uv)  # [T, H, v]
         return self.o_proj(out.reshape(num_tokens, d.num_heads * d.v_head_dim))
 
@@ -267,23 +356,35 @@ class MoE(nn.Module):
         return out
 
 
+def attention_spec(dims: Dims, rope: dict) -> AttentionSpec:
+    """The KV-cache spec of the MLA layers (sparse MLA when the dims have an indexer)."""
+    return AttentionSpec(
+        kind=MLA if dims.index_topk is None else SPARSE_MLA, num_heads=dims.num_heads, num_kv_heads=1,
+        head_size=dims.kv_lora_rank + dims.qk_rope_head_dim, scale=softmax_scale(dims, rope),
+        latent_size=dims.kv_lora_rank,
+    )
+
+
 class DeepseekV3ForCausalLM(Model):
+    sparse_attention = False  # V3.2: an indexer in every layer
+
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
         config, dtype = init.config, init.dtype
         require_silu(config, self)
-        self.dims = d = Dims.from_config(config)
+        d = Dims.from_config(config)
+        self.dims = d = d.with_indexer(config) if self.sparse_attention else d
         if d.num_experts % d.num_groups:
             raise ValueError(f"n_routed_experts={d.num_experts} is not a multiple of n_group={d.num_groups}.")
         rope = rope_parameters(config)
-        self.spec = AttentionSpec(
-            kind=MLA, num_heads=d.num_heads, num_kv_heads=1, head_size=d.kv_lora_rank + d.qk_rope_head_dim,
-            scale=softmax_scale(d, rope), latent_size=d.kv_lora_rank,
-        )
+        self.spec = attention_spec(d, rope)
         self.num_mtp_layers = int(config.get("num_nextn_predict_layers", 0) or 0)
         interleaved = bool(config.get("rope_interleave", True))
+        n = d.num_layers
         with torch.device(init.device):
-            layers = [decoder_layer(d, self.spec, i, i, interleaved, dtype) for i in range(d.num_layers)]
+            # the indexers' keys are KV-cache layers n .. 2n - 1
+            layers = [decoder_layer(d, self.spec, i, i, interleaved, dtype, n + i if self.sparse_attention else None)
+                      for i in range(n)]
             self.model = DecoderStack(d.vocab_size, d.hidden_size, d.rms_norm_eps, layers, dtype)
             self.rotary = RotaryEmbedding(d.qk_rope_head_dim, int(config.get("max_position_embeddings", 4096)), rope)
             self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
@@ -292,7 +393,10 @@ class DeepseekV3ForCausalLM(Model):
                 self.lm_head.weight = self.model.embed_tokens.weight
 
     def kv_cache_specs(self) -> list[AttentionSpec]:
-        return [self.spec] * self.dims.num_layers
+        specs = [self.spec] * self.dims.num_layers
+        if self.sparse_attention:
+            specs += [indexer_spec(self.dims)] * self.dims.num_layers
+        return specs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, ctx, lambda dtype: self.rotary.cos_sin(positions, dtype))
@@ -320,6 +424,12 @@ class DeepseekV3ForCausalLM(Model):
         return loaded
 
 
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: V3 with DeepSeek sparse attention (an indexer in every layer)."""
+
+    sparse_attention = True
+
+
 def load_named_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Fill ``module`` (a DeepSeek model or MTP layer, by its own parameter names) from
     checkpoint tensors: routed experts, linear layers (fused gate/up included) and plain
@@ -344,10 +454,11 @@ def load_named_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
 
 
 def decoder_layer(dims: Dims, spec: AttentionSpec, layer_index: int, attention_index: int, interleaved_rope: bool,
-                  dtype: torch.dtype) -> PreNormDecoderLayer:
-    """Decoder layer ``layer_index`` of the network (dense MLP before ``first_k_dense_replace``,
-    experts after), its attention at ``attention_index`` of the KV-cache specs."""
-    mlp = (GatedMLP(dims.hidden_size, dims.intermediate_size, False, dtype) if layer_index < dims.first_k_dense_replace
-           else MoE(dims, dtype))
-    return PreNormDecoderLayer(MLAttention(dims, spec, attention_index, interleaved_rope, dtype), mlp,
+                  dtype: torch.dtype, index_layer: int | None = None) -> PreNormDecoderLayer:
+    """Decoder layer ``layer_index`` of the network (a dense MLP or routed experts, see
+    :meth:`Dims.is_moe`), its attention at ``attention_index`` of the KV-cache specs and, for
+    sparse MLA, its indexer's keys at ``index_layer``."""
+    mlp = MoE(dims, dtype) if dims.is_moe(layer_index) else GatedMLP(dims.hidden_size, dims.intermediate_size, False,
+                                                                     dtype)
+    return PreNormDecoderLayer(MLAttention(dims, spec, attention_index, interleaved_rope, dtype, index_layer), mlp,
                                dims.hidden_size, dims.rms_norm_eps, dtype)

@@ -24,14 +24,21 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from engine.interfaces.attention import MLA, AttentionSpec
 from engine.interfaces.model import Model
 from engine.interfaces.spec_proposer import FINAL_HIDDEN_STATES, Drafts, DraftRequest, ProposerInit, SpecProposer
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, VocabEmbedding
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
-from engine_deepseek_v4.deepseek_v3 import Dims, decoder_layer, load_named_tensors, softmax_scale
+from engine_deepseek_v4.deepseek_v3 import (
+    Dims,
+    attention_spec,
+    decoder_layer,
+    indexer_spec,
+    load_named_tensors,
+)
+
+SPARSE_ARCHITECTURE = "DeepseekV32ForCausalLM"
 
 LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")  # of the decoder layer
 
@@ -50,15 +57,16 @@ class MtpLayer(Model):
 
     def __init__(self, config: HFConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        d = self.dims = Dims.from_config(config)
+        d = Dims.from_config(config)
+        # V3.2's MTP layer has sparse attention too: an indexer, its keys the cache's second layer
+        self.sparse_attention = SPARSE_ARCHITECTURE in (config.get("architectures") or ())
+        self.dims = d = d.with_indexer(config) if self.sparse_attention else d
         rope = rope_parameters(config)
-        self.spec = AttentionSpec(
-            kind=MLA, num_heads=d.num_heads, num_kv_heads=1, head_size=d.kv_lora_rank + d.qk_rope_head_dim,
-            scale=softmax_scale(d, rope), latent_size=d.kv_lora_rank,
-        )
+        self.spec = attention_spec(d, rope)
         # the MTP layer follows the main ones (dense or experts by the same rule); its attention is
         # the only one of its own cache
-        self.layer = decoder_layer(d, self.spec, d.num_layers, 0, bool(config.get("rope_interleave", True)), dtype)
+        self.layer = decoder_layer(d, self.spec, d.num_layers, 0, bool(config.get("rope_interleave", True)), dtype,
+                                   1 if self.sparse_attention else None)
         self.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype)
         self.enorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype)
@@ -68,7 +76,7 @@ class MtpLayer(Model):
         self.previous_hidden: torch.Tensor | None = None  # set before each forward
 
     def kv_cache_specs(self):
-        return [self.spec]
+        return [self.spec, indexer_spec(self.dims)] if self.sparse_attention else [self.spec]
 
     def forward(self, input_ids, positions, ctx):
         """input_ids [T] (the token after each hidden state's position), positions [T];

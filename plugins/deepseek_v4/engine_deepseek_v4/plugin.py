@@ -6,6 +6,7 @@ import engine
 @engine.hookimpl
 def register_models(register):
     register("DeepseekV3ForCausalLM", "engine_deepseek_v4.deepseek_v3:DeepseekV3ForCausalLM")
+    register("DeepseekV32ForCausalLM", "engine_deepseek_v4.deepseek_v3:DeepseekV32ForCausalLM")
 
 
 @engine.hookimpl

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import pytest
+
 from engine.testing.kit import ModelTests
 
 
@@ -35,3 +37,30 @@ class TestKimiK2StyleKit(ModelTests):
         "n_group": 1, "topk_group": 1, "num_experts_per_tok": 3, "routed_scaling_factor": 2.827,
         "first_k_dense_replace": 0, "n_shared_experts": 2, "norm_topk_prob": True,
     }
+
+
+class TestDeepseekV32Kit(ModelTests):
+    """DeepSeek-V3.2: sparse MLA with an indexer whose index_topk covers every kit sequence, so
+    that the selection is every causal position, as transformers' is."""
+
+    plugin = "deepseek_v4"
+    architecture = "DeepseekV32ForCausalLM"
+
+
+class TestDeepseekV32SparseKit(ModelTests):
+    """DeepSeek-V3.2 with index_topk 5, so that each query attends to a few selected positions:
+    cached decode against recompute and chunked prefill against whole prefill. Transformers'
+    logits are left out here (which positions tie among ReLU'd indexer scores can depend on how
+    a batch is padded); test_deepseek_v32.py compares with a dense-masked reference instead."""
+
+    plugin = "deepseek_v4"
+    architecture = "DeepseekV32ForCausalLM"
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoint(cls, tmp_path_factory):
+        from engine.testing.checkpoints import make_tiny_checkpoint
+
+        path = tmp_path_factory.mktemp("deepseek_v32_sparse")
+        make_tiny_checkpoint(cls.architecture, path, index_topk=5, index_n_heads=8, seed=5)
+        return path, None

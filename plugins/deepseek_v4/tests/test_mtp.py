@@ -21,7 +21,7 @@ def add_mtp_layer(path) -> None:
     layer (copied from layer 1, a MoE layer, then perturbed) under model.layers.3, plus
     embed_tokens, enorm, hnorm, eh_proj and shared_head."""
     config = json.loads((path / "config.json").read_text())
-    hidden, vocab, index = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    hidden, index = config["hidden_size"], config["num_hidden_layers"]
     tensors = load_file(str(path / "model.safetensors"))
     generator = torch.Generator().manual_seed(7)
 
@@ -42,12 +42,17 @@ def add_mtp_layer(path) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+@pytest.fixture(scope="module", params=[
+    pytest.param(("DeepseekV3ForCausalLM", {}), id="v3"),
+    # V3.2: the MTP layer has an indexer too, selecting a few positions
+    pytest.param(("DeepseekV32ForCausalLM", {"index_topk": 5, "index_n_heads": 8}), id="v3.2-sparse"),
+])
+def checkpoint(request, tmp_path_factory):
     from engine.testing.checkpoints import make_tiny_checkpoint
 
-    path = tmp_path_factory.mktemp("deepseek_v3_mtp")
-    make_tiny_checkpoint("DeepseekV3ForCausalLM", path)
+    architecture, overrides = request.param
+    path = tmp_path_factory.mktemp("deepseek_mtp")
+    make_tiny_checkpoint(architecture, path, **overrides)
     add_mtp_layer(path)
     return path
 

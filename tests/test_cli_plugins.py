@@ -110,7 +110,7 @@ def test_plugins_json_lists_the_installed_plugins_and_their_components(capsys):
 
     cpu, llama = plugins["cpu"], plugins["llama"]
     assert cpu["hooks"] == ["register_attention_backends", "register_platforms"]
-    assert cpu["components"] == {"platforms": ["cpu"], "attention_backends": ["cpu_mla", "cpu_paged"]}
+    assert cpu["components"] == {"platforms": ["cpu"], "attention_backends": ["cpu_indexer", "cpu_mla", "cpu_paged"]}
     assert llama["hooks"] == ["register_models"]
     assert llama["components"] == {"models": LLAMA_ARCHITECTURES}
 

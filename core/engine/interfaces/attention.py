@@ -16,6 +16,10 @@ SPARSE_MLA = "sparse_mla"  # MLA over the positions an indexer selected for each
 INDEXER = "indexer"  # DeepSeek sparse attention's lightning indexer: caches keys, returns top-k positions
 LINEAR = "linear"  # linear / recurrent attention with a fixed-size per-request state
 ATTENTION_KINDS = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, INDEXER, LINEAR)
+# Not attention: per-token values a model stores and reads back itself (DeepSeek-V4's compressor
+# inputs), paged like the KV caches. The core serves it (engine.runtime.token_state); platforms
+# list no backend for it.
+TOKEN_STATE = "token_state"
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,9 @@ class AttentionSpec:
 
     @property
     def has_values(self) -> bool:
-        """Whether the cache keeps values beside the keys (MLA entries and indexer keys do not)."""
-        return self.kind not in (MLA, SPARSE_MLA, INDEXER)
+        """Whether the cache keeps values beside the keys (MLA entries, indexer keys and token
+        states do not)."""
+        return self.kind not in (MLA, SPARSE_MLA, INDEXER, TOKEN_STATE)
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         tensors = 2 if self.has_values else 1
@@ -202,17 +207,22 @@ class AttentionBackend(ABC):
         """
 
     def forward_sparse(
-        self, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, indices: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, indices: torch.Tensor | None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Sparse MLA (kind ``sparse_mla``): write the new entries, then attend each query to
         the positions ``indices`` selects. Backends declaring ``sparse_mla`` implement this.
 
         q, k and the result are as for MLA in :meth:`forward`. ``indices``: [T, n] int64,
         positions within each query's own sequence (``0 .. seq_len - 1``, at or before the
-        query's position), in any order, padded with ``-1``; every row selects at least one
-        position. ``None`` means every query selects all of its causal positions (what an
-        indexer returns when no sequence is longer than its ``index_topk``): plain MLA.
-        Mutates ``kv_cache`` only.
+        query's position), in any order, padded with ``-1``. ``None`` means every query
+        selects all of its causal positions (what an indexer returns when no sequence is
+        longer than its ``index_topk``): plain MLA. A row selecting nothing (all ``-1``)
+        gets zeros. ``lse``: an optional [T, num_heads] float32 tensor the backend fills
+        with each row's ``log Σ exp(scale · q·entry)`` over its selected positions (``-inf``
+        for a row selecting nothing), so that a model can merge this attention with another
+        (DeepSeek-V4 merges a sliding window, compressed entries and attention sinks).
+        Mutates ``kv_cache`` and ``lse`` only.
         """
         raise NotImplementedError(f"attention backend {self.name!r} does not implement sparse MLA (forward_sparse)")
 

@@ -29,12 +29,22 @@ class ForwardContext:
         return self.backends[layer_index].forward(q, k, v, self.kv_caches[layer_index], self.metadata[layer_index])
 
     def sparse_attention(self, layer_index: int, q: torch.Tensor, k: torch.Tensor,
-                         indices: torch.Tensor | None) -> torch.Tensor:
+                         indices: torch.Tensor | None, lse: torch.Tensor | None = None) -> torch.Tensor:
         """Sparse MLA over the positions ``indices`` selects (see ``AttentionBackend.forward_sparse``)."""
         return self.backends[layer_index].forward_sparse(q, k, self.kv_caches[layer_index],
-                                                         self.metadata[layer_index], indices)
+                                                         self.metadata[layer_index], indices, lse)
 
     def index(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
         """An indexer's top-k positions for each query (see ``AttentionBackend.forward_index``)."""
         return self.backends[layer_index].forward_index(q, k, weights, self.kv_caches[layer_index],
                                                         self.metadata[layer_index])
+
+    def store(self, layer_index: int, values: torch.Tensor) -> None:
+        """Write each new token's values [T, head_size] into token-state layer ``layer_index``
+        (see ``engine.runtime.token_state.TokenStateCache``)."""
+        self.backends[layer_index].store(values, self.kv_caches[layer_index], self.metadata[layer_index])
+
+    def gather(self, layer_index: int, positions: torch.Tensor) -> torch.Tensor:
+        """[T, m, head_size]: token-state layer ``layer_index``'s values at ``positions`` [T, m] of
+        each new token's own sequence (zeros where a position is -1)."""
+        return self.backends[layer_index].gather(self.kv_caches[layer_index], self.metadata[layer_index], positions)

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.interfaces.model import Model, ModelInit
-from engine.interfaces.attention import LINEAR
+from engine.interfaces.attention import LINEAR, TOKEN_STATE
 from engine.interfaces.quantizer import Quantizer
 from engine.interfaces.spec_proposer import ProposerInit
 from engine.layers.linear import apply_linear_method, quantize_model
@@ -28,6 +28,7 @@ from engine.runtime.kv_tier_connector import KVTierConnector, tier_spec
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.request import Request, RequestStatus
 from engine.runtime.scheduler import Scheduler
+from engine.runtime.token_state import TokenStateCache
 from engine.sampling_params import SamplingParams
 from engine.spec_decode.decoder import SpecDecoder
 from engine.selection import SelectionError, resolve_dtype, select_attention_backend, select_platform
@@ -421,12 +422,15 @@ def build_kv_cache(
     if attention_backend is not None:
         requested_kinds = set(components.attention_backends.get(attention_backend).capabilities.kinds)
         if not requested_kinds & {spec.kind for spec in specs}:
-            requested_kinds = {spec.kind for spec in specs}  # let validation say why it cannot
+            requested_kinds = {spec.kind for spec in specs if spec.kind != TOKEN_STATE}  # validation says why not
     for spec, layers in group_layers(specs):
-        backend_cls = select_attention_backend(
-            components.attention_backends, platform, spec, dtype=dtype_name, block_size=block_size,
-            requested=attention_backend if spec.kind in requested_kinds else None,
-        )
+        if spec.kind == TOKEN_STATE:  # stored values, not attention: the core serves them everywhere
+            backend_cls = TokenStateCache
+        else:
+            backend_cls = select_attention_backend(
+                components.attention_backends, platform, spec, dtype=dtype_name, block_size=block_size,
+                requested=attention_backend if spec.kind in requested_kinds else None,
+            )
         groups.append(KVCacheGroup(spec, backend_cls(spec, block_size, dtype, device), layers))
         logger.info("attention kind %s: backend %s for %d layers", spec.kind, backend_cls.name, len(layers))
     element_size = torch.empty(0, dtype=dtype).element_size()

@@ -43,8 +43,8 @@ def naive_attention(
 
 def naive_mla_attention(
     q: torch.Tensor, entries: torch.Tensor, context_len: int, scale: float, latent_size: int,
-    indices: torch.Tensor | None = None,
-) -> torch.Tensor:
+    indices: torch.Tensor | None = None, with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal multi-head latent attention (absorbed form) of one sequence over its unpaged
     cache entries; with ``indices``, sparse MLA over the selected positions only.
 
@@ -54,9 +54,10 @@ def naive_mla_attention(
     over all ``D`` dims, ``scale · q·entry``; the query at position ``p`` attends to
     entries ``0 .. p``, and the values are the entries' first ``latent_size`` dims.
     ``indices``: [n, m] positions each query attends to (the others are masked; ``-1``
-    is padding).
+    is padding; a query selecting nothing gets zeros).
 
-    Returns [n, H, latent_size] in float32, whatever the input dtype.
+    Returns [n, H, latent_size] in float32, whatever the input dtype; with ``with_lse``
+    also each row's log-sum-exp of its scores [n, H] (``-inf`` for a row selecting nothing).
     """
     n = q.shape[0]
     seq_len = context_len + n
@@ -73,7 +74,8 @@ def naive_mla_attention(
         allowed &= chosen[:, :seq_len]
     scores = scores.masked_fill(~allowed, float("-inf"))
     # [H, n, L] @ [L, latent_size] -> [n, H, latent_size]
-    return torch.einsum("hnl,lr->nhr", scores.softmax(dim=-1), latents[:, :latent_size])
+    out = torch.einsum("hnl,lr->nhr", scores.softmax(dim=-1).nan_to_num(0.0), latents[:, :latent_size])
+    return (out, scores.logsumexp(dim=-1).transpose(0, 1)) if with_lse else out
 
 
 def naive_index_scores(

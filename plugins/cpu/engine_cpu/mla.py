@@ -21,9 +21,9 @@ loop over sequences:
 
 Sparse MLA (kind ``sparse_mla``) attends each query to the positions its indexer
 selected: the selected entries are gathered per query ([tokens, n, head_size], in
-chunks of tokens that bound that copy) and each token is one batch row of the same
-kernel, its heads the query rows, unselected padding masked out. Without indices
-(no sequence longer than the indexer's top-k) it is the dense path above.
+chunks of tokens that bound that copy) and scored in float32, unselected padding
+masked out, keeping each row's log-sum-exp when the model asks for it. Without
+indices (no sequence longer than the indexer's top-k) it is the dense path above.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class CpuMlaMetadata:
     decode: MlaGroup | None  # sequences with one new token
     prefill: MlaGroup | None  # sequences with several
     token_seq: torch.Tensor | None = None  # sparse MLA: [T] the sequence of each token
+    token_pos: torch.Tensor | None = None  # sparse MLA: [T] the position of each token in its sequence
 
 
 class CpuMlaAttention(AttentionBackend):
@@ -117,30 +118,38 @@ class CpuMlaAttention(AttentionBackend):
         kv_cache.view(-1, 1, self.spec.head_size)[slots] = k
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CpuMlaMetadata:
-        token_seq = None
+        token_seq = token_pos = None
         if self.spec.kind == SPARSE_MLA:
             token_seq = torch.repeat_interleave(torch.arange(common.num_seqs, device=common.query_lens.device),
                                                 common.query_lens)
+            rows = torch.arange(token_seq.shape[0], device=token_seq.device) - common.query_start_loc[token_seq]
+            token_pos = common.context_lens[token_seq] + rows
         if common.is_decode_only:  # token i belongs to sequence i
             seqs = torch.arange(common.num_seqs, device=common.slot_mapping.device)
-            return CpuMlaMetadata(common, decode_group(common, seqs, seqs, common.max_seq_len), None, token_seq)
+            return CpuMlaMetadata(common, decode_group(common, seqs, seqs, common.max_seq_len), None, token_seq,
+                                  token_pos)
         is_decode = common.query_lens == 1
         decode_seqs, prefill_seqs = is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()
         decode = None
         if decode_seqs.numel():
             max_seq_len = int(common.seq_lens[decode_seqs].max())
             decode = decode_group(common, decode_seqs, common.query_start_loc[decode_seqs], max_seq_len)
-        return CpuMlaMetadata(common, decode, prefill_group(common, prefill_seqs), token_seq)
+        return CpuMlaMetadata(common, decode, prefill_group(common, prefill_seqs), token_seq, token_pos)
 
     def forward_sparse(
         self, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuMlaMetadata,
-        indices: torch.Tensor | None,
+        indices: torch.Tensor | None, lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, H, head_size] absorbed queries; k: [T, 1, head_size] new entries; indices:
-        [T, n] selected positions (-1 padding) or None for all. Returns [T, H, latent_size]."""
-        if indices is None:
-            return self.forward(q, k, None, kv_cache, metadata)
+        [T, n] selected positions (-1 padding) or None for all; lse: [T, H] to fill, or None.
+        Returns [T, H, latent_size]."""
         spec, common = self.spec, metadata.common
+        if indices is None:
+            if lse is None:
+                return self.forward(q, k, None, kv_cache, metadata)
+            key_pos = torch.arange(common.max_seq_len, device=q.device)
+            indices = key_pos[None, :].expand(q.shape[0], -1).masked_fill(key_pos[None, :] > metadata.token_pos[:, None],
+                                                                           -1)
         entries = kv_cache.view(-1, spec.head_size)  # [slots, head_size]
         entries.index_copy_(0, common.slot_mapping, k.reshape(-1, spec.head_size))
         bs, width = common.block_size, indices.shape[1]
@@ -148,14 +157,17 @@ class CpuMlaAttention(AttentionBackend):
         positions = indices.clamp(min=0)
         slots = common.block_tables[metadata.token_seq[:, None], positions // bs] * bs + positions % bs  # [T, n]
         out = q.new_empty(q.shape[0], spec.num_heads, spec.latent_size)
-        chunk = max(1, SPARSE_GATHER_ELEMENTS // (width * spec.head_size))
+        chunk = max(1, SPARSE_GATHER_ELEMENTS // (max(width, 1) * (spec.head_size + spec.num_heads)))
         for start in range(0, q.shape[0], chunk):
             rows = slice(start, start + chunk)
-            keys = entries[slots[rows]].unsqueeze(1)  # [c, 1, n, D]: each token its own batch row
-            result = F.scaled_dot_product_attention(
-                q[rows].unsqueeze(1), keys, keys, attn_mask=selected[rows, None, None, :], scale=spec.scale,
-            )  # [c, 1, H, D]
-            out[rows] = result[:, 0, :, : spec.latent_size]
+            keys = entries[slots[rows]].float()  # [c, n, D]
+            scores = torch.einsum("chd,cnd->chn", q[rows].float(), keys).mul_(spec.scale)
+            scores.masked_fill_(~selected[rows, None, :], float("-inf"))
+            row_lse = torch.logsumexp(scores, dim=-1)  # [c, H]; -inf for a row selecting nothing
+            probs = torch.exp(scores - row_lse[..., None]).nan_to_num_(0.0)  # such a row: 0, not nan
+            out[rows] = torch.einsum("chn,cnr->chr", probs, keys[..., : spec.latent_size]).to(out.dtype)
+            if lse is not None:
+                lse[rows] = row_lse
         return out
 
     def forward(

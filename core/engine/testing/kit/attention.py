@@ -138,12 +138,13 @@ class PagedCase:
 
 def random_selections(seq_lens: list[int], width: int, gen: torch.Generator) -> list[torch.Tensor]:
     """Per sequence [L, width]: for the query at position p, min(width, p + 1) distinct random
-    positions 0..p and -1 padding, in random order."""
+    positions 0..p and -1 padding, in random order; about one row in seven selects nothing."""
     selections = []
     for seq_len in seq_lens:
         rows = []
         for p in range(seq_len):
-            chosen = torch.randperm(p + 1, generator=gen)[:width]
+            empty = int(torch.randint(0, 7, (1,), generator=gen)) == 0
+            chosen = torch.randperm(p + 1, generator=gen)[: 0 if empty else width]
             row = torch.cat([chosen, torch.full((width - chosen.numel(),), -1, dtype=torch.int64)])
             rows.append(row[torch.randperm(width, generator=gen)])
         selections.append(torch.stack(rows))
@@ -276,7 +277,8 @@ class AttentionBackendTests(KitTests):
             if spec.kind == INDEXER:
                 out = case.backend.forward_index(q, k, weights, case.cache, metadata)
             elif spec.kind == SPARSE_MLA:
-                out = case.backend.forward_sparse(q, k, case.cache, metadata, indices)
+                lse = torch.full((q.shape[0], spec.num_heads), float("nan"), device=q.device)
+                out = case.backend.forward_sparse(q, k, case.cache, metadata, indices, lse)
             else:
                 out = case.backend.forward(q, k, v, case.cache, metadata)
         assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, *values, *extra))), (
@@ -289,7 +291,15 @@ class AttentionBackendTests(KitTests):
         assert tuple(out.shape) == out_shape and out.dtype == q.dtype, (
             f"{label}: output {out.dtype} {tuple(out.shape)}, expected {q.dtype} {out_shape}"
         )
-        expected = torch.cat([self.oracle(case, b, s, e, dense) for b, s, e in zip(seqs, starts, ends)])
+        expected = [self.oracle(case, b, s, e, dense) for b, s, e in zip(seqs, starts, ends)]
+        if spec.kind == SPARSE_MLA:  # outputs and log-sum-exps
+            expected, expected_lse = (torch.cat(parts) for parts in zip(*expected))
+            torch.testing.assert_close(
+                lse.cpu(), expected_lse.cpu(), atol=atol, rtol=rtol, equal_nan=False,
+                msg=lambda m: f"{label}, {spec}, block size {bs}: the log-sum-exp written to lse differs\n{m}",
+            )
+        else:
+            expected = torch.cat(expected)
         rows = common.query_start_loc.tolist()
         errors = [(b, s, n, round(float((out[r0:r1].float() - expected[r0:r1]).abs().max()), 6))
                   for b, s, n, r0, r1 in zip(seqs, starts, lens, rows, rows[1:])]
@@ -345,7 +355,7 @@ class AttentionBackendTests(KitTests):
         if spec.is_latent:
             indices = None if dense or case.select is None else case.select[seq][start:end]
             return naive_mla_attention(case.q[seq][start:end], case.k[seq], start, spec.scale, spec.latent_size,
-                                       indices)
+                                       indices, with_lse=spec.kind == SPARSE_MLA)
         return naive_attention(case.q[seq][start:end], case.k[seq], case.v[seq], start, spec.scale,
                                spec.sliding_window)
 
@@ -464,7 +474,8 @@ class AttentionBackendTests(KitTests):
     @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
     def test_sparse_mla(self, batch: str, block_size: int, sizes: str, dtype: str, engine_device: str) -> None:
         """Sparse MLA (``forward_sparse``): each query attends only to the positions the kit selects
-        (1, 3 or 8 of them, in random order, ``-1`` padded) and matches the oracle over those;
+        (1, 3 or 8 of them, in random order, ``-1`` padded; some rows none, giving zeros) and
+        matches the oracle over those, and so does the log-sum-exp it writes to ``lse``;
         ``indices=None`` (the prefix prefill) is dense MLA. The same batches, block sizes, head
         counts and entry sizes as the MLA check."""
         self.check_mla_case(batch, block_size, sizes, dtype, engine_device, kind=SPARSE_MLA)

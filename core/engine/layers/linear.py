@@ -126,13 +126,14 @@ def route_linear_tensor(
     parts = name.split(".")
     for end in range(1, len(parts)):
         module = parts[end - 1]
-        if stacked and module in stacked:
+        if stacked and module in stacked:  # fused where the model fuses it (a layer of that name may stand alone)
             fused, shard = stacked[module]
             path = ".".join([*parts[: end - 1], fused])
-        else:
-            path, shard = ".".join(parts[:end]), 0
+            if path in layers:
+                return path, shard, ".".join(parts[end:])
+        path = ".".join(parts[:end])
         if path in layers:
-            return path, shard, ".".join(parts[end:])
+            return path, 0, ".".join(parts[end:])
     return None
 
 

@@ -41,9 +41,25 @@ TINY_CONFIGS["DeepseekV32ForCausalLM"] = dict(
     TINY_CONFIGS["DeepseekV3ForCausalLM"], index_n_heads=4, index_head_dim=16, index_topk=64,
 )
 
+# V4: every attention type (sliding only, compressed sparse with ratio 4, heavily compressed with
+# ratio 16 here), a window of 8, hash routing in the first layer, YaRN on the compressed layers'
+# rope; index_topk covers every entry of the kit's sequences
+TINY_CONFIGS["DeepseekV4ForCausalLM"] = dict(
+    hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64, q_lora_rank=48, o_groups=2,
+    o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=64, sliding_window=8,
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, vocab_size=320, max_position_embeddings=512,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                     "beta_fast": 32, "beta_slow": 1},
+)
+
 _CONFIG_CLASSES = {
     "DeepseekV3ForCausalLM": "DeepseekV3Config",
     "DeepseekV32ForCausalLM": "DeepseekV32Config",
+    "DeepseekV4ForCausalLM": "DeepseekV4Config",
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
@@ -103,6 +119,12 @@ def randomize_constant_parameters(hf_model: Any, seed: int) -> None:
             if param.is_floating_point() and bool((flat == flat[0]).all()):
                 noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
                 param.add_(0.1 * noise.to(param.dtype))
+        # hash routing tables (DeepSeek-V4's tid2eid [vocab, k], all zeros at init): distinct random experts
+        num_experts = getattr(hf_model.config, "n_routed_experts", None)
+        for name, table in hf_model.named_buffers():
+            if name.endswith("tid2eid") and name in saved and num_experts:
+                rows = [torch.randperm(num_experts, generator=generator)[: table.shape[1]] for _ in range(table.shape[0])]
+                table.copy_(torch.stack(rows))
 
 
 _TRAINING_TEXT = [

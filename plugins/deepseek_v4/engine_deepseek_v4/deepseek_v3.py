@@ -286,14 +286,18 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """The routed experts' weights stacked: w13 [E, 2 * I, hidden] (gate rows then up
     rows) and w2 [E, hidden, I]. Tokens are sorted by expert and each active expert runs
-    one pair of matmuls over all of its tokens."""
+    one pair of matmuls over all of its tokens. With ``swiglu_limit`` (DeepSeek-V4) the
+    gate is clamped to at most the limit and the up projection to ±limit before
+    ``silu(gate) * up``."""
 
-    def __init__(self, dims: Dims, dtype: torch.dtype) -> None:
+    def __init__(self, num_experts: int, intermediate_size: int, hidden_size: int, dtype: torch.dtype,
+                 swiglu_limit: float | None = None) -> None:
         super().__init__()
-        e, i, h = dims.num_experts, dims.moe_intermediate_size, dims.hidden_size
+        e, i, h = num_experts, intermediate_size, hidden_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
         self.intermediate_size = i
+        self.swiglu_limit = swiglu_limit
         self._loaded: set[tuple[int, str]] = set()
 
     def load(self, expert: int, proj: str, tensor: torch.Tensor) -> bool:
@@ -333,16 +337,27 @@ class Experts(nn.Module):
             rows = order[start : start + count]
             tokens = token_of[start : start + count]
             start += count
-            h = ctx.ops.silu_and_mul(x[tokens] @ self.w13[expert].t()) @ self.w2[expert].t()
+            h = self.activation(x[tokens] @ self.w13[expert].t(), ctx) @ self.w2[expert].t()
             out.index_add_(0, tokens, h.float() * weights.flatten()[rows].unsqueeze(1))
         return out.to(x.dtype)
+
+    def activation(self, gate_up: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.swiglu_limit is None:
+            return ctx.ops.silu_and_mul(gate_up)
+        return clamped_swiglu(gate_up, self.swiglu_limit)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """[..., 2d] gate then up -> silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class MoE(nn.Module):
     def __init__(self, dims: Dims, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate = Router(dims)
-        self.experts = Experts(dims, dtype)
+        self.experts = Experts(dims.num_experts, dims.moe_intermediate_size, dims.hidden_size, dtype)
         self.shared_experts = (
             GatedMLP(dims.hidden_size, dims.moe_intermediate_size * dims.num_shared_experts, False, dtype)
             if dims.num_shared_experts else None

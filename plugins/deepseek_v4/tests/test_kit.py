@@ -64,3 +64,12 @@ class TestDeepseekV32SparseKit(ModelTests):
         path = tmp_path_factory.mktemp("deepseek_v32_sparse")
         make_tiny_checkpoint(cls.architecture, path, index_topk=5, index_n_heads=8, seed=5)
         return path, None
+
+
+class TestDeepseekV4Kit(ModelTests):
+    """DeepSeek-V4: hyper-connections; sliding, compressed sparse (ratio 4) and heavily compressed
+    (ratio 16) attention with a window of 8, so the kit's sequences cross windows and finish
+    compressed entries; hash-routed and scored experts."""
+
+    plugin = "deepseek_v4"
+    architecture = "DeepseekV4ForCausalLM"

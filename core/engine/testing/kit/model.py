@@ -188,14 +188,16 @@ class ModelTests(KitTests):
             model = cls(ModelInit(config=config, dtype=dtype, device=torch.device("cpu")))
             with torch.no_grad():
                 for param in model.parameters():
-                    param.fill_(float("nan"))  # a parameter the load leaves alone stays NaN
+                    # a parameter the load leaves alone stays NaN (integer ones: the smallest value)
+                    param.fill_(float("nan") if param.is_floating_point() else torch.iinfo(param.dtype).min)
             loaded = model.load_weights(iter(weights.items()))
             names = {name for name, _ in model.named_parameters()}
             assert loaded is not None and names <= set(loaded), (
                 f"load_weights does not report these parameters as filled: {sorted(names - set(loaded or ()))}"
             )
             state = {name: value.detach().clone() for name, value in model.state_dict().items()}
-            unfilled = sorted(name for name, p in model.named_parameters() if torch.isnan(p).any())
+            unfilled = sorted(name for name, p in model.named_parameters()
+                              if (torch.isnan(p).any() if p.is_floating_point() else (p == torch.iinfo(p.dtype).min).any()))
             assert not unfilled, f"load_weights reports these parameters filled but left them unloaded: {unfilled}"
             return state
 

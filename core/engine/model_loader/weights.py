@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 
 from engine.interfaces.model import Model
 from engine.layers.linear import linear_layers, tied_linear_layers
+from engine.model_loader.dequant import CheckpointDequantizer, dequantize_stream
 
 
 def iterate_weights(files: list[Path], *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -24,9 +25,14 @@ def iterate_weights(files: list[Path], *, progress: bool = True) -> Iterator[tup
                 bar.update(1)
 
 
-def load_weights(model: Model, files: list[Path], *, progress: bool = True) -> None:
-    """Fill every parameter of ``model`` from ``files`` (see :func:`load_tensors`)."""
-    load_tensors(model, iterate_weights(files, progress=progress))
+def load_weights(model: Model, files: list[Path], *, progress: bool = True,
+                 dequantizer: CheckpointDequantizer | None = None) -> None:
+    """Fill every parameter of ``model`` from ``files`` (see :func:`load_tensors`), with the
+    checkpoint's quantized weights made dense on the way when a ``dequantizer`` is given."""
+    weights = iterate_weights(files, progress=progress)
+    if dequantizer is not None:
+        weights = dequantize_stream(weights, dequantizer)
+    load_tensors(model, weights)
 
 
 def load_tensors(model: Model, weights: Iterator[tuple[str, torch.Tensor]]) -> None:

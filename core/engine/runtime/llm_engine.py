@@ -18,6 +18,7 @@ from engine.layers.linear import apply_linear_method, quantize_model
 from engine.layers.ops import REFERENCE_OPS
 from engine.model_config import HFConfig
 from engine.model_loader.checkpoint import checkpoint_dtype, eos_token_ids, resolve_model_path, safetensors_files
+from engine.model_loader.dequant import DEQUANTIZABLE_METHODS, CheckpointDequantizer
 from engine.model_loader.weights import load_weights
 from engine.plugins.manager import EnginePluginManager, get_plugin_manager
 from engine.plugins.registry import ComponentError
@@ -79,11 +80,15 @@ class LLMEngine:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={max_positions}."
             )
 
+        self.dequantizer: CheckpointDequantizer | None = None  # set for checkpoints dequantized at load
         self.quantizer = self._make_quantizer(components, raw_config)
         self.model: Model = build_model(
             model_cls, self.hf_config, self.model_path, self.platform, self.dtype_name, self.device,
-            quantizer=self.quantizer, progress=progress,
+            quantizer=self.quantizer, progress=progress, dequantizer=self.dequantizer,
         )
+        if self.dequantizer is not None:
+            logger.info("dequantized %d %s weights to %s while loading", self.dequantizer.dequantized,
+                        raw_config["quantization_config"]["quant_method"], self.dtype_name)
         self.kv_cache = self._make_kv_cache(components)
         self.kv_manager = KVCacheManager(
             self.kv_cache.num_blocks,
@@ -125,6 +130,12 @@ class LLMEngine:
                     "--quantization-config applies to on-the-fly quantization; this checkpoint's "
                     "quantization_config in config.json is used as it is."
                 )
+            if method in DEQUANTIZABLE_METHODS and method not in components.quantizers.names():
+                # no kernels for this format here: the weights become dense in the compute dtype
+                logger.info("the checkpoint is quantized with %r and no quantizer of that name is registered: "
+                            "its weights are dequantized to %s at load", method, self.dtype_name)
+                self.dequantizer = CheckpointDequantizer(checkpoint_config, self.dtype)
+                return None
             try:
                 quantizer_cls = components.quantizers.get(method)
             except ComponentError:
@@ -389,17 +400,18 @@ class LLMEngine:
 
 def build_model(
     model_cls: type[Model], hf_config: HFConfig, model_path, platform, dtype_name: str, device: torch.device, *,
-    quantizer: Quantizer | None = None, progress: bool = True,
+    quantizer: Quantizer | None = None, progress: bool = True, dequantizer: CheckpointDequantizer | None = None,
 ) -> Model:
     """Construct a model, give its linear layers the quantizer's methods, load its
-    checkpoint, then switch its unquantized layers to the platform's linear method."""
+    checkpoint (dense from a quantized one with a ``dequantizer``), then switch its
+    unquantized layers to the platform's linear method."""
     model = model_cls(ModelInit(config=hf_config, dtype=getattr(torch, dtype_name), device=device))
     model.eval()
     if quantizer is not None:
         quantized, declined = quantize_model(model, quantizer)
         logger.info("quantization %s: %d linear layers quantized, %d left as they are (%s)",
                     quantizer.name, len(quantized), len(declined), ", ".join(declined) or "none")
-    load_weights(model, safetensors_files(model_path), progress=progress)
+    load_weights(model, safetensors_files(model_path), progress=progress, dequantizer=dequantizer)
     linear_method = platform.linear_method(dtype_name)
     if linear_method is not None:
         apply_linear_method(model, linear_method)

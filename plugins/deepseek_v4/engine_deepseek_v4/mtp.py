@@ -29,6 +29,7 @@ from engine.interfaces.spec_proposer import FINAL_HIDDEN_STATES, Drafts, DraftRe
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, VocabEmbedding
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.model_loader.dequant import DEQUANTIZABLE_METHODS, CheckpointDequantizer, dequantize_stream
 from engine.model_config import HFConfig
 from engine_deepseek_v4.deepseek_v3 import (
     Dims,
@@ -136,7 +137,11 @@ class MtpProposer(SpecProposer):
                         if name.startswith(prefix):
                             yield name[len(prefix):], handle.get_tensor(name)
 
-        load_tensors(self.layer, mtp_tensors())
+        tensors = mtp_tensors()
+        quantization = raw.get("quantization_config") or {}
+        if quantization.get("quant_method") in DEQUANTIZABLE_METHODS:  # an FP8 checkpoint: as the target loads it
+            tensors = dequantize_stream(tensors, CheckpointDequantizer(quantization, init.dtype))
+        load_tensors(self.layer, tensors)
         dtype_name = str(init.dtype).removeprefix("torch.")
         self.kv_cache = build_kv_cache(
             self.layer, init.components, init.platform, dtype_name, init.device, init.block_size,

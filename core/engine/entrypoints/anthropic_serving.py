@@ -76,12 +76,19 @@ class AnthropicServing:
             conversation.append({"role": message.role, "content": check_text(message.text(), f"messages.{i}.content")})
         if not any(m["content"] for m in conversation):
             raise bad_request("Every message is empty: give some content.", param="messages")
-        if getattr(tokenizer, "chat_template", None) is None:
+        encoder = getattr(serving.engine, "chat_encoder", None)
+        if encoder is not None:  # the model family's own prompt format
+            try:
+                text = encoder(conversation, add_generation_prompt=True, options={})
+            except ValueError as exc:
+                raise bad_request(f"The model's chat format rejected these messages: {exc}", param="messages") from None
+        elif getattr(tokenizer, "chat_template", None) is None:
             raise bad_request("This model has no chat template.", param="messages")
-        try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:
-            raise bad_request(f"The chat template rejected these messages: {exc}", param="messages") from None
+        else:
+            try:
+                text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            except Exception as exc:
+                raise bad_request(f"The chat template rejected these messages: {exc}", param="messages") from None
         prompt = PromptInput(serving.check_ids(tokenizer.encode(text, add_special_tokens=False), "messages"), text)
         max_tokens = serving.max_tokens(body.max_tokens, [prompt], "max_tokens", "messages")
         fields = dict(n=1, max_tokens=max_tokens, stop=body.stop_sequences, seed=None)

@@ -146,6 +146,10 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def chat_encoder(self) -> Any:
+        return self.engine.chat_encoder
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

@@ -172,14 +172,26 @@ class OpenAIServing:
         for i, message in enumerate(body.messages):
             text = check_text(message.text(), f"messages.{i}.content")
             messages.append({"role": message.role, "content": text})
+            if message.reasoning_content is not None:
+                messages[-1]["reasoning_content"] = check_text(message.reasoning_content,
+                                                               f"messages.{i}.reasoning_content")
         if not any(m["content"] for m in messages):
             raise bad_request("Every message is empty: give some content.", param="messages")
+        options = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:
+            options["reasoning_effort"] = body.reasoning_effort
+        encoder = getattr(self.engine, "chat_encoder", None)
+        if encoder is not None:  # the model family's own prompt format
+            try:
+                text = encoder(messages, add_generation_prompt=body.add_generation_prompt, options=options)
+            except ValueError as exc:
+                raise bad_request(f"The model's chat format rejected these messages: {exc}", param="messages") from None
+            return PromptInput(self.check_ids(tokenizer.encode(text, add_special_tokens=False), "messages"), text)
         if getattr(tokenizer, "chat_template", None) is None:
             raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
-                **(body.chat_template_kwargs or {}),
+                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt, **options,
             )
         except Exception as exc:  # the template rejects the conversation (roles, order)
             raise bad_request(f"The chat template rejected these messages: {exc}", param="messages") from None

@@ -115,6 +115,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as reasoning models return it
 
     def text(self) -> str:
         return join_text(self.content)
@@ -134,6 +135,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # handed to the chat template (or the model's chat encoder)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None

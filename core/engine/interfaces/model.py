@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, ClassVar, Iterable
 
 import torch
 
@@ -32,6 +32,14 @@ class Model(torch.nn.Module, ABC):
     checkpoint into :meth:`load_weights`, checks every parameter was filled, and
     calls :meth:`kv_cache_specs` to size the cache.
     """
+
+    # A model family whose checkpoints ship their prompt format as code, not as a tokenizer chat
+    # template, sets this to a function ``(messages, *, add_generation_prompt, options) -> str``:
+    # ``messages`` are dicts with ``role`` and ``content`` (assistant turns may carry
+    # ``reasoning_content``), ``options`` the request's ``chat_template_kwargs`` plus its
+    # ``reasoning_effort``; it raises ``ValueError`` for what it cannot express (a 400 reply).
+    # The chat endpoints then use it instead of the tokenizer's template.
+    chat_encoder: ClassVar[Callable[..., str] | None] = None
 
     @abstractmethod
     def kv_cache_specs(self) -> list[AttentionSpec]:

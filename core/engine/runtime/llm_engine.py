@@ -102,6 +102,7 @@ class LLMEngine:
         self.vocab_size = int(raw_config.get("vocab_size", 0))
         self.spec = self._make_spec_decoder(components)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
+        self.chat_encoder = type(self.model).chat_encoder  # None: the tokenizer's chat template
         self.eos_token_ids = eos_token_ids(self.model_path, raw_config)
         self.requests: dict[str, Request] = {}
         self.request_groups: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples, while any runs

@@ -65,6 +65,7 @@ from engine.layers.linear import Linear, MergedLinear, VocabEmbedding
 from engine.layers.rotary import inverse_frequencies
 from engine.model_config import HFConfig
 from engine.runtime.forward_context import ForwardContext
+from engine_deepseek_v4.chat_v4 import encode_chat
 from engine_deepseek_v4.deepseek_v3 import Experts, clamped_swiglu, load_named_tensors
 
 logger = logging.getLogger("engine.deepseek")
@@ -538,6 +539,8 @@ class V4Stack(nn.Module):
 
 
 class DeepseekV4ForCausalLM(Model):
+    chat_encoder = staticmethod(encode_chat)  # V4 ships its prompt format as code (chat_v4.py)
+
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
         config, dtype = init.config, init.dtype

@@ -57,6 +57,18 @@ class FinalHiddenProposer(RandomProposer):
         return super().propose(requests, num_tokens)
 
 
+class PreHeadProposer(RandomProposer):
+    """Asks for the hidden states before the head, which only multi-stream targets have."""
+
+    name = "pre_head"
+    hidden_state_layers = (-2,)
+
+
+class LayerThreeProposer(RandomProposer):
+    name = "layer_three"
+    hidden_state_layers = (3,)
+
+
 def make_llm(path, **kwargs) -> LLM:
     return LLM(str(path), **{"plugins": ["cpu", "llama"], "dtype": "float32", "progress": False,
                              "kv_cache_memory": 0.02, **kwargs})
@@ -219,3 +231,7 @@ def test_speculation_settings_are_checked(checkpoints):
         make_llm(target, speculative_method="draft")
     with pytest.raises(ValueError, match="unknown: prompt_lookup"):
         make_llm(target, speculative_method="ngram", speculative_config={"prompt_lookup": 3})
+    with pytest.raises(SelectionError, match="before its head, which LlamaForCausalLM does not provide"):
+        make_llm(target, speculative_method=f"{__name__}:PreHeadProposer")
+    with pytest.raises(ValueError, match=r"hidden states at layers \[3\]"):
+        make_llm(target, speculative_method=f"{__name__}:LayerThreeProposer")

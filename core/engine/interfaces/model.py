@@ -40,6 +40,11 @@ class Model(torch.nn.Module, ABC):
     # ``reasoning_effort``; it raises ``ValueError`` for what it cannot express (a 400 reply).
     # The chat endpoints then use it instead of the tokenizer's template.
     chat_encoder: ClassVar[Callable[..., str] | None] = None
+    # A model with more than one residual stream (DeepSeek-V4) sets this and, while the engine
+    # sets ``keep_pre_head_hidden_states``, stores each forward's hidden states before its final
+    # collapse and norm in ``pre_head_hidden_states`` [T, ...] (what its MTP layers read).
+    provides_pre_head_hidden_states: ClassVar[bool] = False
+    keep_pre_head_hidden_states: bool = False
 
     @abstractmethod
     def kv_cache_specs(self) -> list[AttentionSpec]:

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 # ``hidden_state_layers`` entry for the target's final hidden states (after its last norm,
 # what the LM head reads)
 FINAL_HIDDEN_STATES = -1
+# the target's hidden states before its final collapse and norm, for models that keep more than
+# one stream (DeepSeek-V4's hyper-connection streams, flattened: [hc_mult · hidden]); only models
+# whose class sets ``provides_pre_head_hidden_states`` have them
+PRE_HEAD_HIDDEN_STATES = -2
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,9 @@ class SpecProposer(ABC):
     Constructed as ``cls(init: ProposerInit)`` once per engine.
     ``hidden_state_layers``: target hidden states the proposer wants passed to
     :meth:`propose`; the engine supports ``(FINAL_HIDDEN_STATES,)``, the target's last
-    hidden state of each request (the row that produced its newest token).
+    hidden state of each request (the row that produced its newest token), or
+    ``(PRE_HEAD_HIDDEN_STATES,)`` for a target that provides them. An instance may set
+    its own after construction (the engine reads it then).
     """
 
     name: ClassVar[str]

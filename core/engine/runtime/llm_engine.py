@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.interfaces.model import Model, ModelInit
 from engine.interfaces.attention import LINEAR, TOKEN_STATE
 from engine.interfaces.quantizer import Quantizer
-from engine.interfaces.spec_proposer import ProposerInit
+from engine.interfaces.spec_proposer import PRE_HEAD_HIDDEN_STATES, ProposerInit
 from engine.layers.linear import apply_linear_method, quantize_model
 from engine.layers.ops import REFERENCE_OPS
 from engine.model_config import HFConfig
@@ -192,6 +192,14 @@ class LLMEngine:
             block_size=config.block_size,
         ))
         self.runner.keep_hidden_states = bool(proposer.hidden_state_layers)
+        if PRE_HEAD_HIDDEN_STATES in tuple(proposer.hidden_state_layers):
+            if not type(self.model).provides_pre_head_hidden_states:
+                raise SelectionError(
+                    f"Proposer {proposer_cls.name!r} reads the target's hidden states before its head, which "
+                    f"{self.architecture} does not provide."
+                )
+            self.model.keep_pre_head_hidden_states = True
+            self.runner.keep_pre_head_hidden_states = True
         logger.info("speculative decoding: proposer %s, up to %d drafts a step", proposer_cls.name,
                     config.num_speculative_tokens)
         return SpecDecoder(proposer, config.num_speculative_tokens, self.kv_manager, config.max_num_batched_tokens,

@@ -22,8 +22,10 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
         self.sampler = Sampler(device, kv_cache.ops)
-        # final hidden state of each request's newest token, for proposers that ask for it
+        # hidden state of each request's newest token, for proposers that ask for it: the model's
+        # output, or with keep_pre_head_hidden_states what the model keeps before its head
         self.keep_hidden_states = False
+        self.keep_pre_head_hidden_states = False
         self.last_hidden: dict[str, torch.Tensor] = {}
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
@@ -128,6 +130,8 @@ class ModelRunner:
 
     def _keep_hidden(self, requests: list[Request], hidden: torch.Tensor, rows: torch.Tensor) -> None:
         if self.keep_hidden_states:
+            if self.keep_pre_head_hidden_states:
+                hidden = self.model.pre_head_hidden_states
             for request, row in zip(requests, hidden[rows]):
                 self.last_hidden[request.request_id] = row.clone()
 

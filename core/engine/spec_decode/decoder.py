@@ -9,7 +9,13 @@ from typing import Sequence
 
 import torch
 
-from engine.interfaces.spec_proposer import FINAL_HIDDEN_STATES, DraftRequest, Drafts, SpecProposer
+from engine.interfaces.spec_proposer import (
+    FINAL_HIDDEN_STATES,
+    PRE_HEAD_HIDDEN_STATES,
+    DraftRequest,
+    Drafts,
+    SpecProposer,
+)
 from engine.runtime.kv_cache_manager import KVCacheManager
 from engine.runtime.request import Request
 from engine.runtime.scheduler import ScheduledBatch
@@ -67,11 +73,12 @@ class SpecDecoder:
         self, proposer: SpecProposer, num_speculative_tokens: int, kv_manager: KVCacheManager,
         max_num_batched_tokens: int, max_model_len: int, vocab_size: int,
     ) -> None:
-        unsupported = [layer for layer in proposer.hidden_state_layers if layer != FINAL_HIDDEN_STATES]
-        if unsupported:
+        layers = tuple(proposer.hidden_state_layers)
+        if layers not in ((), (FINAL_HIDDEN_STATES,), (PRE_HEAD_HIDDEN_STATES,)):
             raise ValueError(
-                f"Proposer {proposer.name!r} asks for the target's hidden states at layers {unsupported}; the "
-                f"engine provides the final hidden states only (hidden_state_layers = ({FINAL_HIDDEN_STATES},))."
+                f"Proposer {proposer.name!r} asks for the target's hidden states at layers {list(layers)}; the "
+                f"engine provides the final hidden states ({FINAL_HIDDEN_STATES}) or those before the head "
+                f"({PRE_HEAD_HIDDEN_STATES}), one of them."
             )
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
@@ -99,7 +106,8 @@ class SpecDecoder:
         requests = [batch.requests[i] for i in candidates]
         hidden = None
         if self.proposer.hidden_state_layers:
-            hidden = {FINAL_HIDDEN_STATES: torch.stack([last_hidden[r.request_id] for r in requests])}
+            layer = self.proposer.hidden_state_layers[0]
+            hidden = {layer: torch.stack([last_hidden[r.request_id] for r in requests])}
         drafts = self.proposer.propose(
             [DraftRequest(r.request_id, tuple(r.token_ids)) for r in requests], self.num_speculative_tokens, hidden
         )

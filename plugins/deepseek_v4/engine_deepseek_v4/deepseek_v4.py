@@ -367,10 +367,17 @@ class GroupedProjection(nn.Module):
 
 
 class Step:
-    """What every layer of one forward pass shares: positions, token ids, each rope's cos/sin."""
+    """What every layer of one forward pass shares: positions, token ids, each rope's cos/sin.
 
-    def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, ropes: dict[str, Rope]) -> None:
+    ``cache_positions`` are where the tokens sit in their sequences' caches, which the sliding
+    window counts back from; they are the rope ``positions`` except in the MTP block, whose
+    cache holds only the positions it ran (compressed layers, which it has none of, use
+    ``positions`` throughout)."""
+
+    def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, ropes: dict[str, Rope],
+                 cache_positions: torch.Tensor | None = None) -> None:
         self.input_ids, self.positions = input_ids, positions
+        self.cache_positions = positions if cache_positions is None else cache_positions
         self.ropes = {name: (rope, rope.cos_sin(positions)) for name, rope in ropes.items()}
         self.max_position = int(positions.max()) if positions.numel() else 0
         self._finished: dict[int, torch.Tensor] = {}
@@ -424,7 +431,8 @@ class V4Attention(nn.Module):
         q = unweighted_rms_norm(self.q_b_proj(q_latent).view(num_tokens, d.num_heads, d.head_dim), d.rms_norm_eps)
         q = rotate(q, cos, sin)
         kv = rotate(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, head_dim], key and value
-        window = positions[:, None] - d.sliding_window + 1 + torch.arange(d.sliding_window, device=x.device)
+        window = step.cache_positions[:, None] - d.sliding_window + 1 + torch.arange(d.sliding_window,
+                                                                                      device=x.device)
         lse = [torch.empty(num_tokens, d.num_heads, device=x.device)]
         parts = [ctx.sparse_attention(self.layers.window, q, kv.unsqueeze(1), window.masked_fill(window < 0, -1),
                                       lse[0])]
@@ -540,6 +548,7 @@ class V4Stack(nn.Module):
 
 class DeepseekV4ForCausalLM(Model):
     chat_encoder = staticmethod(encode_chat)  # V4 ships its prompt format as code (chat_v4.py)
+    provides_pre_head_hidden_states = True  # the streams before hc_head, which its MTP block reads
 
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
@@ -584,6 +593,8 @@ class DeepseekV4ForCausalLM(Model):
         streams = x.unsqueeze(1).expand(-1, self.dims.hc_mult, -1).contiguous()  # [T, n, hidden]
         for layer in self.model.layers:
             streams = layer(streams, step, ctx)
+        if self.keep_pre_head_hidden_states:
+            self.pre_head_hidden_states = streams.flatten(1)  # [T, hc_mult · hidden]
         return self.model.norm(self.model.hc_head(streams))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -597,7 +608,7 @@ class DeepseekV4ForCausalLM(Model):
             for name, tensor in weights:
                 name = transformers_name(name)
                 if name.startswith("mtp."):
-                    skipped_mtp += 1  # the multi-token-prediction layers: not run (yet) for V4
+                    skipped_mtp += 1  # the multi-token-prediction block: the mtp proposer's
                     continue
                 yield name, tensor
 
@@ -649,3 +660,75 @@ def transformers_name(name: str) -> str:
     for pattern, replacement in _RENAMES:
         body = re.sub(pattern, replacement, body)
     return body if body.startswith("lm_head.") else "model." + body
+
+
+class MtpV4Layer(Model):
+    """DeepSeek-V4's multi-token-prediction block (``mtp.0.*`` of the reference checkpoints),
+    read as the ``mtp`` proposer runs it.
+
+    From the target's hyper-connection streams ``h`` [n, hidden] before its ``hc_head`` and
+    the embedding ``e`` of the next token, the streams ``e_proj(enorm(e)) + h_proj(hnorm(h_k))``
+    (every stream k) go through one decoder block (sliding-window attention, experts routed
+    by score), its own ``hc_head`` and ``norm``, and the target's LM head. Drafting further
+    chains the block's output streams. The embedding and the head are the target's.
+    """
+
+    provides_pre_head_hidden_states = True
+
+    def __init__(self, config: HFConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        from dataclasses import replace
+
+        d = V4Dims.from_config(config)
+        self.dims = d = replace(d, layer_types=(SLIDING,), mlp_layer_types=("moe",))
+        self.spec = AttentionSpec(SPARSE_MLA, d.num_heads, 1, d.head_dim, d.head_dim**-0.5, latent_size=d.head_dim)
+        self.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype)
+        self.enorm = Fp32RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.hnorm = Fp32RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.e_proj = Linear(d.hidden_size, d.hidden_size, False, dtype)
+        self.h_proj = Linear(d.hidden_size, d.hidden_size, False, dtype)
+        self.block = V4DecoderLayer(d, 0, CacheLayers(window=0), dtype)
+        self.hc_head = HyperHead(d)
+        self.norm = Fp32RMSNorm(d.hidden_size, d.rms_norm_eps)
+        self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
+        self.ropes = {"main": Rope(d.rope_dim, d.rope_main, d.max_positions)}
+        self.max_positions = d.max_positions
+        self.previous_hidden: torch.Tensor | None = None  # [T, n · hidden], set before each forward
+        self.cache_positions: torch.Tensor | None = None  # [T] cache slots' positions, set with it
+        self.pre_head_hidden_states: torch.Tensor | None = None
+
+    def kv_cache_specs(self) -> list[AttentionSpec]:
+        return [self.spec]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        d, num_tokens = self.dims, input_ids.shape[0]
+        e = self.e_proj(self.enorm(self.embed_tokens(input_ids)))  # [T, hidden]
+        h = self.previous_hidden.to(e.dtype).reshape(num_tokens * d.hc_mult, d.hidden_size)
+        streams = e.unsqueeze(1) + self.h_proj(self.hnorm(h)).view(num_tokens, d.hc_mult, d.hidden_size)
+        streams = self.block(streams, Step(input_ids, positions, self.ropes, self.cache_positions), ctx)
+        self.pre_head_hidden_states = streams.flatten(1)
+        return self.norm(self.hc_head(streams))
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
+
+    def chain_hidden(self, out: torch.Tensor) -> torch.Tensor:
+        """What the next draft reads as its previous hidden state: the block's output streams."""
+        return self.pre_head_hidden_states
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Tensors named as in the checkpoint after ``mtp.0.``, plus the target's ``embed`` and
+        ``head`` under those names."""
+
+        def renamed():
+            for name, tensor in weights:
+                if name in ("embed.weight", "head.weight"):
+                    yield ("embed_tokens.weight" if name == "embed.weight" else "lm_head.weight"), tensor
+                elif name.startswith("hc_head_"):
+                    yield "hc_head.hc_" + name.removeprefix("hc_head_"), tensor
+                elif name.split(".")[0] in ("enorm", "hnorm", "e_proj", "h_proj", "norm"):
+                    yield name, tensor
+                else:  # the decoder block, named as a reference layer
+                    yield "block." + transformers_name("layers.0." + name).removeprefix("model.layers.0."), tensor
+
+        return load_named_tensors(self, renamed())

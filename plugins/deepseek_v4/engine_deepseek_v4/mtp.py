@@ -1,10 +1,12 @@
-"""``mtp``: speculative drafts from a DeepSeek-V3 checkpoint's multi-token-prediction layer.
+"""``mtp``: speculative drafts from a DeepSeek checkpoint's multi-token-prediction layer.
 
 The MTP layer (``model.layers.{num_hidden_layers}.*``) predicts the token after next:
 from the target's final hidden state ``h_t`` and the embedding of token ``t+1`` it
 computes ``eh_proj([enorm(emb); hnorm(h_t)])``, runs one decoder layer (MLA + experts)
 over it and reads logits through ``shared_head``. Drafting k tokens chains it: each
-draft's embedding and the layer's own output hidden state give the next.
+draft's embedding and the layer's own output hidden state give the next. DeepSeek-V4's
+block (``mtp.0.*``, see ``deepseek_v4.MtpV4Layer``) reads the target's hyper-connection
+streams before its head instead (``PRE_HEAD_HIDDEN_STATES``) and chains its own streams.
 
 The layer keeps its own paged latent cache. Each target request has a shadow request
 whose entries are the positions the MTP layer has processed since the request started
@@ -25,7 +27,14 @@ import torch
 from torch import nn
 
 from engine.interfaces.model import Model
-from engine.interfaces.spec_proposer import FINAL_HIDDEN_STATES, Drafts, DraftRequest, ProposerInit, SpecProposer
+from engine.interfaces.spec_proposer import (
+    FINAL_HIDDEN_STATES,
+    PRE_HEAD_HIDDEN_STATES,
+    Drafts,
+    DraftRequest,
+    ProposerInit,
+    SpecProposer,
+)
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, VocabEmbedding
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
@@ -40,6 +49,10 @@ from engine_deepseek_v4.deepseek_v3 import (
 )
 
 SPARSE_ARCHITECTURE = "DeepseekV32ForCausalLM"
+V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
+# the target's tensors V4's MTP block shares, under the names its loader takes
+V4_SHARED_TENSORS = {"embed.weight": "embed.weight", "model.embed_tokens.weight": "embed.weight",
+                     "head.weight": "head.weight", "lm_head.weight": "head.weight"}
 
 LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")  # of the decoder layer
 
@@ -79,6 +92,14 @@ class MtpLayer(Model):
     def kv_cache_specs(self):
         return [self.spec, indexer_spec(self.dims)] if self.sparse_attention else [self.spec]
 
+    @property
+    def max_positions(self) -> int:
+        return self.rotary.max_positions
+
+    def chain_hidden(self, out: torch.Tensor) -> torch.Tensor:
+        """What the next draft reads as its previous hidden state: the layer's output."""
+        return out
+
     def forward(self, input_ids, positions, ctx):
         """input_ids [T] (the token after each hidden state's position), positions [T];
         ``previous_hidden`` [T, hidden] -> the layer's hidden states [T, hidden]."""
@@ -116,7 +137,8 @@ class MtpProposer(SpecProposer):
         memory = init.config.get("kv_cache_memory", 0.25)
         raw = json.loads((init.target_model_path / "config.json").read_text(encoding="utf-8"))
         config = HFConfig(raw)
-        prefix = f"model.layers.{config.num_hidden_layers}."
+        v4 = V4_ARCHITECTURE in (raw.get("architectures") or ())
+        prefix = "mtp.0." if v4 else f"model.layers.{config.num_hidden_layers}."
         files = safetensors_files(init.target_model_path)
         present = False
         for path in files:
@@ -128,7 +150,14 @@ class MtpProposer(SpecProposer):
                 f"(num_nextn_predict_layers is {raw.get('num_nextn_predict_layers')!r}; tensors {prefix}*: "
                 f"{'present' if present else 'none'}): --speculative-method mtp needs one."
             )
-        self.layer = MtpLayer(config, init.dtype).to(init.device).eval()
+        if v4:  # reads the target's streams before its head; shares its embedding and head
+            from engine_deepseek_v4.deepseek_v4 import MtpV4Layer
+
+            self.layer = MtpV4Layer(config, init.dtype).to(init.device).eval()
+            self.hidden_state_layers = (PRE_HEAD_HIDDEN_STATES,)
+        else:
+            self.layer = MtpLayer(config, init.dtype).to(init.device).eval()
+        shared = V4_SHARED_TENSORS if v4 else {}
 
         def mtp_tensors():
             for path in files:
@@ -136,6 +165,8 @@ class MtpProposer(SpecProposer):
                     for name in handle.keys():
                         if name.startswith(prefix):
                             yield name[len(prefix):], handle.get_tensor(name)
+                        elif name in shared:
+                            yield shared[name], handle.get_tensor(name)
 
         tensors = mtp_tensors()
         quantization = raw.get("quantization_config") or {}
@@ -145,7 +176,7 @@ class MtpProposer(SpecProposer):
         dtype_name = str(init.dtype).removeprefix("torch.")
         self.kv_cache = build_kv_cache(
             self.layer, init.components, init.platform, dtype_name, init.device, init.block_size,
-            int(memory * 2**30), max_model_len=self.layer.rotary.max_positions, max_num_seqs=256,
+            int(memory * 2**30), max_model_len=self.layer.max_positions, max_num_seqs=256,
         )
         self.kv_manager = KVCacheManager(self.kv_cache.num_blocks, init.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(self.layer, self.kv_cache, init.device)
@@ -179,7 +210,7 @@ class MtpProposer(SpecProposer):
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest], num_tokens: int, hidden_states=None) -> Drafts:
-        hidden = hidden_states[FINAL_HIDDEN_STATES]  # [B, hidden]: the target's, for each newest token
+        hidden = hidden_states[self.hidden_state_layers[0]]  # [B, ...]: the target's, for each newest token
         drafts: list[list[int]] = [[] for _ in requests]
         states = [self._sync(r) for r in requests]
         # step 0 processes each request's newest token; step j > 0 its previous draft
@@ -191,7 +222,7 @@ class MtpProposer(SpecProposer):
             for i in active:
                 shadow, first = states[i]
                 position = first + len(shadow.token_ids)
-                if position >= self.layer.rotary.max_positions or not self.kv_manager.allocate(shadow, 1):
+                if position >= self.layer.max_positions or not self.kv_manager.allocate(shadow, 1):
                     continue
                 shadow.token_ids.append(inputs[i])
                 rows.append((i, position))
@@ -201,7 +232,7 @@ class MtpProposer(SpecProposer):
                             torch.tensor([inputs[i] for i, _ in rows]), torch.stack([previous[i] for i, _ in rows]))
             logits = self.layer.compute_logits(out)
             tokens = logits.argmax(dim=-1).tolist()
-            for (i, _), token, h in zip(rows, tokens, out):
+            for (i, _), token, h in zip(rows, tokens, self.layer.chain_hidden(out)):
                 states[i][0].num_computed_tokens += 1
                 drafts[i].append(token)
                 inputs[i], previous[i] = token, h
@@ -216,6 +247,7 @@ class MtpProposer(SpecProposer):
         batch = ScheduledBatch(requests=shadows, num_tokens=[1] * len(shadows))
         _, _, common = self.runner.prepare(batch)
         self.layer.previous_hidden = previous
+        self.layer.cache_positions = common.context_lens  # each shadow's own count of entries so far
         return self.layer(input_ids, positions, self.kv_cache.forward_context(common))
 
     def remove(self, request_ids: Sequence[str]) -> None:

@@ -42,10 +42,39 @@ def add_mtp_layer(path) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
+def add_v4_mtp_block(path) -> None:
+    """Give a tiny DeepSeek-V4 checkpoint a random MTP block in the reference layout (mtp.0.*): a
+    decoder block with layer 0's sliding attention and layer 1's score-routed experts (perturbed),
+    enorm, hnorm, e_proj, h_proj, its own hc_head and norm."""
+    config = json.loads((path / "config.json").read_text())
+    hidden, n = config["hidden_size"], config["hc_mult"]
+    tensors = load_file(str(path / "model.safetensors"))
+    generator = torch.Generator().manual_seed(11)
+
+    def noise(shape, scale=0.05):
+        return torch.randn(shape, generator=generator) * scale
+
+    parts = {0: ("attn.", "attn_norm.", "hc_attn_"), 1: ("ffn.", "ffn_norm.", "hc_ffn_")}
+    for layer, starts in parts.items():
+        source = f"model.layers.{layer}."
+        for name in [m for m in tensors if m.startswith(source) and m[len(source):].startswith(starts)]:
+            tensors["mtp.0." + name[len(source):]] = tensors[name] + noise(tensors[name].shape, 0.02)
+    for name in ("enorm.weight", "hnorm.weight", "norm.weight"):
+        tensors["mtp.0." + name] = 1 + noise(hidden)
+    tensors["mtp.0.e_proj.weight"] = noise((hidden, hidden), 0.1)
+    tensors["mtp.0.h_proj.weight"] = noise((hidden, hidden), 0.1)
+    tensors["mtp.0.hc_head_fn"] = noise((n, n * hidden), 0.02)
+    tensors["mtp.0.hc_head_base"] = noise(n)
+    tensors["mtp.0.hc_head_scale"] = 1 + noise(1)
+    save_file(tensors, str(path / "model.safetensors"))
+
+
 @pytest.fixture(scope="module", params=[
     pytest.param(("DeepseekV3ForCausalLM", {}), id="v3"),
     # V3.2: the MTP layer has an indexer too, selecting a few positions
     pytest.param(("DeepseekV32ForCausalLM", {"index_topk": 5, "index_n_heads": 8}), id="v3.2-sparse"),
+    # V4: the block reads the target's hyper-connection streams before its head
+    pytest.param(("DeepseekV4ForCausalLM", {"index_topk": 2}), id="v4"),
 ])
 def checkpoint(request, tmp_path_factory):
     from engine.testing.checkpoints import make_tiny_checkpoint
@@ -53,7 +82,7 @@ def checkpoint(request, tmp_path_factory):
     architecture, overrides = request.param
     path = tmp_path_factory.mktemp("deepseek_mtp")
     make_tiny_checkpoint(architecture, path, **overrides)
-    add_mtp_layer(path)
+    (add_v4_mtp_block if architecture == "DeepseekV4ForCausalLM" else add_mtp_layer)(path)
     return path
 
 
@@ -99,4 +128,22 @@ class TestMtpKit(SpecProposerTests):
         path = tmp_path_factory.mktemp("mtp_target")
         make_tiny_checkpoint("DeepseekV3ForCausalLM", path)
         add_mtp_layer(path)
+        return path
+
+
+class TestMtpV4Kit(SpecProposerTests):
+    """The kit against a DeepSeek-V4 target, whose MTP block reads the streams before its head."""
+
+    plugin = "deepseek_v4"
+    proposer_name = "mtp"
+    also_load = ("cpu",)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def target(cls, tmp_path_factory):
+        from engine.testing.checkpoints import make_tiny_checkpoint
+
+        path = tmp_path_factory.mktemp("mtp_v4_target")
+        make_tiny_checkpoint("DeepseekV4ForCausalLM", path)
+        add_v4_mtp_block(path)
         return path

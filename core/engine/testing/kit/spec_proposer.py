@@ -11,6 +11,7 @@ with requests whose tokens shrink (rejected drafts, preemption) or that go away.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any, ClassVar
@@ -105,7 +106,7 @@ class SpecProposerTests(KitTests):
             DraftRequest("c", (3,)),
         ]
         for num_tokens in (1, 4):
-            hidden = self.hidden_states(proposer, len(requests))
+            hidden = self.hidden_states(proposer, len(requests), target)
             self.check_drafts(proposer.propose(requests, num_tokens, hidden), len(requests), num_tokens)
 
     def test_copes_with_rollback_and_removal(self, target: Path) -> None:
@@ -117,19 +118,26 @@ class SpecProposerTests(KitTests):
         history = [(9, 4, 7, 1, 9, 4, 7, 1, 9), (9, 4, 7, 1, 9, 4, 7, 1, 9, 4, 7), (9, 4, 7, 1, 9, 4), (9, 4, 8, 8)]
         for tokens in history:
             requests = [DraftRequest("x", tokens), DraftRequest("y", tokens[:3])]
-            self.check_drafts(proposer.propose(requests, 3, self.hidden_states(proposer, 2)), 2, 3)
+            self.check_drafts(proposer.propose(requests, 3, self.hidden_states(proposer, 2, target)), 2, 3)
         proposer.remove(["x"])
         requests = [DraftRequest("x", (1, 2, 3)), DraftRequest("y", (9, 4, 7, 1))]
-        self.check_drafts(proposer.propose(requests, 2, self.hidden_states(proposer, 2)), 2, 2)
+        self.check_drafts(proposer.propose(requests, 2, self.hidden_states(proposer, 2, target)), 2, 2)
         proposer.remove(["x", "y"])
 
-    def hidden_states(self, proposer: Any, num_requests: int) -> dict[int, Any] | None:
-        """Stand-in target hidden states for a proposer that asks for them (64: the tiny Llama's width)."""
+    def hidden_states(self, proposer: Any, num_requests: int, target: Path) -> dict[int, Any] | None:
+        """Stand-in target hidden states for a proposer that asks for them: the target's
+        ``hidden_size`` wide, or for ``PRE_HEAD_HIDDEN_STATES`` ``hc_mult`` times that (its
+        streams, flattened)."""
         import torch
+
+        from engine.interfaces.spec_proposer import PRE_HEAD_HIDDEN_STATES
 
         if not proposer.hidden_state_layers:
             return None
-        return {layer: torch.randn(num_requests, 64) for layer in proposer.hidden_state_layers}
+        config = json.loads((target / "config.json").read_text())
+        width = {layer: config["hidden_size"] * (config.get("hc_mult", 1) if layer == PRE_HEAD_HIDDEN_STATES else 1)
+                 for layer in proposer.hidden_state_layers}
+        return {layer: torch.randn(num_requests, width[layer]) for layer in proposer.hidden_state_layers}
 
     def test_greedy_output_is_the_target_output(self, target: Path) -> None:
         """A batch of mixed lengths (a repetitive prompt among them) decodes to the

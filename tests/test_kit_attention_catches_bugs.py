@@ -29,8 +29,11 @@ import dataclasses
 import torch
 
 import engine
-from engine.interfaces.attention import MHA, MLA, SLIDING_WINDOW, AttentionBackend, AttentionCapabilities
+from engine.interfaces.attention import (
+    INDEXER, MHA, MLA, SLIDING_WINDOW, AttentionBackend, AttentionCapabilities,
+)
 from engine_cpu.attention import CpuPagedAttention
+from engine_cpu.indexer import CpuIndexer
 from engine_cpu.mla import CpuMlaAttention
 
 
@@ -231,11 +234,114 @@ class CpuMlaWrongScale(CpuMlaAttention):
         super().__init__(dataclasses.replace(spec, scale=1.0 / spec.head_size), block_size, dtype, device)
 
 
+class SparseIgnoresIndices(CpuMlaAttention):
+    """cpu_mla whose sparse path attends to every causal position."""
+
+    name = "kit_bug_sparse_all"
+
+    def forward_sparse(self, q, k, kv_cache, metadata, indices, lse=None):
+        return super().forward_sparse(q, k, kv_cache, metadata, None, lse)
+
+
+class SparsePaddingIsPositionZero(CpuMlaAttention):
+    """cpu_mla whose sparse path reads -1 padding as position 0."""
+
+    name = "kit_bug_sparse_padding"
+
+    def forward_sparse(self, q, k, kv_cache, metadata, indices, lse=None):
+        return super().forward_sparse(q, k, kv_cache, metadata, None if indices is None else indices.clamp(min=0), lse)
+
+
+class SparseNoLse(CpuMlaAttention):
+    """cpu_mla whose sparse path leaves lse unwritten."""
+
+    name = "kit_bug_sparse_no_lse"
+
+    def forward_sparse(self, q, k, kv_cache, metadata, indices, lse=None):
+        return super().forward_sparse(q, k, kv_cache, metadata, indices, None)
+
+
+class ReferenceIndexer(AttentionBackend):
+    """A correct indexer. Cache layout [block, key dim, offset] (not cpu_indexer's); one loop over
+    sequences."""
+
+    name = "kit_indexer_ref"
+    capabilities = AttentionCapabilities(
+        kinds=frozenset({INDEXER}), platforms=frozenset({"cpu"}), dtypes=frozenset({"float32"})
+    )
+
+    def kv_cache_shape(self, num_blocks):
+        return (num_blocks, self.spec.head_size, self.block_size)
+
+    def build_metadata(self, common):
+        return common
+
+    def forward(self, q, k, v, kv_cache, common):
+        raise NotImplementedError
+
+    def allowed(self, query_pos, key_pos):  # [n, 1], [1, L] -> [n, L]
+        return key_pos <= query_pos
+
+    def write(self, kv_cache, slots, k):
+        kv_cache[slots // self.block_size, :, slots % self.block_size] = k[:, 0]
+
+    def forward_index(self, q, k, weights, kv_cache, common):
+        self.write(kv_cache, common.slot_mapping, k)
+        bs, topk = self.block_size, self.spec.index_topk
+        out = torch.full((q.shape[0], topk), -1, dtype=torch.int64)
+        starts = common.query_start_loc.tolist()
+        for b, (context, seq_len) in enumerate(zip(common.context_lens.tolist(), common.seq_lens.tolist())):
+            rows = slice(starts[b], starts[b + 1])
+            pos = torch.arange(seq_len)
+            keys = kv_cache[common.block_tables[b, pos // bs], :, pos % bs].float()  # [L, D]
+            per_head = (q[rows].float() @ keys.T * self.spec.scale).relu()  # [n, H, L]
+            scores = (weights[rows].float().unsqueeze(-1) * per_head).sum(1)  # [n, L]
+            mask = self.allowed(torch.arange(context, seq_len)[:, None], pos[None, :])
+            best, chosen = scores.masked_fill(~mask, float("-inf")).topk(min(topk, seq_len), dim=-1)
+            out[rows, : chosen.shape[1]] = chosen.masked_fill(best == float("-inf"), -1)
+        return out
+
+
+class IndexerSeesNextKey(ReferenceIndexer):
+    name = "kit_bug_indexer_next"
+
+    def allowed(self, query_pos, key_pos):
+        return key_pos <= query_pos + 1
+
+
+class IndexerNoCacheWrite(ReferenceIndexer):
+    name = "kit_bug_indexer_no_write"
+
+    def write(self, kv_cache, slots, k):
+        pass
+
+
+class IndexerIgnoresWeights(CpuIndexer):
+    """cpu_indexer summing the heads' ReLU scores without their weights."""
+
+    name = "kit_bug_indexer_weights"
+
+    def forward_index(self, q, k, weights, kv_cache, metadata):
+        return super().forward_index(q, k, torch.ones_like(weights), kv_cache, metadata)
+
+
+class IndexerAlwaysAll(CpuIndexer):
+    """cpu_indexer that writes its keys but always answers "every position"."""
+
+    name = "kit_bug_indexer_none"
+
+    def forward_index(self, q, k, weights, kv_cache, metadata):
+        super().forward_index(q, k, weights, kv_cache, metadata)
+        return None
+
+
 @engine.hookimpl
 def register_attention_backends(register):
     for cls in (ReferencePaged, WrongScale, DefaultScale, CausalSeesNextKey, CausalDropsDiagonal, IgnoresWindow,
                 NoCacheWrite, CpuWrongScale, ReferenceMla, MlaValueTail, MlaFullValue, MlaScoresWithoutRope,
-                MlaDefaultScale, MlaCausalSeesNextKey, MlaNoCacheWrite, CpuMlaWrongScale):
+                MlaDefaultScale, MlaCausalSeesNextKey, MlaNoCacheWrite, CpuMlaWrongScale, SparseIgnoresIndices,
+                SparsePaddingIsPositionZero, SparseNoLse, ReferenceIndexer, IndexerSeesNextKey, IndexerNoCacheWrite,
+                IndexerIgnoresWeights, IndexerAlwaysAll):
         register(cls)
 '''
 
@@ -243,6 +349,7 @@ def register_attention_backends(register):
 ATTENTION_CHECKS = {"test_mha", "test_sliding_window", "test_kv_cache_write"}
 MLA_CHECKS = {"test_mla", "test_kv_cache_write"}
 OTHER_CHECKS = {"test_discoverable", "test_validate"}
+INDEXER_CHECKS = {"test_indexer", "test_kv_cache_write"}
 VARIANTS = {
     "kit_ref": ("none: the correct reference", set(), ATTENTION_CHECKS | OTHER_CHECKS),
     "kit_bug_scale": ("softmax scale 1/head_size instead of spec.scale", ATTENTION_CHECKS, OTHER_CHECKS),
@@ -263,6 +370,17 @@ VARIANTS = {
     "kit_bug_mla_causal_next": ("MLA causal mask lets a query see the next key", {"test_mla"}, OTHER_CHECKS),
     "kit_bug_mla_no_write": ("MLA: does not write the new entries into the cache", MLA_CHECKS, OTHER_CHECKS),
     "kit_bug_cpu_mla_scale": ("cpu_mla subclass, scale 1/head_size", MLA_CHECKS, OTHER_CHECKS),
+    "kit_bug_sparse_all": ("sparse MLA attends to every causal position, not the selected ones",
+                           {"test_sparse_mla"}, MLA_CHECKS | OTHER_CHECKS),
+    "kit_bug_sparse_padding": ("sparse MLA reads -1 padding as position 0", {"test_sparse_mla"},
+                               MLA_CHECKS | OTHER_CHECKS),
+    "kit_bug_sparse_no_lse": ("sparse MLA leaves lse unwritten", {"test_sparse_mla"}, MLA_CHECKS | OTHER_CHECKS),
+    "kit_indexer_ref": ("none: the correct indexer reference", set(), INDEXER_CHECKS | OTHER_CHECKS),
+    "kit_bug_indexer_next": ("the indexer may select the next position", {"test_indexer"}, OTHER_CHECKS),
+    "kit_bug_indexer_no_write": ("the indexer does not write its keys", INDEXER_CHECKS, OTHER_CHECKS),
+    "kit_bug_indexer_weights": ("cpu_indexer subclass ignoring the head weights", {"test_indexer"}, OTHER_CHECKS),
+    "kit_bug_indexer_none": ("cpu_indexer subclass answering 'every position' for long sequences",
+                             {"test_indexer"}, OTHER_CHECKS),
 }
 
 

@@ -4,31 +4,14 @@ and against a plain dense-masked reference written here where it selects a few (
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
+from deepseek_helpers import greedy, make_llm, prompts
 
-PLUGINS = ["cpu", "deepseek_v4"]
 SMALL_TOPK = 5
-
-
-def make_llm(path, **kwargs) -> LLM:
-    return LLM(str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.02, "progress": False,
-                             **kwargs})
-
-
-def prompts(seed: int, lengths=(3, 11, 20, 37)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(n)] for n in lengths]
-
-
-def greedy(llm: LLM, batch: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")

@@ -4,31 +4,13 @@ caches, both checkpoint naming schemes, and checkpoint errors."""
 
 from __future__ import annotations
 
-import random
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-
-PLUGINS = ["cpu", "deepseek_v4"]
-
-
-def make_llm(path, **kwargs) -> LLM:
-    return LLM(str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.05, "progress": False,
-                             **kwargs})
-
-
-def prompts(seed: int, lengths=(3, 11, 20, 37)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(n)] for n in lengths]
-
-
-def greedy(llm: LLM, batch: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+from deepseek_helpers import greedy, make_llm, prompts
 
 
 def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:

@@ -11,9 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM
+from deepseek_helpers import make_llm
 
-PLUGINS = ["cpu", "deepseek_v4"]
 BLOCK = (16, 16)
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -101,7 +100,7 @@ def test_fp8_checkpoints_load_dequantized_and_match_transformers(tmp_path, archi
     hf_model = quantize_checkpoint(path, tmp_path / "dense", quantized, suffix, fp4)
     rng = random.Random(0)
     batch = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 19, 33)]
-    llm = LLM(str(path), plugins=PLUGINS, dtype="float32", kv_cache_memory=0.05, progress=False)
+    llm = make_llm(path)
     assert llm.engine.dequantizer is not None and llm.engine.dequantizer.dequantized > 10
     for prompt, logits in zip(batch, llm.prompt_logits(batch)):
         with torch.no_grad():

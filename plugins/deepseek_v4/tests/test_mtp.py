@@ -10,10 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
+from deepseek_helpers import make_llm
+from engine import SamplingParams
 from engine.testing.kit import SpecProposerTests
-
-PLUGINS = ["cpu", "deepseek_v4"]
 
 
 def add_mtp_layer(path) -> None:
@@ -84,11 +83,6 @@ def checkpoint(request, tmp_path_factory):
     make_tiny_checkpoint(architecture, path, **overrides)
     (add_v4_mtp_block if architecture == "DeepseekV4ForCausalLM" else add_mtp_layer)(path)
     return path
-
-
-def make_llm(path, **kwargs) -> LLM:
-    return LLM(str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.02, "progress": False,
-                             **kwargs})
 
 
 def test_greedy_output_with_mtp_is_the_targets_and_acceptance_is_counted(checkpoint):

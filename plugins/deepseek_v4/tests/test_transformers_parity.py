@@ -3,25 +3,12 @@ greedy generation of a batch, preemption and prefix caching, and checkpoint erro
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, SamplingParams
-
-PLUGINS = ["cpu", "deepseek_v4"]
-
-
-def make_llm(path, **kwargs) -> LLM:
-    return LLM(str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.02, "progress": False,
-                             **kwargs})
-
-
-def prompts(seed: int, lengths=(3, 11, 20, 37)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(n)] for n in lengths]
+from deepseek_helpers import make_llm, prompts
+from engine import SamplingParams
 
 
 def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:

@@ -110,7 +110,7 @@ def test_plugins_json_lists_the_installed_plugins_and_their_components(capsys):
 
     cpu, llama = plugins["cpu"], plugins["llama"]
     assert cpu["hooks"] == ["register_attention_backends", "register_platforms"]
-    assert cpu["components"] == {"platforms": ["cpu"], "attention_backends": ["cpu_indexer", "cpu_mla", "cpu_paged"]}
+    assert cpu["components"] == {"platforms": ["cpu"], "attention_backends": ["cpu_indexer", "cpu_kda", "cpu_mla", "cpu_paged"]}
     assert llama["hooks"] == ["register_models"]
     assert llama["components"] == {"models": LLAMA_ARCHITECTURES}
 
@@ -134,7 +134,7 @@ def test_plugins_text_lists_plugins_hooks_and_components(capsys):
         f"cpu  (engine-cpu {md.version('engine-cpu')}, entry_point) loaded",
         "  hooks: register_attention_backends, register_platforms",
         "  platforms: cpu",
-        "  attention_backends: cpu_indexer, cpu_mla, cpu_paged",
+        "  attention_backends: cpu_indexer, cpu_kda, cpu_mla, cpu_paged",
         "built into the engine:",
         "  spec_proposers: draft, ngram",
         "  kv_tiers: cpu",

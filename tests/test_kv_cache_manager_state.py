@@ -165,3 +165,23 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 TestKVCacheManager = KVCacheMachine.TestCase
 TestKVCacheManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_state_slots_are_taken_at_first_allocation_and_returned_on_free():
+    """Hybrid models: each request holds one recurrent-state slot from its first allocation until
+    it is freed (finished, aborted or preempted), and a freed slot serves the next request."""
+    from engine.runtime.kv_cache_manager import KVCacheManager
+    from engine.runtime.request import Request
+    from engine.sampling_params import SamplingParams
+
+    manager = KVCacheManager(8, 4, enable_prefix_caching=False, num_state_slots=2)
+    a, b, c = (Request(name, [1, 2, 3, 4, 5], SamplingParams()) for name in "abc")
+    assert manager.allocate(a, 5) and manager.allocate(b, 3)
+    assert (a.state_slot, b.state_slot) == (0, 1)
+    assert manager.allocate(a, 0) and a.state_slot == 0  # later steps keep the slot
+    assert not manager.allocate(c, 2) and c.state_slot is None and not c.block_ids  # none left: nothing taken
+    manager.free(a)  # finished or preempted
+    assert a.state_slot is None and manager.allocate(c, 2) and c.state_slot == 0
+    manager.free(b)
+    manager.free(c)
+    assert sorted(manager.free_state_slots) == [0, 1] and manager.num_free_blocks == 8

@@ -14,7 +14,7 @@ SLIDING_WINDOW = "sliding_window"  # MHA/GQA restricted to the last `sliding_win
 MLA = "mla"  # multi-head latent attention (DeepSeek)
 SPARSE_MLA = "sparse_mla"  # MLA over the positions an indexer selected for each query
 INDEXER = "indexer"  # DeepSeek sparse attention's lightning indexer: caches keys, returns top-k positions
-LINEAR = "linear"  # linear / recurrent attention with a fixed-size per-request state
+LINEAR = "linear"  # Kimi delta attention: a gated delta rule with a fixed-size per-request state
 ATTENTION_KINDS = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, INDEXER, LINEAR)
 # Not attention: per-token values a model stores and reads back itself (DeepSeek-V4's compressor
 # inputs), paged like the KV caches. The core serves it (engine.runtime.token_state); platforms
@@ -34,6 +34,12 @@ class AttentionSpec:
     qk_rope_head_dim``) and ``latent_size`` its first part (``kv_lora_rank``), which
     serves as the value. Queries arrive absorbed (see :meth:`AttentionBackend.forward`).
 
+    Linear attention (``kind`` linear) keeps no per-token cache but one state per running
+    request: the last ``conv_kernel - 1`` inputs of its short convolution (``num_heads ·
+    (2 · head_size + value_size)`` channels) and the recurrent matrix [num_heads, head_size,
+    value_size]; see :meth:`AttentionBackend.forward_linear`. ``scale`` multiplies the
+    normalised queries.
+
     An indexer (``kind`` indexer) caches one key per token (``num_kv_heads`` 1,
     ``head_size`` the indexer's head dim), scored by ``num_heads`` query heads with
     ``scale``; ``index_topk`` is how many positions it selects for each query (see
@@ -49,6 +55,8 @@ class AttentionSpec:
     sliding_window: int | None = None
     latent_size: int | None = None  # MLA: the leading part of a cache entry that is the value
     index_topk: int | None = None  # indexer: positions selected for each query
+    value_size: int | None = None  # linear: the recurrent state's value width
+    conv_kernel: int | None = None  # linear: the short convolution's kernel size
 
     @property
     def is_latent(self) -> bool:
@@ -57,10 +65,26 @@ class AttentionSpec:
     @property
     def has_values(self) -> bool:
         """Whether the cache keeps values beside the keys (MLA entries, indexer keys and token
-        states do not)."""
-        return self.kind not in (MLA, SPARSE_MLA, INDEXER, TOKEN_STATE)
+        states do not; linear attention keeps no per-token cache at all)."""
+        return self.kind not in (MLA, SPARSE_MLA, INDEXER, TOKEN_STATE, LINEAR)
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether the layer keeps one state per request instead of paged per-token entries."""
+        return self.kind == LINEAR
+
+    @property
+    def conv_channels(self) -> int:
+        """Linear: the short convolution's channels, queries, keys and values."""
+        return self.num_heads * (2 * self.head_size + self.value_size)
+
+    def state_numel(self) -> int:
+        """Linear: the elements of one request's state (convolution inputs, recurrent matrix)."""
+        return (self.conv_kernel - 1) * self.conv_channels + self.num_heads * self.head_size * self.value_size
 
     def kv_bytes_per_token(self, element_size: int) -> int:
+        if self.is_recurrent:
+            return 0
         tensors = 2 if self.has_values else 1
         return tensors * self.num_kv_heads * self.head_size * element_size
 
@@ -96,6 +120,8 @@ class CommonAttentionMetadata:
     - ``block_tables``: [B, max_blocks] physical block ids (padding entries are 0
       and never read for positions < seq_lens)
     - ``slot_mapping``: [T] cache slot (block * block_size + offset) of each new token
+    - ``state_slots``: [B] each sequence's recurrent-state slot (models with linear attention
+      layers; None otherwise)
     """
 
     query_start_loc: torch.Tensor
@@ -107,6 +133,7 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -162,7 +189,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor for ``num_blocks`` blocks."""
+        """Shape of one layer's cache tensor for ``num_blocks`` blocks (linear attention: for
+        ``num_blocks`` request state slots)."""
+
+    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of this backend's cache tensors for compute dtype ``dtype`` (linear attention
+        keeps its states in float32)."""
+        return dtype
 
     def gather_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of the keys and values ([n, num_kv_heads, head_size] each) held in cache
@@ -225,6 +258,30 @@ class AttentionBackend(ABC):
         Mutates ``kv_cache`` and ``lse`` only.
         """
         raise NotImplementedError(f"attention backend {self.name!r} does not implement sparse MLA (forward_sparse)")
+
+    def forward_linear(
+        self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        state: torch.Tensor, metadata: Any,
+    ) -> torch.Tensor:
+        """Kimi delta attention (kind ``linear``) over the step's tokens, continuing each
+        sequence's state. Backends declaring ``linear`` implement this.
+
+        mixed_qkv: [T, conv_channels], the projections of queries, keys and values before the
+        short convolution; conv_weight: [conv_channels, conv_kernel]; g: [T, H, head_size]
+        float32, the log of each channel's decay (<= 0); beta: [T, H] float32. ``state``
+        holds every slot's state (the backend's ``kv_cache_shape(num_slots)``); sequence ``b``
+        uses slot ``metadata.state_slots[b]`` and starts from zeros when it has no cached
+        tokens (``context_lens[b] == 0``), whatever the slot held.
+
+        Per sequence: a causal depthwise convolution over its inputs (the last ``conv_kernel
+        - 1`` kept from earlier steps), SiLU, split into q, k ([H, head_size] each) and v
+        ([H, value_size]); q and k L2-normalised per head (``x / sqrt(Σx² + 1e-6)``), q times
+        ``scale``; then per token, in float32,
+        ``S = (I - β k kᵀ) · diag(exp(g)) · S + β k vᵀ`` and ``o = Sᵀ q``.
+        Returns o [T, H, value_size] in mixed_qkv's dtype; mutates ``state`` only (the
+        convolution inputs and S after each sequence's last token).
+        """
+        raise NotImplementedError(f"attention backend {self.name!r} does not implement linear attention (forward_linear)")
 
     def forward_index(
         self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: Any

@@ -39,6 +39,12 @@ class ForwardContext:
         return self.backends[layer_index].forward_index(q, k, weights, self.kv_caches[layer_index],
                                                         self.metadata[layer_index])
 
+    def linear(self, layer_index: int, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor) -> torch.Tensor:
+        """Kimi delta attention continuing each request's state (see ``AttentionBackend.forward_linear``)."""
+        return self.backends[layer_index].forward_linear(mixed_qkv, conv_weight, g, beta, self.kv_caches[layer_index],
+                                                         self.metadata[layer_index])
+
     def store(self, layer_index: int, values: torch.Tensor) -> None:
         """Write each new token's values [T, head_size] into token-state layer ``layer_index``
         (see ``engine.runtime.token_state.TokenStateCache``)."""

@@ -29,20 +29,25 @@ class KVCache:
     def __init__(
         self, groups: list[KVCacheGroup], num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
         device: torch.device, ops: LayerOps = REFERENCE_OPS,
-        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None, num_state_slots: int = 0,
     ) -> None:
+        """Recurrent groups (linear attention) get ``num_state_slots`` request states each, in
+        their backend's cache dtype; the others ``num_blocks`` paged blocks."""
         self.groups = groups
         self.ops = ops
         self.num_blocks = num_blocks
+        self.num_state_slots = num_state_slots
         self.block_size = block_size
         self.layer_caches: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self.layer_backends: list[AttentionBackend] = [None] * num_layers  # type: ignore[list-item]
         self.layer_group: list[int] = [0] * num_layers
         for g, group in enumerate(groups):
-            shape = group.backend.kv_cache_shape(num_blocks)
+            shape = group.backend.kv_cache_shape(num_state_slots if group.spec.is_recurrent else num_blocks)
+            cache_dtype = group.backend.cache_dtype(dtype)
             for layer in group.layer_indices:
                 self.layer_caches[layer] = (
-                    allocate(shape, dtype) if allocate is not None else torch.zeros(shape, dtype=dtype, device=device)
+                    allocate(shape, cache_dtype) if allocate is not None
+                    else torch.zeros(shape, dtype=cache_dtype, device=device)
                 )
                 self.layer_backends[layer] = group.backend
                 self.layer_group[layer] = g
@@ -69,6 +74,8 @@ def num_blocks_for(
     specs: list[AttentionSpec], block_size: int, element_size: int, memory_bytes: int, max_blocks_useful: int
 ) -> int:
     bytes_per_block = block_size * sum(spec.kv_bytes_per_token(element_size) for spec in specs)
+    if bytes_per_block == 0:  # only recurrent layers: blocks just count tokens
+        return int(max_blocks_useful)
     num_blocks = min(memory_bytes // bytes_per_block, max_blocks_useful)
     if num_blocks < 1:
         raise ValueError(

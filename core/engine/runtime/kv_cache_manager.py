@@ -47,7 +47,10 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Owns block allocation: ``request.block_ids`` is the request's block table."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, salt: bytes = b"") -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, salt: bytes = b"",
+                 num_state_slots: int = 0) -> None:
+        """``num_state_slots``: recurrent-state slots (models with linear attention), one taken by
+        each request from its first allocation until :meth:`free`."""
         if num_blocks < 1:
             raise ValueError(f"The KV cache needs at least one block, got {num_blocks}.")
         self.num_blocks = num_blocks
@@ -63,6 +66,8 @@ class KVCacheManager:
         # with a KV tier: (block, hash) of every cached block evicted since take_evicted()
         self.record_evictions = False
         self.evicted: list[tuple[int, bytes]] = []
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: lowest first
 
     # queries
 
@@ -135,6 +140,10 @@ class KVCacheManager:
         reclaimed = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         if num_new_blocks > len(self.free_queue) - reclaimed:
             return False
+        if self.num_state_slots and request.state_slot is None:
+            if not self.free_state_slots:
+                return False
+            request.state_slot = self.free_state_slots.pop()
         for block in cached_blocks:
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
@@ -252,6 +261,9 @@ class KVCacheManager:
                 if self.block_hashes[block] is None:
                     self.free_queue.move_to_end(block, last=False)
         request.block_ids = []
+        if request.state_slot is not None:  # a preempted request recomputes from a fresh state
+            self.free_state_slots.append(request.state_slot)
+            request.state_slot = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""

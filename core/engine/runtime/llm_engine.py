@@ -90,11 +90,18 @@ class LLMEngine:
             logger.info("dequantized %d %s weights to %s while loading", self.dequantizer.dequantized,
                         raw_config["quantization_config"]["quant_method"], self.dtype_name)
         self.kv_cache = self._make_kv_cache(components)
+        prefix_caching = config.enable_prefix_caching
+        recurrent = sorted({spec.kind for spec in self.model.kv_cache_specs() if spec.is_recurrent})
+        if recurrent and prefix_caching:
+            logger.info("prefix caching is off for %s: its %s layers keep one state per request, which a cached "
+                        "prefix's blocks cannot restore", self.architecture, ", ".join(recurrent))
+            prefix_caching = False
         self.kv_manager = KVCacheManager(
             self.kv_cache.num_blocks,
             config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching,
             salt=cache_salt(str(self.model_path.resolve()), self.architecture, self.dtype_name, config.block_size),
+            num_state_slots=self.kv_cache.num_state_slots,
         )
         self.kv_tier = self._make_kv_tier(components)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -455,6 +462,19 @@ def build_kv_cache(
         groups.append(KVCacheGroup(spec, backend_cls(spec, block_size, dtype, device), layers))
         logger.info("attention kind %s: backend %s for %d layers", spec.kind, backend_cls.name, len(layers))
     element_size = torch.empty(0, dtype=dtype).element_size()
+    # recurrent layers hold one state per running request, taken from the memory first
+    num_state_slots = max_num_seqs if any(spec.is_recurrent for spec in specs) else 0
+    state_bytes = sum(
+        num_state_slots * spec.state_numel() * torch.empty(0, dtype=group.backend.cache_dtype(dtype)).element_size()
+        * len(group.layer_indices)
+        for group in groups for spec in [group.spec] if spec.is_recurrent
+    )
+    if state_bytes >= memory_bytes:
+        raise ValueError(
+            f"KV-cache memory of {memory_bytes / 2**30:.3f} GiB does not hold the recurrent states of "
+            f"{max_num_seqs} requests ({state_bytes / 2**30:.3f} GiB); raise --kv-cache-memory or lower --max-num-seqs."
+        )
+    memory_bytes -= state_bytes
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = num_blocks_for(specs, block_size, element_size, memory_bytes,
                                 max_blocks_useful=max_num_seqs * blocks_per_seq)
@@ -465,4 +485,5 @@ def build_kv_cache(
             f"--kv-cache-memory or lower --max-model-len."
         )
     ops = platform.layer_ops(dtype_name) or REFERENCE_OPS
-    return KVCache(groups, len(specs), num_blocks, block_size, dtype, device, ops, allocate=platform.allocate_kv_cache)
+    return KVCache(groups, len(specs), num_blocks, block_size, dtype, device, ops, allocate=platform.allocate_kv_cache,
+                   num_state_slots=num_state_slots)

@@ -72,6 +72,8 @@ class ModelRunner:
             max_query_len=max(num_new),
             max_seq_len=int(seq_lens.max()),
             block_size=self.block_size,
+            state_slots=(tensor(np.asarray([r.state_slot for r in requests], dtype=np.int64))
+                         if requests[0].state_slot is not None else None),
         )
         return torch.tensor(input_ids, dtype=torch.int64, device=device), tensor(positions), metadata
 

@@ -57,6 +57,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.state_slot: int | None = None  # hybrid models: the slot of its recurrent state, while it has blocks
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
         self.stop_reason: int | str | None = None  # stop token id or stop string
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler

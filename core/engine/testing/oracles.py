@@ -100,6 +100,37 @@ def naive_index_scores(
     return scores.masked_fill(key_pos > query_pos, float("-inf"))
 
 
+def naive_kda(mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              num_heads: int, head_size: int, value_size: int, scale: float) -> torch.Tensor:
+    """Kimi delta attention of one whole sequence from a zero state, token by token.
+
+    mixed_qkv: [L, C] the inputs of the short convolution (queries, keys, values);
+    conv_weight: [C, kernel]; g: [L, H, head_size] log decays; beta: [L, H]. The input at
+    position t convolves with the ``kernel - 1`` before it (zeros before the sequence),
+    SiLU; q and k are L2-normalised per head (``x / sqrt(Σx² + 1e-6)``), q times ``scale``;
+    ``S_t = (I - β_t k_t k_tᵀ) diag(exp(g_t)) S_{t-1} + β_t k_t v_tᵀ`` and ``o_t = S_tᵀ q_t``.
+
+    Returns [L, H, value_size] in float32.
+    """
+    length, channels = mixed_qkv.shape
+    kernel = conv_weight.shape[1]
+    padded = torch.cat([torch.zeros(kernel - 1, channels), mixed_qkv.float()])
+    state = torch.zeros(num_heads, head_size, value_size)
+    out = torch.zeros(length, num_heads, value_size)
+    for t in range(length):
+        mixed = torch.nn.functional.silu((padded[t : t + kernel].T * conv_weight.float()).sum(dim=1))  # [C]
+        q, k, v = mixed.split([num_heads * head_size, num_heads * head_size, num_heads * value_size])
+        q, k, v = q.view(num_heads, head_size), k.view(num_heads, head_size), v.view(num_heads, value_size)
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * scale
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        for h in range(num_heads):
+            decayed = torch.diag(g[t, h].float().exp()) @ state[h]  # [dk, dv]
+            b = float(beta[t, h])
+            state[h] = decayed - b * torch.outer(k[h], k[h] @ decayed) + b * torch.outer(k[h], v[h])
+            out[t, h] = state[h].T @ q[h]
+    return out
+
+
 def chi_squared_p_value(observed: list[int], probabilities: list[float]) -> float:
     """Pearson's goodness-of-fit test of ``observed`` counts against ``probabilities``
     (summing to 1): the probability that χ² with len - 1 degrees of freedom reaches the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from engine.interfaces.attention import INDEXER, MHA, MLA, SLIDING_WINDOW, SPARSE_MLA
+from engine.interfaces.attention import INDEXER, LINEAR, MHA, MLA, SLIDING_WINDOW, SPARSE_MLA
 from engine.interfaces.platform import Availability, MemoryInfo, Platform
 
 
@@ -20,7 +20,7 @@ class CpuPlatform(Platform):
     # float16 matmuls are very slow on CPUs without native fp16 arithmetic
     auto_dtype_overrides = {"float16": "bfloat16"}
     attention_backends = {MHA: ("cpu_paged",), SLIDING_WINDOW: ("cpu_paged",), MLA: ("cpu_mla",),
-                          SPARSE_MLA: ("cpu_mla",), INDEXER: ("cpu_indexer",)}
+                          SPARSE_MLA: ("cpu_mla",), INDEXER: ("cpu_indexer",), LINEAR: ("cpu_kda",)}
 
     @classmethod
     def is_available(cls) -> Availability:

@@ -13,3 +13,4 @@ def register_attention_backends(register):
     register("cpu_paged", "engine_cpu.attention:CpuPagedAttention")
     register("cpu_mla", "engine_cpu.mla:CpuMlaAttention")
     register("cpu_indexer", "engine_cpu.indexer:CpuIndexer")
+    register("cpu_kda", "engine_cpu.kda:CpuKdaAttention")

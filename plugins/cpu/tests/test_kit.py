@@ -24,6 +24,12 @@ class TestCpuIndexerKit(AttentionBackendTests):
     dtypes = ("float32", "bfloat16")
 
 
+class TestCpuKdaKit(AttentionBackendTests):
+    plugin = "cpu"
+    backend_name = "cpu_kda"
+    dtypes = ("float32", "bfloat16")
+
+
 # platform
 
 

@@ -26,6 +26,7 @@ import torch
 from engine.interfaces.attention import (
     ATTENTION_KINDS,
     INDEXER,
+    LINEAR,
     MHA,
     MLA,
     SLIDING_WINDOW,
@@ -36,10 +37,9 @@ from engine.interfaces.attention import (
     CommonAttentionMetadata,
 )
 from engine.testing.kit.base import KitTests, capability_skip
-from engine.testing.oracles import naive_attention, naive_index_scores, naive_mla_attention
+from engine.testing.oracles import naive_attention, naive_index_scores, naive_kda, naive_mla_attention
 
-KINDS_WITH_ORACLE = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, INDEXER)
-KINDS_WITHOUT_ORACLE = [kind for kind in ATTENTION_KINDS if kind not in KINDS_WITH_ORACLE]  # linear
+KINDS_WITH_ORACLE = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, INDEXER, LINEAR)
 KIT_BLOCK_SIZES = (1, 4, 16)
 KIT_HEAD_SIZES = (16, 32, 64)
 HEAD_LAYOUTS = {"mha": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "mqa": (4, 1)}  # (num_heads, num_kv_heads)
@@ -51,6 +51,10 @@ SPARSE_WIDTHS = (1, 3, 8)
 # indexers: query heads, and index_topk (one position, a few, more than any sequence has)
 INDEXER_NUM_HEADS = (1, 4, 16)
 INDEXER_TOPKS = (1, 7, 1000)
+# linear attention: (heads, head_size, value_size, convolution kernel)
+LINEAR_SHAPES = {"h1": (1, 8, 8, 2), "h2": (2, 16, 8, 4), "h4": (4, 8, 16, 3)}
+# "long": two sequences fed in chunks of these sizes, step by step (crossing 64-token chunks)
+LONG_CHUNKS = ([64, 1, 5, 70], [5, 64, 1, 9])
 BATCHES = ("decode", "prefill", "mixed")
 # sliding windows, as a function of the block size: a single key, just across a block edge, across
 # two edges, and wider than every sequence (the same as full causal attention)
@@ -60,12 +64,13 @@ WINDOWS = {"w1": lambda bs: 1, "block+1": lambda bs: bs + 1, "2blocks+3": lambda
 
 def make_common_metadata(
     context_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
-    device: torch.device,
+    device: torch.device, state_slots: list[int] | None = None,
 ) -> CommonAttentionMetadata:
     """One step's metadata, computed as the engine's model runner does (runtime/model_runner.py).
 
     Sequence ``b`` has ``context_lens[b]`` cached tokens and ``query_lens[b]`` new ones, and
-    owns the physical blocks ``block_tables[b]`` (rows padded with block 0).
+    owns the physical blocks ``block_tables[b]`` (rows padded with block 0) and, for linear
+    attention, the state slot ``state_slots[b]``.
     """
     width = max(len(table) for table in block_tables)
     tables = torch.tensor([table + [0] * (width - len(table)) for table in block_tables], dtype=torch.int64)
@@ -81,6 +86,7 @@ def make_common_metadata(
         query_start_loc=query_start_loc.to(device), query_lens=query.to(device), context_lens=context.to(device),
         seq_lens=seq_lens.to(device), block_tables=tables.to(device), slot_mapping=slot_mapping.to(device),
         max_query_len=int(query.max()), max_seq_len=int(seq_lens.max()), block_size=block_size,
+        state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64, device=device),
     )
 
 
@@ -489,12 +495,76 @@ class AttentionBackendTests(KitTests):
         out scores above one selected (``None`` is allowed only when every sequence fits)."""
         self.check_index_case(batch, block_size, dtype, engine_device)
 
-    @pytest.mark.parametrize("kind", KINDS_WITHOUT_ORACLE)
-    def test_kind_without_oracle(self, kind: str) -> None:
-        """Kinds the kit cannot check yet are reported, never passed silently."""
-        if kind not in self.backend_class().capabilities.kinds:
-            capability_skip(f"attention kind {kind}")
-        pytest.skip(f"no oracle for attention kind {kind} in this kit version")
+    @pytest.mark.parametrize("shape", list(LINEAR_SHAPES))
+    @pytest.mark.parametrize("batch", [*BATCHES, "long"])
+    def test_linear(self, batch: str, shape: str, dtype: str, engine_device: str) -> None:
+        """Kimi delta attention (``forward_linear``) continuing each request's state in its slot
+        (slots shuffled, stale values in the fresh ones): a prefill of the prefixes, the new
+        tokens after them and a decode each with the rows reversed; or two long sequences fed in
+        chunks of 64, 1, 5 and 70 tokens. Every step's output matches the token-by-token oracle
+        over the whole sequence."""
+        self.check_linear_case(batch, shape, dtype, engine_device)
+
+    def check_linear_case(self, batch: str, shape: str, dtype: str, engine_device: str) -> None:
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{LINEAR}/{batch}/{shape}".encode()))
+        cls, device = self.setup_backend(LINEAR, dtype, engine_device, 16)
+        heads, head_size, value_size, kernel = LINEAR_SHAPES[shape]
+        scale = head_size**-0.5 * (0.5 + float(torch.rand((), generator=gen)))
+        spec = AttentionSpec(LINEAR, heads, heads, head_size, scale, value_size=value_size, conv_kernel=kernel)
+        torch_dtype = getattr(torch, dtype)
+        backend = cls(spec, 16, torch_dtype, device)
+        if batch == "long":
+            steps = [list(enumerate(step)) for step in zip(*LONG_CHUNKS)]  # per step: [(seq, new tokens)]
+            lengths = [sum(sizes) for sizes in LONG_CHUNKS]
+        else:
+            context_lens, query_lens = random_batch(batch, gen)
+            lengths = [c + n + 1 for c, n in zip(context_lens, query_lens)]
+            order = list(reversed(range(len(lengths))))
+            steps = [[(b, c) for b, c in enumerate(context_lens) if c > 0],
+                     list(enumerate(query_lens)), [(b, 1) for b in order]]
+        num_slots = len(lengths) + 3
+        slots = torch.randperm(num_slots, generator=gen)[: len(lengths)].tolist()
+        state = torch.randn(backend.kv_cache_shape(num_slots), generator=gen)  # stale: fresh sequences ignore it
+        state = state.to(backend.cache_dtype(torch_dtype)).to(device)
+        channels = spec.conv_channels
+        conv_weight = (0.5 * torch.randn(channels, kernel, generator=gen)).to(torch_dtype).to(device)
+        mixed = [torch.randn(n, channels, generator=gen).to(torch_dtype).to(device) for n in lengths]
+        g = [(-0.3 * torch.randn(n, heads, head_size, generator=gen).exp()).to(device) for n in lengths]
+        beta = [torch.rand(n, heads, generator=gen).to(device) for n in lengths]
+        done = [0] * len(lengths)
+        (atol, rtol) = self.tolerances[dtype]
+        atol, rtol = max(atol, 1e-4), max(rtol, 1e-4)  # a chunked form sums in another order
+        for index, step in enumerate(steps):
+            if not step:
+                continue
+            seqs, news = [b for b, _ in step], [n for _, n in step]
+            starts = [done[b] for b in seqs]
+            tables = [[0] * -(-(s + n) // 16) for s, n in zip(starts, news)]  # no per-token cache: any blocks
+            common = make_common_metadata(starts, news, tables, 16, device, [slots[b] for b in seqs])
+
+            def rows(per_seq):
+                return torch.cat([per_seq[b][s : s + n] for b, s, n in zip(seqs, starts, news)])
+
+            inputs = [rows(mixed), rows(g), rows(beta)]
+            copies = [t.clone() for t in inputs]
+            with torch.inference_mode():
+                out = backend.forward_linear(inputs[0], conv_weight, inputs[1], inputs[2], state,
+                                             backend.build_metadata(common))
+            label = f"step {index + 1} of {batch} ({spec})"
+            assert all(torch.equal(a, b) for a, b in zip(inputs, copies)), f"{label}: forward_linear modified its inputs"
+            expected_shape = (sum(news), heads, value_size)
+            assert tuple(out.shape) == expected_shape and out.dtype == torch_dtype, (
+                f"{label}: output {out.dtype} {tuple(out.shape)}, expected {torch_dtype} {expected_shape}"
+            )
+            expected = torch.cat([
+                naive_kda(mixed[b][: s + n].cpu(), conv_weight.cpu(), g[b][: s + n].cpu(), beta[b][: s + n].cpu(),
+                          heads, head_size, value_size, scale)[s:]
+                for b, s, n in zip(seqs, starts, news)
+            ])
+            torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol,
+                                       msg=lambda m: f"{label}: (seq, cached, new) = {step}\n{m}")
+            for b, n in step:
+                done[b] += n
 
     @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
     def test_kv_cache_write(self, block_size: int, dtype: str, engine_device: str) -> None:
@@ -505,7 +575,10 @@ class AttentionBackendTests(KitTests):
         blocks (as prefix caching does) reads them back. Checks the first declared of MHA,
         sliding window, MLA, sparse MLA (dense) and indexer (keys, ``[blocks, block_size, D]``)."""
         kinds = self.backend_class().capabilities.kinds
-        kind = next((k for k in KINDS_WITH_ORACLE if k in kinds), MHA)
+        kind = next((k for k in KINDS_WITH_ORACLE if k in kinds and k != LINEAR), None)
+        if kind is None and LINEAR in kinds:
+            pytest.skip("linear attention keeps one state per request, no per-token cache (test_linear checks it)")
+        kind = kind or MHA
         cls, device = self.setup_backend(kind, dtype, engine_device, block_size)
         gen = torch.Generator().manual_seed(zlib.crc32(f"write/{block_size}/{dtype}".encode()))
         if kind in (MLA, SPARSE_MLA):
@@ -573,6 +646,8 @@ class AttentionBackendTests(KitTests):
             spec = AttentionSpec(kind, 4, 1, latent_size + rope_size, 0.25, latent_size=latent_size)
         elif kind == INDEXER:  # one key per token, a top-k to select
             spec = AttentionSpec(kind, 4, 1, self.head_size(0), 0.25, index_topk=8)
+        elif kind == LINEAR:  # a state per request
+            spec = AttentionSpec(kind, 4, 4, self.head_size(0), 0.25, value_size=self.head_size(0), conv_kernel=4)
         reasons = cls.validate(spec, platform=platform, dtype=dtype, block_size=block_size)
         assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons), reasons
         request = f"{spec}, platform {platform}, dtype {dtype}, block size {block_size}"

@@ -66,7 +66,7 @@ from engine.layers.rotary import inverse_frequencies
 from engine.model_config import HFConfig
 from engine.runtime.forward_context import ForwardContext
 from engine_deepseek_v4.chat_v4 import encode_chat
-from engine_deepseek_v4.deepseek_v3 import Experts, clamped_swiglu, load_named_tensors
+from engine.layers.moe import Experts, clamped_swiglu, load_named_tensors
 
 logger = logging.getLogger("engine.deepseek")
 

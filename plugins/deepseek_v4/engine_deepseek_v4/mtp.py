@@ -40,13 +40,8 @@ from engine.layers.linear import Linear, VocabEmbedding
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_loader.dequant import DEQUANTIZABLE_METHODS, CheckpointDequantizer, dequantize_stream
 from engine.model_config import HFConfig
-from engine_deepseek_v4.deepseek_v3 import (
-    Dims,
-    attention_spec,
-    decoder_layer,
-    indexer_spec,
-    load_named_tensors,
-)
+from engine.layers.moe import load_named_tensors
+from engine_deepseek_v4.deepseek_v3 import Dims, attention_spec, decoder_layer, indexer_spec
 
 SPARSE_ARCHITECTURE = "DeepseekV32ForCausalLM"
 V4_ARCHITECTURE = "DeepseekV4ForCausalLM"

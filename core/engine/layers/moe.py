@@ -1,0 +1,185 @@
+"""Routed mixtures of experts (DeepSeek-V3 lineage: DeepSeek, Kimi), shared by model plugins.
+
+The router scores with a sigmoid in float32 and picks experts by score plus
+``e_score_correction_bias`` within the best groups; the experts' weights are stacked per
+layer and run one pair of matmuls per active expert over its tokens, sorted by expert.
+:func:`load_named_tensors` fills a model of such layers from checkpoint names (per-expert
+or transformers' stacked experts, fused linear layers, plain parameters).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.decoder import GATE_UP_PARAMS, GatedMLP, load_tensor
+from engine.layers.linear import linear_layers
+
+if TYPE_CHECKING:
+    from engine.runtime.forward_context import ForwardContext
+
+EXPERT_TENSOR = re.compile(r"(?P<moe>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+FUSED_EXPERT_TENSOR = re.compile(r"(?P<moe>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class MoEDims:
+    """The sizes and routing of a mixture-of-experts layer."""
+
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    experts_per_token: int
+    num_groups: int
+    top_groups: int
+    num_shared_experts: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+
+
+class Router(nn.Module):
+    """Sigmoid scores; experts chosen by score + ``e_score_correction_bias`` among the
+    ``topk_group`` best groups (a group's worth: its two best biased scores); weights are
+    the unbiased scores, normalised when ``norm_topk_prob``, times ``routed_scaling_factor``.
+    In float32, as transformers computes it."""
+
+    def __init__(self, dims: MoEDims) -> None:
+        super().__init__()
+        self.dims = dims
+        self.weight = nn.Parameter(torch.empty(dims.num_experts, dims.hidden_size), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(dims.num_experts), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (expert ids [T, k], weights [T, k] fp32)."""
+        d = self.dims
+        scores = torch.nn.functional.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        biased = scores + self.e_score_correction_bias.float()
+        per_group = biased.view(-1, d.num_groups, d.num_experts // d.num_groups)
+        group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(dim=-1)  # [T, G]
+        best_groups = group_scores.topk(d.top_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        allowed = group_mask.repeat_interleave(d.num_experts // d.num_groups, dim=1)
+        chosen = biased.masked_fill(~allowed, float("-inf")).topk(d.experts_per_token, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if d.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return chosen, weights * d.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """The routed experts' weights stacked: w13 [E, 2 * I, hidden] (gate rows then up
+    rows) and w2 [E, hidden, I]. Tokens are sorted by expert and each active expert runs
+    one pair of matmuls over all of its tokens. With ``swiglu_limit`` (DeepSeek-V4) the
+    gate is clamped to at most the limit and the up projection to ±limit before
+    ``silu(gate) * up``."""
+
+    def __init__(self, num_experts: int, intermediate_size: int, hidden_size: int, dtype: torch.dtype,
+                 swiglu_limit: float | None = None) -> None:
+        super().__init__()
+        e, i, h = num_experts, intermediate_size, hidden_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
+        self.intermediate_size = i
+        self.swiglu_limit = swiglu_limit
+        self._loaded: set[tuple[int, str]] = set()
+
+    def load(self, expert: int, proj: str, tensor: torch.Tensor) -> bool:
+        """One expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` weight; True once all are in."""
+        i = self.intermediate_size
+        target = {"gate_proj": self.w13.data[expert, :i], "up_proj": self.w13.data[expert, i:],
+                  "down_proj": self.w2.data[expert]}[proj]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"Expert {expert} {proj}: model expects {tuple(target.shape)}, checkpoint has "
+                             f"{tuple(tensor.shape)}.")
+        target.copy_(tensor)
+        self._loaded.add((expert, proj))
+        return len(self._loaded) == 3 * self.w13.shape[0]
+
+    def load_fused(self, proj: str, tensor: torch.Tensor) -> bool:
+        """transformers' stacked layout: ``gate_up_proj`` [E, 2I, hidden], ``down_proj`` [E, hidden, I]."""
+        target = self.w13 if proj == "gate_up_proj" else self.w2
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"experts.{proj}: model expects {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}.")
+        target.data.copy_(tensor)
+        names = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+        self._loaded.update((e, n) for e in range(self.w13.shape[0]) for n in names)
+        return len(self._loaded) == 3 * self.w13.shape[0]
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x [T, hidden], expert_ids / weights [T, k] -> Σ_k weight · expert(x) [T, hidden]."""
+        k = expert_ids.shape[1]
+        flat = expert_ids.flatten()
+        order = flat.argsort(stable=True)
+        token_of = order // k  # the token behind each (token, choice) in expert order
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = order[start : start + count]
+            tokens = token_of[start : start + count]
+            start += count
+            h = self.activation(x[tokens] @ self.w13[expert].t(), ctx) @ self.w2[expert].t()
+            out.index_add_(0, tokens, h.float() * weights.flatten()[rows].unsqueeze(1))
+        return out.to(x.dtype)
+
+    def activation(self, gate_up: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.swiglu_limit is None:
+            return ctx.ops.silu_and_mul(gate_up)
+        return clamped_swiglu(gate_up, self.swiglu_limit)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """[..., 2d] gate then up -> silu(min(gate, limit)) * clamp(up, -limit, limit)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class MoE(nn.Module):
+    """Routed experts (``gate``, ``experts``) plus shared experts (``num_shared_experts`` of
+    ``moe_intermediate_size`` fused into one gated MLP), as DeepSeek-V3 and Kimi name them."""
+
+    def __init__(self, dims: MoEDims, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate = Router(dims)
+        self.experts = Experts(dims.num_experts, dims.moe_intermediate_size, dims.hidden_size, dtype)
+        self.shared_experts = (
+            GatedMLP(dims.hidden_size, dims.moe_intermediate_size * dims.num_shared_experts, False, dtype)
+            if dims.num_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        expert_ids, weights = self.gate(x)
+        out = self.experts(x, expert_ids, weights, ctx)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, ctx)
+        return out
+
+
+def load_named_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Fill ``module`` (a DeepSeek model or MTP layer, by its own parameter names) from
+    checkpoint tensors: routed experts, linear layers (fused gate/up included) and plain
+    parameters; returns the parameter names filled. An unknown tensor is a ``KeyError``."""
+    params, linears = dict(module.named_parameters()), linear_layers(module)
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        expert = EXPERT_TENSOR.match(name)
+        fused = FUSED_EXPERT_TENSOR.match(name)
+        if expert or fused:
+            match = expert or fused
+            experts = module.get_submodule(match.group("moe"))
+            done = (experts.load(int(expert.group("expert")), expert.group("proj"), tensor) if expert
+                    else experts.load_fused(fused.group("proj"), tensor))
+            if done:
+                loaded.update(f"{match.group('moe')}.{p}" for p in ("w13", "w2"))
+            continue
+        loaded |= load_tensor(module, params, linears, name, tensor, GATE_UP_PARAMS)
+    return loaded

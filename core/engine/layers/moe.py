@@ -162,7 +162,8 @@ class MoE(nn.Module):
         return out
 
 
-def load_named_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+def load_named_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                       stacked: dict[str, tuple[str, int]] = GATE_UP_PARAMS) -> set[str]:
     """Fill ``module`` (a DeepSeek model or MTP layer, by its own parameter names) from
     checkpoint tensors: routed experts, linear layers (fused gate/up included) and plain
     parameters; returns the parameter names filled. An unknown tensor is a ``KeyError``."""
@@ -181,5 +182,5 @@ def load_named_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
             if done:
                 loaded.update(f"{match.group('moe')}.{p}" for p in ("w13", "w2"))
             continue
-        loaded |= load_tensor(module, params, linears, name, tensor, GATE_UP_PARAMS)
+        loaded |= load_tensor(module, params, linears, name, tensor, stacked)
     return loaded

@@ -73,7 +73,8 @@ class LLMEngine:
         self.dtype_name = resolve_dtype(config.dtype, checkpoint_dtype(raw_config), self.platform)
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
         self.platform.seed_everything(config.seed)
-        max_positions = int(raw_config.get("max_position_embeddings", 2048))
+        # Kimi's configs name it model_max_length
+        max_positions = int(raw_config.get("max_position_embeddings") or raw_config.get("model_max_length") or 2048)
         self.max_model_len = config.max_model_len or max_positions
         if self.max_model_len > max_positions:
             raise ValueError(

@@ -56,10 +56,21 @@ TINY_CONFIGS["DeepseekV4ForCausalLM"] = dict(
                      "beta_fast": 32, "beta_slow": 1},
 )
 
+# Kimi Linear: three KDA layers around one MLA layer (no positional encoding), a dense first layer
+TINY_CONFIGS["KimiLinearForCausalLM"] = dict(
+    hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    num_local_experts=8, num_experts_per_tok=2, num_shared_experts=1, vocab_size=320, max_position_embeddings=512,
+    linear_num_heads=4, linear_head_dim=16,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
 _CONFIG_CLASSES = {
     "DeepseekV3ForCausalLM": "DeepseekV3Config",
     "DeepseekV32ForCausalLM": "DeepseekV32Config",
     "DeepseekV4ForCausalLM": "DeepseekV4Config",
+    "KimiLinearForCausalLM": "KimiLinearConfig",
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",

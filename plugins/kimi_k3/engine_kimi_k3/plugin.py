@@ -1,0 +1,8 @@
+"""Hook implementations of engine-kimi-k3. Imports nothing heavy."""
+
+import engine
+
+
+@engine.hookimpl
+def register_models(register):
+    register("KimiLinearForCausalLM", "engine_kimi_k3.kimi_linear:KimiLinearForCausalLM")

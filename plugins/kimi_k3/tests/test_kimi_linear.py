@@ -1,0 +1,103 @@
+"""Kimi Linear against transformers on the same random weights (fp32), beyond the kit: greedy
+generation of a batch, prefill in chunks of 1, 5 and 64 tokens, the recurrent-state slots
+through preemption, finish and abort, and prefix caching turned off."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+PLUGINS = ["cpu", "kimi_k3"]
+
+
+def make_llm(path, **kwargs) -> LLM:
+    return LLM(str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.02, "progress": False,
+                             **kwargs})
+
+
+def prompts(seed: int, lengths=(3, 11, 20, 37)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 320) for _ in range(n)] for n in lengths]
+
+
+def greedy(llm: LLM, batch: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("kimi_linear")
+    return path, make_tiny_checkpoint("KimiLinearForCausalLM", path)
+
+
+def test_24_greedy_tokens_of_a_batch_match_transformers(checkpoint):
+    """Against transformers' argmax over its forward of each growing sequence (``generate``
+    with ``min_new_tokens`` would suppress the EOS token, which ``ignore_eos`` keeps)."""
+    path, hf_model = checkpoint
+    batch = prompts(0)
+    for prompt, tokens in zip(batch, greedy(make_llm(path), batch, 24)):
+        sequence = list(prompt)
+        for _ in range(24):
+            with torch.no_grad():
+                sequence.append(int(hf_model(torch.tensor([sequence])).logits[0, -1].argmax()))
+        assert tokens == sequence[len(prompt):]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_prefill_in_chunks_equals_whole_prefill(checkpoint, chunk):
+    """Prompts (one of 150 tokens, past a 64-token chunk of the chunked form) prefilled in steps of
+    ``chunk`` tokens continue each request's state from step to step: the logits are those of one
+    whole-prompt step."""
+    path, _ = checkpoint
+    batch = prompts(1, lengths=(9, 150, 33))
+    whole = make_llm(path).prompt_logits(batch)
+    chunked = make_llm(path, max_num_batched_tokens=chunk, max_num_seqs=3).prompt_logits(batch)
+    for a, b in zip(whole, chunked):
+        assert (a - b).abs().max().item() <= 1e-4 * max(1.0, a.abs().max().item())
+
+
+def test_preemption_returns_state_slots_and_keeps_outputs(checkpoint, caplog):
+    """Prefix caching is off for the hybrid model (and says so). Requests preempted by recompute
+    give their state slot back and start afresh; the outputs are those of one request at a time,
+    and after the run every slot is free again."""
+    path, _ = checkpoint
+    batch = prompts(2, lengths=(9, 33, 50, 21, 40))
+    expected = greedy(make_llm(path, max_num_seqs=1), batch, 30)
+    specs = make_llm(path).engine.model.kv_cache_specs()
+    states = 5 * sum(spec.state_numel() * 4 for spec in specs if spec.is_recurrent)  # float32, five slots
+    blocks = 12 * 16 * sum(spec.kv_bytes_per_token(4) for spec in specs)  # the MLA layer's paged entries
+    with caplog.at_level(logging.INFO, logger="engine"):
+        # 12 blocks of 16 tokens: five requests of up to 80 tokens must take turns
+        llm = make_llm(path, kv_cache_memory=(states + blocks) / 2**30, max_model_len=128, max_num_seqs=5)
+    assert "prefix caching is off for KimiLinearForCausalLM" in caplog.text
+    assert not llm.engine.kv_manager.enable_prefix_caching
+    assert greedy(llm, batch, 30) == expected
+    manager = llm.engine.kv_manager
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert sorted(manager.free_state_slots) == list(range(manager.num_state_slots))
+
+
+def test_abort_returns_the_state_slot(checkpoint):
+    path, _ = checkpoint
+    llm = make_llm(path, max_num_seqs=4)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    for i, prompt in enumerate(prompts(3)):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(3):
+        engine.step()
+    held = {r.request_id: r.state_slot for r in engine.scheduler.running}
+    assert len(held) == 4 and len(set(held.values())) == 4
+    engine.abort("r1")
+    assert held["r1"] in engine.kv_manager.free_state_slots
+    while engine.has_unfinished():
+        engine.step()
+    assert sorted(engine.kv_manager.free_state_slots) == list(range(engine.kv_manager.num_state_slots))

@@ -66,7 +66,9 @@ class MLAttention(nn.Module):
     forward leaves the rope dims unrotated (Kimi's MLA has no positional encoding)."""
 
     def __init__(self, dims: MLADims, spec: AttentionSpec, layer_index: int, interleaved_rope: bool,
-                 dtype: torch.dtype, indexer: nn.Module | None = None) -> None:
+                 dtype: torch.dtype, indexer: nn.Module | None = None, output_gate: bool = False) -> None:
+        """``output_gate`` (Kimi-K3's gated MLA): the heads' output times ``σ(g_proj(x))`` before
+        ``o_proj``."""
         super().__init__()
         d = self.dims = dims
         bias = dims.attention_bias
@@ -80,6 +82,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, d.rms_norm_eps, dtype)
         self.kv_b_proj = LatentUpProjection(d, dtype)
         self.o_proj = Linear(d.num_heads * d.v_head_dim, d.hidden_size, bias, dtype)
+        self.g_proj = Linear(d.hidden_size, d.num_heads * d.v_head_dim, False, dtype) if output_gate else None
         self.interleaved_rope = interleaved_rope
         self.attn = Attention(layer_index, spec)
         self.indexer = indexer  # sparse MLA: picks the positions each query attends to
@@ -112,4 +115,7 @@ class MLAttention(nn.Module):
             indices = self.indexer(x, q_latent, ctx, cos_sin)
             out = ctx.sparse_attention(self.attn.layer_index, query, entry, indices)
         out = torch.einsum("thr,hvr->thv", out, w_uv)  # [T, H, v]
-        return self.o_proj(out.reshape(num_tokens, d.num_heads * d.v_head_dim))
+        out = out.reshape(num_tokens, d.num_heads * d.v_head_dim)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -79,13 +79,16 @@ class Experts(nn.Module):
     ``silu(gate) * up``."""
 
     def __init__(self, num_experts: int, intermediate_size: int, hidden_size: int, dtype: torch.dtype,
-                 swiglu_limit: float | None = None) -> None:
+                 swiglu_limit: float | None = None,
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``activation``: gate_up [n, 2I] -> [n, I] in place of SiLU-and-multiply (Kimi-K3's SiTU-GLU)."""
         super().__init__()
         e, i, h = num_experts, intermediate_size, hidden_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
         self.intermediate_size = i
         self.swiglu_limit = swiglu_limit
+        self.custom_activation = activation
         self._loaded: set[tuple[int, str]] = set()
 
     def load(self, expert: int, proj: str, tensor: torch.Tensor) -> bool:
@@ -130,6 +133,8 @@ class Experts(nn.Module):
         return out.to(x.dtype)
 
     def activation(self, gate_up: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if self.custom_activation is not None:
+            return self.custom_activation(gate_up)
         if self.swiglu_limit is None:
             return ctx.ops.silu_and_mul(gate_up)
         return clamped_swiglu(gate_up, self.swiglu_limit)

@@ -51,6 +51,10 @@ STACKED = {**GATE_UP_PARAMS, "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1
 
 @dataclass(frozen=True)
 class KimiDims(MLADims, MoEDims):
+    """``rms_norm_eps`` is the MLA layers' low-rank norms' (1e-6, as Moonshot builds them);
+    ``norm_eps`` the config's, for the decoder's and the KDA output norms."""
+
+    norm_eps: float
     intermediate_size: int
     vocab_size: int
     num_layers: int
@@ -91,7 +95,7 @@ class KimiDims(MLADims, MoEDims):
             q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=config.kv_lora_rank,
             qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
             v_head_dim=config.v_head_dim, attention_bias=bool(raw.get("attention_bias", False)),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rms_norm_eps=1e-6, norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
             moe_intermediate_size=config.moe_intermediate_size,
             num_experts=first("num_experts", "num_local_experts", "n_routed_experts"),
             experts_per_token=first("num_experts_per_token", "num_experts_per_tok"),
@@ -147,7 +151,7 @@ class KimiDeltaAttention(nn.Module):
         self.b_proj = Linear(dims.hidden_size, heads, False, dtype)
         self.g_a_proj = Linear(dims.hidden_size, head_dim, False, dtype)
         self.g_b_proj = Linear(head_dim, width, False, dtype)
-        self.o_norm = GatedHeadNorm(head_dim, dims.rms_norm_eps)
+        self.o_norm = GatedHeadNorm(head_dim, dims.norm_eps)
         self.o_proj = Linear(width, dims.hidden_size, False, dtype)
         self.layer_index, self.heads, self.head_dim = layer_index, heads, head_dim
 
@@ -185,8 +189,8 @@ class KimiLinearForCausalLM(Model):
                              else KimiDeltaAttention(d, self.kda_spec, i, dtype))
                 mlp = (GatedMLP(d.hidden_size, d.intermediate_size, False, dtype) if d.mlp_layer_types[i] == "dense"
                        else MoE(d, dtype))
-                layers.append(PreNormDecoderLayer(attention, mlp, d.hidden_size, d.rms_norm_eps, dtype))
-            self.model = DecoderStack(d.vocab_size, d.hidden_size, d.rms_norm_eps, layers, dtype)
+                layers.append(PreNormDecoderLayer(attention, mlp, d.hidden_size, d.norm_eps, dtype))
+            self.model = DecoderStack(d.vocab_size, d.hidden_size, d.norm_eps, layers, dtype)
             self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
 
     def kv_cache_specs(self) -> list[AttentionSpec]:

@@ -73,8 +73,11 @@ class LLMEngine:
         self.dtype_name = resolve_dtype(config.dtype, checkpoint_dtype(raw_config), self.platform)
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
         self.platform.seed_everything(config.seed)
-        # Kimi's configs name it model_max_length
-        max_positions = int(raw_config.get("max_position_embeddings") or raw_config.get("model_max_length") or 2048)
+        # Kimi's configs name it model_max_length; multimodal ones keep the language model's under text_config
+        text_config = raw_config.get("text_config") or {}
+        max_positions = int(raw_config.get("max_position_embeddings") or raw_config.get("model_max_length")
+                            or text_config.get("max_position_embeddings") or text_config.get("model_max_length")
+                            or 2048)
         self.max_model_len = config.max_model_len or max_positions
         if self.max_model_len > max_positions:
             raise ValueError(
@@ -107,7 +110,7 @@ class LLMEngine:
         self.kv_tier = self._make_kv_tier(components)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
-        self.vocab_size = int(raw_config.get("vocab_size", 0))
+        self.vocab_size = int(raw_config.get("vocab_size") or text_config.get("vocab_size") or 0)
         self.spec = self._make_spec_decoder(components)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
         self.chat_encoder = type(self.model).chat_encoder  # None: the tokenizer's chat template

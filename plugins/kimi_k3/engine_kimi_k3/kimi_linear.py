@@ -161,11 +161,15 @@ class KimiDeltaAttention(nn.Module):
         decay_rate = self.A_log.float().view(1, self.heads, 1).exp()
         return -decay_rate * F.softplus(gate, threshold=20.0)
 
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """The output gate's logits [T, heads · head_dim] (low rank: g_b(g_a(x)))."""
+        return self.g_b_proj(self.g_a_proj(x))
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin=None) -> torch.Tensor:
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, heads]
         conv = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         out = ctx.linear(self.layer_index, self.qkv_proj(x), conv, self.forget_gate(x), beta)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(-1, self.heads, self.head_dim)
+        gate = self.output_gate(x).view(-1, self.heads, self.head_dim)
         return self.o_proj(self.o_norm(out, gate).reshape(x.shape[0], -1))
 
 

@@ -6,3 +6,4 @@ import engine
 @engine.hookimpl
 def register_models(register):
     register("KimiLinearForCausalLM", "engine_kimi_k3.kimi_linear:KimiLinearForCausalLM")
+    register("KimiK3ForConditionalGeneration", "engine_kimi_k3.kimi_k3:KimiK3ForConditionalGeneration")

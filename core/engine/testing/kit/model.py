@@ -90,7 +90,8 @@ class ModelTests(KitTests):
 
     def prompts(self, path: Path, seed: int) -> list[list[int]]:
         """Random token ids, one prompt per length in ``PROMPT_LENGTHS``."""
-        vocab_size = int(json.loads((path / "config.json").read_text())["vocab_size"])
+        config = json.loads((path / "config.json").read_text())
+        vocab_size = int(config.get("vocab_size") or config["text_config"]["vocab_size"])  # multimodal: nested
         rng = random.Random(seed)
         return [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
 

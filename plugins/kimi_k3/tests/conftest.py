@@ -1,0 +1,7 @@
+"""The Kimi tests import their tiny K3 checkpoint and reference (k3_reference.py) from this folder."""
+
+import sys
+from pathlib import Path
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))

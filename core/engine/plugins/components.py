@@ -66,12 +66,14 @@ class Components:
 
     @classmethod
     def from_plugin_manager(cls, pm: EnginePluginManager) -> Components:
+        from engine.kernels import BUILTIN_ATTENTION_BACKENDS
         from engine.kv_tiers import BUILTIN_KV_TIERS
         from engine.spec_decode import BUILTIN_SPEC_PROPOSERS
 
         components = cls()
         for registry, builtins in ((components.kv_tiers, BUILTIN_KV_TIERS),
-                                   (components.spec_proposers, BUILTIN_SPEC_PROPOSERS)):
+                                   (components.spec_proposers, BUILTIN_SPEC_PROPOSERS),
+                                   (components.attention_backends, BUILTIN_ATTENTION_BACKENDS)):
             for name, target in builtins.items():  # part of the engine: no plugin needed
                 registry.add(name, target, plugin=BUILT_IN, distribution="engine (built in)")
         for kind in KINDS:

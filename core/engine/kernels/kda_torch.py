@@ -1,0 +1,129 @@
+"""Kimi delta attention in torch: the forms the engine's KDA backends share and the Triton
+kernels are checked against.
+
+- :func:`prepare` runs the short convolution for a step's sequences padded to
+  [sequences, rows] (the inputs kept from earlier steps first), keeps each sequence's last
+  ``kernel - 1`` inputs, and returns the normalised q, k and v, the gates and betas, padded;
+  padding rows have ``k = 0``, ``β = 0``, ``g = 0``, so they leave a state unchanged.
+- :func:`recurrent_step` is one token per sequence; :func:`chunked` the chunked form (WY
+  representation within chunks of 64, the state carried across chunks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.interfaces.attention import AttentionSpec, CommonAttentionMetadata
+
+CHUNK = 64
+
+
+@dataclass
+class KdaMetadata:
+    common: CommonAttentionMetadata
+    token_seq: torch.Tensor  # [T] the sequence of each new token
+    token_row: torch.Tensor  # [T] its row within the sequence's new tokens
+    fresh: torch.Tensor  # [B] True where the sequence starts from a zero state
+
+
+def build_metadata(common: CommonAttentionMetadata) -> KdaMetadata:
+    device = common.query_lens.device
+    token_seq = torch.repeat_interleave(torch.arange(common.num_seqs, device=device), common.query_lens)
+    token_row = torch.arange(token_seq.shape[0], device=device) - common.query_start_loc[token_seq]
+    return KdaMetadata(common, token_seq, token_row, common.context_lens == 0)
+
+
+def split_state(spec: AttentionSpec, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of every slot's flat float32 state: (conv inputs [slots, kernel - 1, channels], S
+    [slots, H, head_size, value_size])."""
+    conv_numel = (spec.conv_kernel - 1) * spec.conv_channels
+    conv = states[:, :conv_numel].view(-1, spec.conv_kernel - 1, spec.conv_channels)
+    recurrent = states[:, conv_numel:].view(-1, spec.num_heads, spec.head_size, spec.value_size)
+    return conv, recurrent
+
+
+def prepare(spec: AttentionSpec, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, state: torch.Tensor, metadata: KdaMetadata):
+    """The step's inputs padded per sequence and convolved, the convolution inputs saved back to
+    the slots. Returns q, k, g [B, rows, H, head_size], v [B, rows, H, value_size], beta [B, rows,
+    H] (float32) and the initial S [B, H, head_size, value_size] (zeros for fresh sequences)."""
+    common = metadata.common
+    heads, dk, dv, width = spec.num_heads, spec.head_size, spec.value_size, spec.conv_kernel - 1
+    slots = common.state_slots
+    conv_states, recurrent_states = split_state(spec, state)
+    fresh = metadata.fresh[:, None, None]
+    kept = conv_states[slots].masked_fill(fresh, 0.0)  # [B, kernel - 1, C]
+    initial = recurrent_states[slots].masked_fill(fresh[..., None], 0.0)  # [B, H, dk, dv]
+    num_seqs, rows = common.num_seqs, common.max_query_len
+    seq, row = metadata.token_seq, metadata.token_row
+    inputs = mixed_qkv.new_zeros(num_seqs, width + rows, spec.conv_channels, dtype=torch.float32)
+    inputs[:, :width] = kept
+    inputs[seq, width + row] = mixed_qkv.float()
+    windows = inputs.unfold(1, spec.conv_kernel, 1)  # [B, rows, C, kernel]
+    activated = F.silu(torch.einsum("btck,ck->btc", windows, conv_weight.float()))  # [B, rows, C]
+    # the convolution inputs kept for the next step: each sequence's last kernel - 1
+    ends = common.query_lens[:, None] + torch.arange(width, device=state.device)[None, :]
+    conv_states[slots] = inputs[torch.arange(num_seqs, device=state.device)[:, None], ends]
+    q, k, v = activated.split([heads * dk, heads * dk, heads * dv], dim=-1)
+    q = l2_normalize(q.view(num_seqs, rows, heads, dk)) * spec.scale
+    k = l2_normalize(k.view(num_seqs, rows, heads, dk))
+    v = v.reshape(num_seqs, rows, heads, dv)
+    decay = g.new_zeros(num_seqs, rows, heads, dk, dtype=torch.float32)
+    decay[seq, row] = g.float()
+    strength = beta.new_zeros(num_seqs, rows, heads, dtype=torch.float32)
+    strength[seq, row] = beta.float()
+    valid = torch.zeros(num_seqs, rows, dtype=torch.bool, device=state.device)
+    valid[seq, row] = True
+    k = k * valid[..., None, None]  # padded rows: k = 0 too
+    return q, k, v, decay, strength, initial
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def recurrent_step(q, k, v, g, beta, state):
+    """One token per sequence. q, k, g: [B, H, dk]; v: [B, H, dv]; beta: [B, H]; state [B, H, dk, dv]."""
+    state = state * g.exp()[..., None]
+    remembered = torch.einsum("bhkv,bhk->bhv", state, k)
+    state = state + k[..., None] * ((v - remembered) * beta[..., None])[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", state, q), state
+
+
+def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The chunked form. q, k, g: [B, L, H, dk]; v: [B, L, H, dv]; beta: [B, L, H]; state
+    [B, H, dk, dv] -> (o [B, L, H, dv], final state)."""
+    num_seqs, length, heads, dk = k.shape
+    pad = (-length) % chunk  # zero rows, as the step's own padding: the state passes them unchanged
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, L, H, d] -> [B, H, chunks, chunk, d]
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.transpose(1, 2).reshape(num_seqs, heads, -1, chunk, x.shape[-1])
+
+    q, k, v, g = (chunks(x) for x in (q, k, v, g))
+    beta = F.pad(beta, (0, 0, 0, pad)).transpose(1, 2).reshape(num_seqs, heads, -1, chunk)
+    g = g.cumsum(dim=-2)  # within each chunk
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(chunk, device=q.device)
+    out = torch.empty_like(v)
+    for c in range(q.shape[2]):
+        qc, kc, gc = q[:, :, c], k[:, :, c], g[:, :, c]
+        # decay from token j to token i per channel, exp(g_i - g_j), for j <= i
+        decay = (gc[..., :, None, :] - gc[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+        # WY representation: T = (I + strictly lower(β_i k_i · decay · k_j))⁻¹
+        interactions = torch.einsum("bhid,bhjd,bhijd->bhij", k_beta[:, :, c], kc, decay).masked_fill(~lower, 0.0)
+        solve = torch.linalg.solve_triangular(eye + interactions, eye.expand_as(interactions), upper=False)
+        u = solve @ v_beta[:, :, c]  # [B, H, chunk, dv]
+        w = solve @ (k_beta[:, :, c] * gc.exp())  # [B, H, chunk, dk]
+        new_values = u - w @ state
+        within = torch.einsum("bhid,bhjd,bhijd->bhij", qc, kc, decay)
+        out[:, :, c] = (qc * gc.exp()) @ state + within @ new_values
+        last = gc[:, :, -1:]  # [B, H, 1, dk]
+        state = state * last.transpose(-1, -2).exp() + (kc * (last - gc).exp()).transpose(-1, -2) @ new_values
+    out = out.reshape(num_seqs, heads, -1, v.shape[-1])[:, :, :length].transpose(1, 2)
+    return out, state

@@ -34,6 +34,7 @@ from engine.interfaces.attention import (
 )
 from engine_cpu.attention import CpuPagedAttention
 from engine_cpu.indexer import CpuIndexer
+from engine_cpu.kda import CpuKdaAttention
 from engine_cpu.mla import CpuMlaAttention
 
 
@@ -335,13 +336,51 @@ class IndexerAlwaysAll(CpuIndexer):
         return None
 
 
+class KdaReference(CpuKdaAttention):
+    """The real cpu_kda under the zoo's name."""
+
+    name = "kit_kda_ref"
+
+
+class KdaIgnoresFresh(CpuKdaAttention):
+    """cpu_kda continuing whatever a slot held, even for a sequence with no cached tokens."""
+
+    name = "kit_bug_kda_stale_state"
+
+    def build_metadata(self, common):
+        metadata = super().build_metadata(common)
+        metadata.fresh = torch.zeros_like(metadata.fresh)
+        return metadata
+
+
+class KdaForgetsState(CpuKdaAttention):
+    """cpu_kda that never writes the recurrent state back: every step starts afresh."""
+
+    name = "kit_bug_kda_no_state"
+
+    def forward_linear(self, mixed_qkv, conv_weight, g, beta, state, metadata):
+        return super().forward_linear(mixed_qkv, conv_weight, g, beta, state.clone(), metadata)
+
+
+class KdaNoConvolution(CpuKdaAttention):
+    """cpu_kda whose short convolution sees only the current token (kernel of one)."""
+
+    name = "kit_bug_kda_no_conv"
+
+    def forward_linear(self, mixed_qkv, conv_weight, g, beta, state, metadata):
+        only_last = torch.zeros_like(conv_weight)
+        only_last[:, -1] = conv_weight[:, -1]
+        return super().forward_linear(mixed_qkv, only_last, g, beta, state, metadata)
+
+
 @engine.hookimpl
 def register_attention_backends(register):
     for cls in (ReferencePaged, WrongScale, DefaultScale, CausalSeesNextKey, CausalDropsDiagonal, IgnoresWindow,
                 NoCacheWrite, CpuWrongScale, ReferenceMla, MlaValueTail, MlaFullValue, MlaScoresWithoutRope,
                 MlaDefaultScale, MlaCausalSeesNextKey, MlaNoCacheWrite, CpuMlaWrongScale, SparseIgnoresIndices,
                 SparsePaddingIsPositionZero, SparseNoLse, ReferenceIndexer, IndexerSeesNextKey, IndexerNoCacheWrite,
-                IndexerIgnoresWeights, IndexerAlwaysAll):
+                IndexerIgnoresWeights, IndexerAlwaysAll, KdaReference, KdaIgnoresFresh, KdaForgetsState,
+                KdaNoConvolution):
         register(cls)
 '''
 
@@ -381,6 +420,11 @@ VARIANTS = {
     "kit_bug_indexer_weights": ("cpu_indexer subclass ignoring the head weights", {"test_indexer"}, OTHER_CHECKS),
     "kit_bug_indexer_none": ("cpu_indexer subclass answering 'every position' for long sequences",
                              {"test_indexer"}, OTHER_CHECKS),
+    "kit_kda_ref": ("none: the real cpu_kda", set(), {"test_linear"} | OTHER_CHECKS),
+    "kit_bug_kda_stale_state": ("KDA continues a slot's stale state for a fresh sequence", {"test_linear"},
+                                OTHER_CHECKS),
+    "kit_bug_kda_no_state": ("KDA never writes its state back", {"test_linear"}, OTHER_CHECKS),
+    "kit_bug_kda_no_conv": ("KDA's short convolution sees only the current token", {"test_linear"}, OTHER_CHECKS),
 }
 
 

@@ -161,10 +161,20 @@ class AttentionBackend(ABC):
     capabilities: ClassVar[AttentionCapabilities]
 
     def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Raises ``ValueError`` when :meth:`spec_reasons` finds ``spec`` unservable."""
         self.spec = spec
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
+        reasons = self.spec_reasons(spec)
+        if reasons:
+            raise ValueError(f"{self.name} cannot serve {spec}: {'; '.join(reasons)}.")
+
+    @classmethod
+    def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """Reasons a spec of a declared kind is malformed for this backend (an MLA spec without
+        ``latent_size``, say); empty by default. :meth:`validate` and the constructor use it."""
+        return []
 
     @classmethod
     def validate(
@@ -185,6 +195,8 @@ class AttentionBackend(ABC):
             reasons.append(f"head size {spec.head_size} not supported (supports {sorted(caps.head_sizes)})")
         if caps.block_sizes is not None and block_size not in caps.block_sizes:
             reasons.append(f"block size {block_size} not supported (supports {sorted(caps.block_sizes)})")
+        if spec.kind in caps.kinds:
+            reasons += cls.spec_reasons(spec)
         return reasons
 
     @abstractmethod

@@ -82,22 +82,9 @@ class CpuMlaAttention(AttentionBackend):
         dtypes=frozenset({"float32", "bfloat16"}),
     )
 
-    def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__(spec, block_size, dtype, device)
-        reasons = latent_spec_reasons(spec)
-        if reasons:
-            raise ValueError(f"cpu_mla cannot serve {spec}: {'; '.join(reasons)}.")
-
     @classmethod
-    def validate(
-        cls, spec: AttentionSpec, *, platform: str, dtype: str, block_size: int, kv_cache_dtype: str = "auto"
-    ) -> list[str]:
-        reasons = super().validate(
-            spec, platform=platform, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype
-        )
-        if spec.is_latent:
-            reasons += latent_spec_reasons(spec)
-        return reasons
+    def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
+        return latent_spec_reasons(spec) if spec.is_latent else []
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         # [block, offset in block, entry]

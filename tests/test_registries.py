@@ -23,7 +23,8 @@ if str(Path(__file__).parent) not in sys.path:
 from plugin_helpers import PluginFactory, hooks_source  # noqa: E402
 
 KV_TIER = "engine.interfaces.kv_tier:KVTier"
-BUILT_INS = {"kv_tiers": ["cpu"], "spec_proposers": ["draft", "ngram"]}  # what the engine registers itself, with no plugin
+BUILT_INS = {"kv_tiers": ["cpu"], "spec_proposers": ["draft", "ngram"],  # what the engine registers itself, with no plugin
+             "attention_backends": ["triton_kda"]}
 
 
 TIER_MODULE = """

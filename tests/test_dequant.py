@@ -109,3 +109,24 @@ def test_a_weight_without_its_scale_and_a_scale_without_its_weight_are_errors():
         CheckpointDequantizer(FP8, torch.float32).dequantize("x.a.weight", quantized, scales[:1])
     with pytest.raises(ValueError, match="fmt 'e5m2'"):
         CheckpointDequantizer({**FP8, "fmt": "e5m2"}, torch.float32)
+
+
+def test_compressed_tensors_mxfp4_pairs_weight_packed_with_uint8_scales():
+    """Kimi-K3's experts: ``X.weight_packed`` (uint8, even element in the low nibble) and
+    ``X.weight_scale`` (uint8 biased exponents) become ``X.weight``; plain weights pass."""
+    from engine.model_loader.dequant import dequantizable
+
+    config = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"format": "mxfp4-pack-quantized"}}}
+    assert dequantizable(config) and not dequantizable({"quant_method": "compressed-tensors", "format": "int-quantized"})
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 16, (2, 64), generator=gen)
+    exponents = torch.randint(120, 134, (2, 2), generator=gen).to(torch.uint8)
+    plain = torch.randn(3, 3, generator=gen)
+    stream = [("e.w1.weight_scale", exponents), ("e.w1.weight_packed", pack_fp4(codes).view(torch.uint8)),
+              ("norm.weight", plain)]
+    dequantizer = CheckpointDequantizer(config, torch.float32)
+    out = dict(dequantize_stream(iter(stream), dequantizer))
+    expected = torch.tensor([[E2M1_VALUES[int(codes[r, c])] * 2.0 ** (int(exponents[r, c // 32]) - 127)
+                              for c in range(64)] for r in range(2)])
+    assert set(out) == {"e.w1.weight", "norm.weight"} and torch.equal(out["e.w1.weight"], expected)
+    assert out["norm.weight"] is plain

@@ -18,7 +18,7 @@ from engine.layers.linear import apply_linear_method, quantize_model
 from engine.layers.ops import REFERENCE_OPS
 from engine.model_config import HFConfig
 from engine.model_loader.checkpoint import checkpoint_dtype, eos_token_ids, resolve_model_path, safetensors_files
-from engine.model_loader.dequant import DEQUANTIZABLE_METHODS, CheckpointDequantizer
+from engine.model_loader.dequant import CheckpointDequantizer, dequantizable
 from engine.model_loader.weights import load_weights
 from engine.plugins.manager import EnginePluginManager, get_plugin_manager
 from engine.plugins.registry import ComponentError
@@ -142,7 +142,7 @@ class LLMEngine:
                     "--quantization-config applies to on-the-fly quantization; this checkpoint's "
                     "quantization_config in config.json is used as it is."
                 )
-            if method in DEQUANTIZABLE_METHODS and method not in components.quantizers.names():
+            if dequantizable(checkpoint_config) and method not in components.quantizers.names():
                 # no kernels for this format here: the weights become dense in the compute dtype
                 logger.info("the checkpoint is quantized with %r and no quantizer of that name is registered: "
                             "its weights are dequantized to %s at load", method, self.dtype_name)

@@ -38,7 +38,7 @@ from engine.interfaces.spec_proposer import (
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, VocabEmbedding
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
-from engine.model_loader.dequant import DEQUANTIZABLE_METHODS, CheckpointDequantizer, dequantize_stream
+from engine.model_loader.dequant import CheckpointDequantizer, dequantizable, dequantize_stream
 from engine.model_config import HFConfig
 from engine.layers.moe import load_named_tensors
 from engine_deepseek_v4.deepseek_v3 import Dims, attention_spec, decoder_layer, indexer_spec
@@ -165,7 +165,7 @@ class MtpProposer(SpecProposer):
 
         tensors = mtp_tensors()
         quantization = raw.get("quantization_config") or {}
-        if quantization.get("quant_method") in DEQUANTIZABLE_METHODS:  # an FP8 checkpoint: as the target loads it
+        if quantization and dequantizable(quantization):  # an FP8 checkpoint: as the target loads it
             tensors = dequantize_stream(tensors, CheckpointDequantizer(quantization, init.dtype))
         load_tensors(self.layer, tensors)
         dtype_name = str(init.dtype).removeprefix("torch.")

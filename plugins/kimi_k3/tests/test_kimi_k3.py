@@ -76,3 +76,40 @@ class TestKimiK3Kit(ModelTests):
         path = tmp_path_factory.mktemp("kimi_k3_kit")
         make_k3_checkpoint(path, seed=2)
         return path, None
+
+
+def test_mxfp4_experts_in_compressed_tensors_load_dequantized(tmp_path):
+    """Routed experts stored as compressed-tensors MXFP4 (weight_packed + weight_scale, as K3
+    ships them) load dequantized; the logits are the reference's on the dequantized weights."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors = make_k3_checkpoint(tmp_path, seed=3)
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    stored, dense = {}, dict(tensors)
+    for name, tensor in tensors.items():
+        if ".experts." not in name:
+            stored[name] = tensor
+            continue
+        rows, cols = tensor.shape
+        groups = tensor.view(rows, cols // 32, 32)
+        exponents = (groups.abs().amax(-1) / 6).clamp(min=2.0**-100).log2().ceil()
+        scaled = groups / 2.0 ** exponents[..., None]
+        magnitude = (scaled.abs()[..., None] - e2m1).abs().argmin(-1)
+        codes = (magnitude + 8 * (scaled < 0)).view(rows, cols)
+        prefix = name.removesuffix(".weight")
+        stored[prefix + ".weight_packed"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+        stored[prefix + ".weight_scale"] = (exponents + 127).to(torch.uint8)
+        dense[name] = (e2m1[magnitude] * scaled.sign() * 2.0 ** exponents[..., None]).view(rows, cols)
+    save_file(stored, str(tmp_path / "model.safetensors"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["quantization_config"] = config["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompt = prompts(5, lengths=(19,))[0]
+    llm = make_llm(tmp_path)
+    assert llm.engine.dequantizer.dequantized == 4 * 8 * 3  # four MoE layers, eight experts, w1/w2/w3
+    (logits,) = llm.prompt_logits([prompt])
+    reference = reference_logits(dense, TEXT_CONFIG, prompt)
+    assert (logits - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item())

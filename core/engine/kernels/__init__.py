@@ -6,5 +6,7 @@ GPU platforms to list in their preferences.
 """
 
 BUILTIN_ATTENTION_BACKENDS = {
+    "triton_paged": "engine.kernels.paged_attention:TritonPagedAttention",
+    "triton_mla": "engine.kernels.paged_attention:TritonMlaAttention",
     "triton_kda": "engine.kernels.kda:TritonKdaAttention",
 }

@@ -1,0 +1,1 @@
+"""engine-rocm: the AMD GPU platform (ROCm/HIP through torch's ``cuda`` device type)."""

@@ -1,0 +1,8 @@
+"""Hook implementations of engine-rocm. Imports nothing heavy."""
+
+import engine
+
+
+@engine.hookimpl
+def register_platforms(register):
+    register("rocm", "engine_rocm.platform:RocmPlatform")

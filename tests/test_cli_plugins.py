@@ -136,7 +136,7 @@ def test_plugins_text_lists_plugins_hooks_and_components(capsys):
         "  platforms: cpu",
         "  attention_backends: cpu_indexer, cpu_kda, cpu_mla, cpu_paged",
         "built into the engine:",
-        "  attention_backends: triton_kda",
+        "  attention_backends: triton_kda, triton_mla, triton_paged",
         "  spec_proposers: draft, ngram",
         "  kv_tiers: cpu",
     ]
@@ -227,13 +227,13 @@ def test_plugins_with_an_empty_selection_loads_none(capsys, monkeypatch, how):
     assert rc == 0
     report = json.loads(out)
     assert report["plugins"] == []
-    # only what the engine itself provides: the triton_kda backend, the cpu KV tier, the ngram and draft proposers
+    # only what the engine itself provides: the Triton backends, the cpu KV tier, the ngram and draft proposers
     assert {kind: [e["name"] for e in entries] for kind, entries in report["components"].items() if entries} == {
-        "attention_backends": ["triton_kda"], "kv_tiers": ["cpu"], "spec_proposers": ["draft", "ngram"]
+        "attention_backends": ["triton_kda", "triton_mla", "triton_paged"], "kv_tiers": ["cpu"], "spec_proposers": ["draft", "ngram"]
     }
     assert report["components"]["kv_tiers"][0]["plugin"] == "engine"
 
     rc, out, _ = run_engine_plugins(capsys, "--plugins", "")
-    assert out == ("No plugins loaded.\nbuilt into the engine:\n  attention_backends: triton_kda\n"
+    assert out == ("No plugins loaded.\nbuilt into the engine:\n  attention_backends: triton_kda, triton_mla, triton_paged\n"
                    "  spec_proposers: draft, ngram\n  kv_tiers: cpu\n")
 

@@ -113,7 +113,7 @@ def test_empty_selection_loads_no_plugin(factory, monkeypatch, form):
 
     assert pm.plugin_infos == []
     components = pm.components()
-    built_in = {"kv_tiers": ["cpu"], "spec_proposers": ["draft", "ngram"], "attention_backends": ["triton_kda"]}
+    built_in = {"kv_tiers": ["cpu"], "spec_proposers": ["draft", "ngram"], "attention_backends": ["triton_kda", "triton_mla", "triton_paged"]}
     for kind in KINDS:  # only what the engine ships itself
         assert components.registry(kind.attr).names() == built_in.get(kind.attr, []), kind.attr
 

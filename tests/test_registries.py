@@ -24,7 +24,7 @@ from plugin_helpers import PluginFactory, hooks_source  # noqa: E402
 
 KV_TIER = "engine.interfaces.kv_tier:KVTier"
 BUILT_INS = {"kv_tiers": ["cpu"], "spec_proposers": ["draft", "ngram"],  # what the engine registers itself, with no plugin
-             "attention_backends": ["triton_kda"]}
+             "attention_backends": ["triton_kda", "triton_mla", "triton_paged"]}
 
 
 TIER_MODULE = """

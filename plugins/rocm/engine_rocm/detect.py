@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from engine.interfaces.platform import Availability
 from engine_rocm.arch import arch_capabilities, gfx_arch
@@ -54,7 +54,8 @@ def probe_availability(environ: Mapping[str, str] | None = None) -> Availability
         hip = getattr(torch.version, "hip", None)
         if not hip:
             cuda = getattr(torch.version, "cuda", None)
-            build = f"; this torch is built for CUDA {cuda}" if cuda else f"; this torch ({torch.__version__}) has no GPU runtime"
+            build = (f"; this torch is built for CUDA {cuda}" if cuda
+                     else f"; this torch ({torch.__version__}) has no GPU runtime")
             return Availability(False, f"torch has no HIP runtime (torch.version.hip is None){build}")
         hidden = hidden_by_environment(environ)
         if hidden is not None:
@@ -65,9 +66,8 @@ def probe_availability(environ: Mapping[str, str] | None = None) -> Availability
         properties = torch.cuda.get_device_properties(0)
         caps = arch_capabilities(getattr(properties, "gcnArchName", ""))
         plural = "s" if count != 1 else ""
-        return Availability(
-            True, f"{count} AMD GPU{plural} visible; device 0: {properties.name} ({caps.arch}, {caps.family}); HIP {hip}"
-        )
+        device = f"device 0: {properties.name} ({caps.arch}, {caps.family})"
+        return Availability(True, f"{count} AMD GPU{plural} visible; {device}; HIP {hip}")
     except Exception as exc:
         return Availability(False, f"probing AMD GPUs failed: {type(exc).__name__}: {exc}")
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cached_property
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from engine.interfaces.attention import LINEAR, MHA, MLA, SLIDING_WINDOW
 from engine.interfaces.platform import Availability, MemoryInfo, Platform

@@ -52,9 +52,8 @@ class RocmPlatform(Platform):
     fp8_dtype = DeviceFp8Dtype()  # type: ignore[assignment]
     attention_backends = {MHA: ("triton_paged",), SLIDING_WINDOW: ("triton_paged",), MLA: ("triton_mla",),
                           LINEAR: ("triton_kda",)}
-    aiter_attention_backends: Mapping[str, tuple[str, ...]] = {
-        MHA: ("aiter_mha",), SLIDING_WINDOW: ("aiter_mha",), MLA: ("aiter_mla",),
-    }
+    # engine-rocm's AITER backends (engine_rocm.aiter_attention); MLA stays on triton_mla
+    aiter_attention_backends: Mapping[str, tuple[str, ...]] = {MHA: ("aiter_mha",), SLIDING_WINDOW: ("aiter_mha",)}
 
     @classmethod
     def is_available(cls) -> Availability:

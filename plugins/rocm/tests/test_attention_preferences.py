@@ -15,7 +15,7 @@ from engine_rocm.platform import RocmPlatform
 TRITON = {MHA: ("triton_paged",), SLIDING_WINDOW: ("triton_paged",), MLA: ("triton_mla",), LINEAR: ("triton_kda",),
           SPARSE_MLA: (), INDEXER: ()}
 WITH_AITER = {MHA: ("aiter_mha", "triton_paged"), SLIDING_WINDOW: ("aiter_mha", "triton_paged"),
-              MLA: ("aiter_mla", "triton_mla"), LINEAR: ("triton_kda",), SPARSE_MLA: (), INDEXER: ()}
+              MLA: ("triton_mla",), LINEAR: ("triton_kda",), SPARSE_MLA: (), INDEXER: ()}
 
 
 def preferences() -> dict[str, tuple[str, ...]]:

@@ -38,7 +38,7 @@ from engine.tokenizer import load_tokenizer
 logger = logging.getLogger("engine")
 
 # quantization methods whose plugin is ours to name in an error, by quant_method
-QUANTIZER_DISTRIBUTIONS = {"bitsandbytes": "engine-bitsandbytes"}
+QUANTIZER_DISTRIBUTIONS = {"bitsandbytes": "engine-bitsandbytes", "mxfp8": "engine-xpu"}
 
 
 @dataclass

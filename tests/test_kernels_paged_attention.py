@@ -12,6 +12,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 import dataclasses  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -72,3 +73,73 @@ class TestTritonMlaKit(AttentionBackendTests):
     @pytest.mark.parametrize("block_size", [4])
     def test_kv_cache_write(self, block_size, dtype, engine_device):
         super().test_kv_cache_write(block_size, dtype, engine_device)
+
+
+def paged_case(lengths, block_size, num_kv_heads, head_size, generator):
+    """Random keys/values for sequences of the given (context, new) lengths, scattered over
+    shuffled blocks of a paged cache; returns the cache views, the block tables, each new
+    token's sequence and position, and the unpaged keys/values per sequence."""
+    widths = [-(-(c + n) // block_size) for c, n in lengths]
+    order = torch.randperm(sum(widths) + 1, generator=generator)  # block ids, one spare
+    k_cache = torch.zeros(order.numel(), block_size, num_kv_heads, head_size)
+    v_cache = torch.zeros_like(k_cache)
+    tables, keys, values, token_seq, token_pos, start = [], [], [], [], [], 0
+    for i, ((context, new), width) in enumerate(zip(lengths, widths)):
+        table = order[start:start + width]
+        start += width
+        k = torch.randn(context + new, num_kv_heads, head_size, generator=generator)
+        v = torch.randn(context + new, num_kv_heads, head_size, generator=generator)
+        for position in range(context + new):
+            k_cache[table[position // block_size], position % block_size] = k[position]
+            v_cache[table[position // block_size], position % block_size] = v[position]
+        tables.append(torch.cat([table, torch.zeros(max(widths) - width, dtype=torch.int64)]))
+        keys.append(k)
+        values.append(v)
+        token_seq += [i] * new
+        token_pos += list(range(context, context + new))
+    return (k_cache, v_cache, torch.stack(tables), torch.tensor(token_seq), torch.tensor(token_pos), keys, values)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_size", [(3, 3, 24), (6, 2, 40), (5, 1, 16), (8, 4, 8)])
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_kernel_matches_naive_attention(block_size, num_heads, num_kv_heads, head_size, window):
+    """paged_attention on a ragged batch (a decode, a prefill after a cached prefix, a fresh
+    prefill) for odd head counts, GQA ratios 1-5, head sizes that are not powers of two and
+    block sizes 1-16, against naive_attention over the unpaged keys and values."""
+    from engine.kernels.paged_attention import paged_attention
+    from engine.testing.oracles import naive_attention
+
+    generator = torch.Generator().manual_seed(block_size * 100 + num_heads * 10 + head_size)
+    lengths = [(9, 1), (5, 7), (0, 13)]
+    k_cache, v_cache, tables, token_seq, token_pos, keys, values = paged_case(
+        lengths, block_size, num_kv_heads, head_size, generator)
+    q = torch.randn(token_seq.numel(), num_heads, head_size, generator=generator)
+    scale = head_size ** -0.5
+    out = paged_attention(q, k_cache, v_cache, head_size, tables, token_seq, token_pos, scale, window, block_n=8)
+    start = 0
+    for i, (context, new) in enumerate(lengths):
+        expected = naive_attention(q[start:start + new], keys[i], values[i], context, scale, window)
+        torch.testing.assert_close(out[start:start + new], expected, atol=1e-3, rtol=0)
+        start += new
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("num_heads, latent_size, rope", [(3, 36, 8), (16, 32, 16)])
+def test_the_kernel_reads_latent_entries(block_size, num_heads, latent_size, rope):
+    """MLA through the same kernel: one latent entry per token as the keys, its first
+    latent_size dims as the values, against naive_attention with those keys and values."""
+    from engine.kernels.paged_attention import paged_attention
+    from engine.testing.oracles import naive_attention
+
+    generator = torch.Generator().manual_seed(num_heads + block_size)
+    lengths = [(6, 1), (3, 4)]
+    entry = latent_size + rope
+    cache, _, tables, token_seq, token_pos, entries, _ = paged_case(lengths, block_size, 1, entry, generator)
+    q = torch.randn(token_seq.numel(), num_heads, entry, generator=generator)
+    out = paged_attention(q, cache, cache, latent_size, tables, token_seq, token_pos, 0.1, None, block_n=4)
+    start = 0
+    for i, (context, new) in enumerate(lengths):
+        expected = naive_attention(q[start:start + new], entries[i], entries[i][..., :latent_size], context, 0.1, None)
+        torch.testing.assert_close(out[start:start + new], expected, atol=1e-3, rtol=0)
+        start += new

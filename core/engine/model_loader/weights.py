@@ -1,7 +1,14 @@
-"""Streaming safetensors tensors (memory-mapped) into a model, with a progress bar."""
+"""Streaming safetensors tensors (memory-mapped) into a model, with a progress bar.
+
+Tensors come out as views of the memory-mapped file (copy-on-write: writing to one never
+touches the file), so a layer that copies only its part (a tensor-parallel rank's rows or
+columns) reads only that part from disk."""
 
 from __future__ import annotations
 
+import json
+import mmap
+import struct
 from pathlib import Path
 from typing import Iterator
 
@@ -9,19 +16,53 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+# safetensors dtype codes torch can view directly
+MAPPED_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def mapped_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of one safetensors file, as views of the file
+    mapped copy-on-write; tensors of a dtype torch cannot view, or not aligned to their
+    element size, are read by safetensors."""
+    with open(path, "rb") as f:
+        (header_size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_size))
+        header.pop("__metadata__", None)
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if header else None
+    base = 8 + header_size
+    handle = None
+    for name, entry in header.items():
+        dtype = MAPPED_DTYPES.get(entry["dtype"])
+        start, end = entry["data_offsets"]
+        shape = entry["shape"]
+        if dtype is None or (base + start) % dtype.itemsize:  # no view of this dtype, or misaligned
+            handle = handle or safe_open(str(path), framework="pt", device="cpu")
+            yield name, handle.get_tensor(name)
+        elif end == start:
+            yield name, torch.empty(shape, dtype=dtype)
+        else:
+            flat = torch.frombuffer(mapped, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start)
+            yield name, flat.view(shape)
+
 from engine.interfaces.model import Model
 from engine.layers.linear import linear_layers, tied_linear_layers
 from engine.model_loader.dequant import CheckpointDequantizer, dequantize_stream
 
 
 def iterate_weights(files: list[Path], *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor in ``files``, one at a time."""
-    handles = [safe_open(str(path), framework="pt", device="cpu") for path in files]
-    total = sum(len(handle.keys()) for handle in handles)
+    """Yield ``(name, tensor)`` for every tensor in ``files``, one at a time, memory-mapped."""
+    total = 0
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            total += len(handle.keys())
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress, leave=False) as bar:
-        for handle in handles:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
+        for path in files:
+            for name, tensor in mapped_tensors(path):
+                yield name, tensor
                 bar.update(1)
 
 

@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--attention-backend", default=None, help="Backend name or module.path:Class.")
     generate.add_argument("--max-model-len", type=int, default=None, help="Default: from config.json.")
     generate.add_argument("--kv-cache-memory", type=float, default=None, help="KV-cache GiB; default: half of free memory.")
+    generate.add_argument("--tensor-parallel-size", type=int, default=1, help="Ranks to split the model over: spawned here, or started by torchrun (one process per rank).")
     _add_kv_tier_options(generate)
     _add_quantization_options(generate)
     _add_speculative_options(generate)
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quantization_options(serve)
     _add_speculative_options(serve)
     serve.add_argument("--seed", type=int, default=0, help="Seed for unseeded sampling.")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1, help="Ranks to split the model over: spawned here, or started by torchrun (one process per rank).")
 
     bench = sub.add_parser(
         "bench", help="Run a benchmark workload (see benchmarks/README.md).", formatter_class=_Formatter,
@@ -231,10 +233,30 @@ def _probe_platforms(components: Any) -> list[dict[str, Any]]:
     return results
 
 
+def _run_as_worker(engine_config: Any) -> bool:
+    """Under torchrun, ranks other than 0 serve rank 0's steps instead of the command;
+    True once such a rank is done."""
+    from engine.distributed.executor import run_worker, torchrun_launch
+
+    launch = torchrun_launch()
+    if launch is None or launch.rank == 0:
+        return False
+    run_worker(engine_config, launch)
+    return True
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
+    if _run_as_worker(EngineConfig(
+        model=args.model, plugins=args.plugins, dtype=args.dtype, device=args.device,
+        attention_backend=args.attention_backend, max_model_len=args.max_model_len,
+        kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
+        quantization_config=args.quantization_config, tensor_parallel_size=args.tensor_parallel_size,
+    )):
+        return 0
     llm = LLM(
         args.model,
         plugins=args.plugins,
@@ -247,6 +269,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         kv_tier_config=args.kv_tier_config,
         quantization=args.quantization,
         quantization_config=args.quantization_config,
+        tensor_parallel_size=args.tensor_parallel_size,
         **_speculative_settings(args),
     )
     prompts: list[Any] = list(args.prompt or [])
@@ -259,7 +282,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    with llm:  # under tensor parallelism, closing stops the other ranks
+        outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     if args.json:
@@ -343,7 +367,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             kv_cache_memory=args.kv_cache_memory, block_size=args.block_size,
             enable_prefix_caching=not args.no_prefix_caching, kv_tier=args.kv_tier,
             kv_tier_config=args.kv_tier_config, quantization=args.quantization,
-            quantization_config=args.quantization_config, seed=args.seed, **_speculative_settings(args),
+            quantization_config=args.quantization_config, seed=args.seed,
+            tensor_parallel_size=args.tensor_parallel_size, **_speculative_settings(args),
         )
         server_config = ServerConfig(
             host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
@@ -352,8 +377,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         raise ValueError(_config_errors(exc)) from None
     logging.getLogger("engine").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
-    serve(engine_config, server_config, log_level="warning" if args.log_level.upper() == "WARNING" else args.log_level)
-    return 0
+    if _run_as_worker(engine_config):
+        return 0
+    return serve(engine_config, server_config,
+                 log_level="warning" if args.log_level.upper() == "WARNING" else args.log_level)
 
 
 def _config_errors(exc: Any) -> str:

@@ -58,6 +58,10 @@ class EngineConfig(BaseModel):
         "for draft, {\"prompt_lookup_max\": 5} for ngram)."
     )
     seed: int = Field(0, description="Seed for unseeded sampling.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks to split the model over (tensor parallelism): spawned on this machine, or "
+        "started by torchrun across machines (WORLD_SIZE must equal it)."
+    )
 
     @field_validator("kv_tier_config", "quantization_config", "speculative_config", mode="before")
     @classmethod

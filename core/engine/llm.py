@@ -32,6 +32,16 @@ class LLM:
         self.engine = LLMEngine(self.config, progress=progress)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Release the engine: its KV tier and, under tensor parallelism, the other ranks."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 

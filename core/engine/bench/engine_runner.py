@@ -19,7 +19,7 @@ LOGITS = "logits"  # model.compute_logits (the LM head)
 MODEL_LABELS = (FORWARD, LOGITS)  # the model's compute
 ATTENTION = "attention"  # the attention layers, inside FORWARD
 SCHEDULE = "schedule"  # scheduler.schedule, engine overhead
-PREPARE = "prepare"  # runner.prepare (input tensors, metadata), engine overhead
+PREPARE = "prepare"  # runner.prepare_arrays + to_device (input tensors, metadata), engine overhead
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,9 @@ class EngineRunner:
                 timer.add(module, "forward", ATTENTION)
         if callable(getattr(self.engine.scheduler, "schedule", None)):
             timer.add(self.engine.scheduler, "schedule", SCHEDULE)
-        if callable(getattr(self.engine.runner, "prepare", None)):
-            timer.add(self.engine.runner, "prepare", PREPARE)
+        for method in ("prepare_arrays", "to_device"):
+            if callable(getattr(self.engine.runner, method, None)):
+                timer.add(self.engine.runner, method, PREPARE)
         return timer
 
     # facts

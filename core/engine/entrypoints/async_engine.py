@@ -30,8 +30,11 @@ class EngineDeadError(RuntimeError):
 
     Its message is safe to show a client: the cause is in the server log only."""
 
-    def __init__(self) -> None:
-        super().__init__("The engine stopped on an internal error and cannot serve requests; see the server log.")
+    def __init__(self, cause: BaseException | None = None) -> None:
+        from engine.distributed.executor import WorkerDiedError
+
+        what = "a tensor-parallel worker went away" if isinstance(cause, WorkerDiedError) else "an internal error"
+        super().__init__(f"The engine stopped on {what} and cannot serve requests; see the server log.")
 
 
 @dataclass
@@ -121,9 +124,13 @@ class AsyncEngine:
     ``LLMEngine`` itself is touched by the loop thread only.
     """
 
-    def __init__(self, engine: LLMEngine, *, on_step: Callable[[EngineStats], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, *, on_step: Callable[[EngineStats], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
+        """``on_error(exc)`` is called on the loop thread once the loop stopped on ``exc``,
+        after every waiting request was told."""
         self.engine = engine
         self.on_step = on_step
+        self.on_error = on_error
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._group_of: dict[str, str] = {}  # sample request id -> group id (loop thread only)
@@ -168,7 +175,7 @@ class AsyncEngine:
         client went away) aborts the request.
         """
         if not self.is_alive:
-            raise EngineDeadError()
+            raise EngineDeadError(self.error)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt_token_ids, params, priority, prompt, stream), added))
@@ -225,9 +232,11 @@ class AsyncEngine:
             logger.exception("engine loop stopped")
             self.error = exc
             for stream in self._streams.values():
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError())
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, EngineDeadError(exc))
             self._streams.clear()
             self._fail_pending_commands()
+            if self.on_error is not None:
+                self.on_error(exc)
 
     def _drain_commands(self, *, block: bool) -> None:
         while True:
@@ -338,7 +347,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if future is not None and not future.done():
-                future.set_exception(EngineDeadError())
+                future.set_exception(EngineDeadError(self.error))
 
 
 def _torch_threads() -> int:

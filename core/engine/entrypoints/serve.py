@@ -38,8 +38,15 @@ class RunningServer:
         self.engine.shutdown()
 
 
-def make_app(engine_config: EngineConfig, server_config: ServerConfig, *, progress: bool = True) -> tuple[Any, Any]:
-    """(FastAPI app, AsyncEngine) for these settings; the model is loaded here."""
+# after the engine stopped on an error: how long in-flight requests have to get their error reply
+# before the server shuts down
+DEAD_ENGINE_GRACE_S = 1.0
+
+
+def make_app(engine_config: EngineConfig, server_config: ServerConfig, *, progress: bool = True,
+             on_error: Any = None) -> tuple[Any, Any]:
+    """(FastAPI app, AsyncEngine) for these settings; the model is loaded here. ``on_error``:
+    see :class:`AsyncEngine`."""
     from engine.entrypoints.api_server import build_app
     from engine.entrypoints.async_engine import AsyncEngine
     from engine.model_loader.checkpoint import sampling_defaults
@@ -49,7 +56,7 @@ def make_app(engine_config: EngineConfig, server_config: ServerConfig, *, progre
     defaults = sampling_defaults(llm_engine.model_path)
     if defaults:
         logger.info("sampling defaults from generation_config.json: %s", defaults)
-    engine = AsyncEngine(llm_engine)
+    engine = AsyncEngine(llm_engine, on_error=on_error)
     model_name = server_config.served_model_name or engine_config.model
     return build_app(engine, server_config, model_name, defaults), engine
 
@@ -61,21 +68,42 @@ def resolve_api_key(server_config: ServerConfig) -> ServerConfig:
     return server_config
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig, *, log_level: str = "info") -> None:
-    """Run until interrupted (Ctrl-C / SIGTERM stop it cleanly)."""
+def serve(engine_config: EngineConfig, server_config: ServerConfig, *, log_level: str = "info") -> int:
+    """Run until interrupted (Ctrl-C / SIGTERM stop it cleanly) or until the engine stops on
+    an error (a tensor-parallel worker died, ...): the requests in flight get their error
+    reply, then the server shuts down and this returns status 1."""
     import uvicorn
 
     server_config = resolve_api_key(server_config)
-    app, engine = make_app(engine_config, server_config)
+    server: Any = None
+    failed = threading.Event()
+
+    def on_error(exc: BaseException) -> None:
+        failed.set()
+        logger.critical("the engine stopped (%s: %s); shutting the server down", type(exc).__name__, exc)
+
+        def shut_down() -> None:
+            if server is not None:
+                server.should_exit = True
+
+        timer = threading.Timer(DEAD_ENGINE_GRACE_S, shut_down)
+        timer.daemon = True
+        timer.start()
+
+    app, engine = make_app(engine_config, server_config, on_error=on_error)
     if server_config.api_key is None and server_config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", server_config.host)
     logger.info("serving %s on http://%s:%d", server_config.served_model_name or engine_config.model,
                 server_config.host, server_config.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                                           log_level=log_level.lower(), access_log=False, timeout_graceful_shutdown=5))
     try:
-        uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=log_level.lower(),
-                    access_log=False, timeout_graceful_shutdown=5)
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on, as uvicorn.run swallows it
+        pass
     finally:
         engine.shutdown()
+    return 1 if failed.is_set() else 0
 
 
 def start_server(engine_config: EngineConfig, server_config: ServerConfig, *, progress: bool = False) -> RunningServer:

@@ -57,6 +57,9 @@ class AttentionSpec:
     index_topk: int | None = None  # indexer: positions selected for each query
     value_size: int | None = None  # linear: the recurrent state's value width
     conv_kernel: int | None = None  # linear: the short convolution's kernel size
+    # tensor parallelism: the layer's KV heads in all, when this rank's num_kv_heads are a part of
+    # them (see engine.distributed.TensorParallel.kv_heads); KV tiers store blocks with all of them
+    total_kv_heads: int | None = None
 
     @property
     def is_latent(self) -> bool:

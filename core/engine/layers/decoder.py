@@ -11,7 +11,13 @@ import torch
 from torch import nn
 
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import Linear, MergedLinear, VocabEmbedding, route_linear_tensor
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    MergedLinear,
+    RowParallelLinear,
+    VocabEmbedding,
+    route_linear_tensor,
+)
 
 if TYPE_CHECKING:
     from engine.runtime.forward_context import ForwardContext
@@ -28,12 +34,15 @@ def require_silu(config, model: nn.Module) -> None:
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one layer."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one layer; under tensor
+    parallelism each rank holds a part of the intermediate size (gate/up by rows, down by
+    columns) and the ranks sum their outputs."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, dtype,
+                                                 what="intermediate_size")
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype, what="intermediate_size")
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.down_proj(ctx.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -101,6 +110,16 @@ def load_tensor(
     param = params.get(name)
     if param is None:
         raise KeyError(f"Checkpoint tensor {name!r} has no place in {type(owner).__name__}.")
+    return load_parameter(param, name, tensor)
+
+
+def load_parameter(param: nn.Parameter, name: str, tensor: torch.Tensor) -> set[str]:
+    """Copy a checkpoint tensor into a parameter, or hand it to the parameter's own
+    ``load_checkpoint(name, tensor)`` (a tensor-parallel part takes its rows of it)."""
+    loader = getattr(param, "load_checkpoint", None)
+    if loader is not None:
+        loader(name, tensor)
+        return {name}
     if param.shape != tensor.shape:
         raise ValueError(f"{name}: model expects shape {tuple(param.shape)}, checkpoint has {tuple(tensor.shape)}.")
     param.data.copy_(tensor)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.parallel_state import SINGLE as SINGLE_RANK
+from engine.distributed.parallel_state import TensorParallel, get_tp
 from engine.interfaces.quantizer import LinearMethod, Quantizer
 
 
@@ -32,17 +34,33 @@ class MergedLinear(nn.Module):
     single output size is a plain linear layer. The engine may give the layer a
     quantized method before loading (:func:`quantize_model`) or a faster
     unquantized one after (:func:`apply_linear_method`).
+
+    Under tensor parallelism a layer holds one rank's part (see :func:`ColumnParallelLinear`,
+    :func:`QKVParallelLinear`, :func:`RowParallelLinear`): ``output_sizes`` and ``input_size``
+    are then this rank's, ``out_slices`` gives each shard's ``(start, length)`` rows of the
+    checkpoint tensor (zero-padded up to the shard's size), ``in_slice`` the ``(start,
+    length)`` input columns, and ``reduce`` sums the output over the ranks. Each checkpoint
+    tensor is cut to this rank's part before the method sees it, so quantizers' methods
+    apply per shard as they are.
     """
 
     def __init__(
         self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
-        method: LinearMethod | None = None,
+        method: LinearMethod | None = None, *, out_slices: list[tuple[int, int]] | None = None,
+        full_output_sizes: list[int] | None = None, in_slice: tuple[int, int] | None = None,
+        full_input_size: int | None = None, tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_sizes = list(output_sizes)
         self.has_bias = bias
         self.dtype = dtype
+        self.out_slices = out_slices
+        self.full_output_sizes = list(full_output_sizes or output_sizes)
+        self.in_slice = in_slice
+        self.full_input_size = full_input_size or input_size
+        self.tp = tp or get_tp()
+        self.reduce = in_slice is not None and self.tp.is_parallel
         self.set_method(method or UnquantizedLinearMethod())
 
     def set_method(self, method: LinearMethod) -> None:
@@ -73,7 +91,7 @@ class MergedLinear(nn.Module):
         arrived."""
         if not 0 <= shard < len(self.output_sizes):
             raise IndexError(f"Shard {shard} out of range for a layer of {len(self.output_sizes)} shard(s).")
-        self.method.load_weight(self, name, shard, tensor)
+        self.method.load_weight(self, name, shard, self.local_part(name, shard, tensor))
         self._received.add((name, shard))
         return not self.missing_tensors()
 
@@ -86,12 +104,101 @@ class MergedLinear(nn.Module):
             if (name, shard) not in self._received
         ]
 
+    def local_part(self, name: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the checkpoint tensor ``name`` of shard ``shard``: its rows
+        (dim 0) of a column-parallel layer, its input columns (dim 1) of a row-parallel one,
+        whose bias only rank 0 adds. A view where it can be, so that a memory-mapped
+        checkpoint is read only where this rank's part lies."""
+        if self.out_slices is not None:
+            start, length = self.out_slices[shard]
+            full, local = self.full_output_sizes[shard], self.output_sizes[shard]
+            if tensor.dim() == 0 or tensor.shape[0] != full:
+                raise ValueError(self._unsplittable(name, tensor, f"its first dim is not the {full} output rows"))
+            part = tensor.narrow(0, start, length)
+            if length < local:  # the last rank's part of an unevenly split vocabulary
+                part = torch.cat([part, part.new_zeros(local - length, *part.shape[1:])])
+            return part
+        if self.in_slice is not None:
+            start, length = self.in_slice
+            if tensor.dim() == 1 and tensor.shape[0] == sum(self.output_sizes):  # the bias, added once
+                return tensor if self.tp.rank == 0 else torch.zeros_like(tensor)
+            if tensor.dim() != 2 or tensor.shape[1] != self.full_input_size:
+                raise ValueError(self._unsplittable(name, tensor, f"it has no dim of {self.full_input_size} inputs"))
+            return tensor.narrow(1, start, length)
+        return tensor
+
+    def _unsplittable(self, name: str, tensor: torch.Tensor, why: str) -> str:
+        return (f"Checkpoint tensor {name!r} {tuple(tensor.shape)} of a {type(self.method).__name__} layer cannot "
+                f"be split across {self.tp.size} tensor-parallel ranks: {why}. Load this checkpoint with "
+                f"--tensor-parallel-size 1, or an unquantized one and quantize while loading.")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return self.tp.all_reduce(y) if self.reduce else y
 
 
 def Linear(input_size: int, output_size: int, bias: bool, dtype: torch.dtype) -> MergedLinear:
-    return MergedLinear(input_size, [output_size], bias, dtype)
+    """A plain linear layer, whole on every rank."""
+    return MergedLinear(input_size, [output_size], bias, dtype, tp=SINGLE_RANK)
+
+
+def ColumnParallelLinear(input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
+                         what: str = "output size") -> MergedLinear:
+    """Each output shard split evenly over the ranks (rank ``r`` holds rows ``r·n/size ..``);
+    the output stays split (each rank computes its heads or its part of the MLP)."""
+    tp = get_tp()
+    if not tp.is_parallel:
+        return MergedLinear(input_size, output_sizes, bias, dtype)
+    slices = [tp.split(size, what) for size in output_sizes]
+    return MergedLinear(input_size, [length for _, length in slices], bias, dtype, out_slices=slices,
+                        full_output_sizes=output_sizes, tp=tp)
+
+
+def QKVParallelLinear(input_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                      dtype: torch.dtype) -> MergedLinear:
+    """Fused q, k, v projections of this rank's query heads and KV heads (KV heads replicated
+    when there are fewer than ranks, see :meth:`TensorParallel.kv_heads`)."""
+    tp = get_tp()
+    full = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+    if not tp.is_parallel:
+        return MergedLinear(input_size, full, bias, dtype)
+    q_start, q_count = tp.split(num_heads, "num_attention_heads")
+    kv_start, kv_count = tp.kv_heads(num_kv_heads)
+    kv = (kv_start * head_dim, kv_count * head_dim)
+    slices = [(q_start * head_dim, q_count * head_dim), kv, kv]
+    return MergedLinear(input_size, [length for _, length in slices], bias, dtype, out_slices=slices,
+                        full_output_sizes=full, tp=tp)
+
+
+def RowParallelLinear(input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
+                      what: str = "input size") -> MergedLinear:
+    """The input split evenly over the ranks (each holds the columns of its heads or its part
+    of the MLP), the partial outputs summed over them."""
+    tp = get_tp()
+    if not tp.is_parallel:
+        return MergedLinear(input_size, [output_size], bias, dtype)
+    start, length = tp.split(input_size, what)
+    return MergedLinear(length, [output_size], bias, dtype, in_slice=(start, length), full_input_size=input_size,
+                        tp=tp)
+
+
+def ParallelLMHead(hidden_size: int, vocab_size: int, dtype: torch.dtype) -> MergedLinear:
+    """The LM head split over the vocabulary as :class:`VocabEmbedding` splits it (so a tied
+    head shares the embedding's part); :func:`gather_logits` puts the logits together."""
+    tp = get_tp()
+    if not tp.is_parallel:
+        return MergedLinear(hidden_size, [vocab_size], False, dtype)
+    start, length, padded = tp.padded_split(vocab_size)
+    return MergedLinear(hidden_size, [padded], False, dtype, out_slices=[(start, length)],
+                        full_output_sizes=[vocab_size], tp=tp)
+
+
+def gather_logits(head: MergedLinear, hidden: torch.Tensor) -> torch.Tensor:
+    """``head(hidden)`` for the whole vocabulary: every rank's part, gathered."""
+    logits = head(hidden)
+    if head.out_slices is None:
+        return logits
+    return head.tp.all_gather(logits, dim=-1)[..., : head.full_output_sizes[0]]
 
 
 def linear_layers(model: nn.Module) -> dict[str, MergedLinear]:
@@ -169,12 +276,49 @@ def apply_linear_method(model: nn.Module, method: LinearMethod) -> int:
     return count
 
 
+def shard_parameter(param: nn.Parameter, dim: int, start: int, full_size: int) -> nn.Parameter:
+    """Make ``param`` (this rank's part of a checkpoint tensor: ``param.shape[dim]`` of its
+    ``full_size`` entries along ``dim``, from ``start``) load by cutting its part out of the
+    full tensor (see :func:`engine.layers.decoder.load_parameter`). Returns ``param``."""
+    length = param.shape[dim]
+
+    def load_checkpoint(name: str, tensor: torch.Tensor) -> None:
+        expected = (*param.shape[:dim], full_size, *param.shape[dim + 1:])
+        if tuple(tensor.shape) != tuple(expected):
+            raise ValueError(f"{name}: model expects shape {tuple(expected)}, checkpoint has {tuple(tensor.shape)}.")
+        param.data.copy_(tensor.narrow(dim, start, length))
+
+    param.load_checkpoint = load_checkpoint  # type: ignore[attr-defined]
+    return param
+
+
 class VocabEmbedding(nn.Module):
-    """Token embedding table: weight [vocab_size, hidden_size]."""
+    """Token embedding table: weight [vocab_size, hidden_size].
+
+    Under tensor parallelism each rank holds ``ceil(vocab / size)`` rows (the last rank's
+    zero-padded), embeds the tokens in its range and the ranks sum the results."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.tp = get_tp()
+        self.vocab_size = vocab_size
+        self.start, self.length, rows = self.tp.padded_split(vocab_size) if self.tp.is_parallel else (0, vocab_size,
+                                                                                                      vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype), requires_grad=False)
+        self.weight.load_checkpoint = self.load_checkpoint  # type: ignore[attr-defined]
+
+    def load_checkpoint(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy this rank's rows of the full checkpoint table."""
+        if tuple(tensor.shape) != (self.vocab_size, self.weight.shape[1]):
+            raise ValueError(f"{name}: model expects shape {(self.vocab_size, self.weight.shape[1])}, "
+                             f"checkpoint has {tuple(tensor.shape)}.")
+        self.weight.data[: self.length].copy_(tensor.narrow(0, self.start, self.length))
+        self.weight.data[self.length:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if not self.tp.is_parallel:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        mine = (local >= 0) & (local < self.length)
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * mine.unsqueeze(-1)
+        return self.tp.all_reduce(out)

@@ -10,7 +10,7 @@ into ``W_UK`` and ``W_UV``; quantizers leave it alone (it is read as a matrix).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +19,8 @@ from torch import nn
 from engine.interfaces.attention import AttentionSpec
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import Linear
+from engine.distributed.parallel_state import get_tp
+from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 
 if TYPE_CHECKING:
     from engine.runtime.forward_context import ForwardContext
@@ -46,13 +47,28 @@ class MLADims:
 
 class LatentUpProjection(nn.Module):
     """``kv_b_proj``: weight [H * (qk_nope + v), kv_lora_rank], held as a matrix and split
-    per head into W_UK [H, qk_nope, R] and W_UV [H, v, R] for the absorbed form."""
+    per head into W_UK [H, qk_nope, R] and W_UV [H, v, R] for the absorbed form. ``dims``
+    are this rank's (its heads); ``first_head`` is where they start in the checkpoint."""
 
-    def __init__(self, dims: MLADims, dtype: torch.dtype) -> None:
+    def __init__(self, dims: MLADims, dtype: torch.dtype, first_head: int = 0) -> None:
         super().__init__()
         rows = dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim)
         self.weight = nn.Parameter(torch.empty(rows, dims.kv_lora_rank, dtype=dtype), requires_grad=False)
+        self.weight.load_checkpoint = self.load_checkpoint  # type: ignore[attr-defined]
         self.dims = dims
+        self.first_row = first_head * (dims.qk_nope_head_dim + dims.v_head_dim)
+
+    def load_checkpoint(self, name: str, tensor: torch.Tensor) -> None:
+        """This rank's heads' rows of the checkpoint's ``kv_b_proj.weight``."""
+        rows, columns = self.weight.shape
+        if tensor.dim() != 2 or tensor.shape[1] != columns or tensor.shape[0] < self.first_row + rows:
+            raise ValueError(f"{name}: model expects [num_heads * (qk_nope_head_dim + v_head_dim), {columns}] "
+                             f"(this rank: rows {self.first_row}..{self.first_row + rows}), checkpoint has "
+                             f"{tuple(tensor.shape)}.")
+        if not get_tp().is_parallel and tensor.shape[0] != rows:
+            raise ValueError(f"{name}: model expects shape {tuple(self.weight.shape)}, checkpoint has "
+                             f"{tuple(tensor.shape)}.")
+        self.weight.data.copy_(tensor.narrow(0, self.first_row, rows))
 
     def split(self) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.dims
@@ -70,26 +86,32 @@ class MLAttention(nn.Module):
         """``output_gate`` (Kimi-K3's gated MLA): the heads' output times ``σ(g_proj(x))`` before
         ``o_proj``."""
         super().__init__()
-        d = self.dims = dims
+        d = dims
         bias = dims.attention_bias
+        # under tensor parallelism each rank has its heads: q/g by rows, kv_b_proj's heads, o_proj by
+        # columns; the latent (q_a, kv_a) is computed whole on every rank, as it is cached whole
+        first_head, num_heads = get_tp().split(d.num_heads, "num_attention_heads")
+        what = "num_attention_heads × head dim"
         if d.q_lora_rank is None:
-            self.q_proj = Linear(d.hidden_size, d.num_heads * d.qk_head_dim, False, dtype)
+            self.q_proj = ColumnParallelLinear(d.hidden_size, [d.num_heads * d.qk_head_dim], False, dtype, what)
         else:
             self.q_a_proj = Linear(d.hidden_size, d.q_lora_rank, bias, dtype)
             self.q_a_layernorm = RMSNorm(d.q_lora_rank, d.rms_norm_eps, dtype)
-            self.q_b_proj = Linear(d.q_lora_rank, d.num_heads * d.qk_head_dim, False, dtype)
+            self.q_b_proj = ColumnParallelLinear(d.q_lora_rank, [d.num_heads * d.qk_head_dim], False, dtype, what)
         self.kv_a_proj_with_mqa = Linear(d.hidden_size, d.kv_lora_rank + d.qk_rope_head_dim, bias, dtype)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, d.rms_norm_eps, dtype)
-        self.kv_b_proj = LatentUpProjection(d, dtype)
-        self.o_proj = Linear(d.num_heads * d.v_head_dim, d.hidden_size, bias, dtype)
-        self.g_proj = Linear(d.hidden_size, d.num_heads * d.v_head_dim, False, dtype) if output_gate else None
+        self.dims = replace(dims, num_heads=num_heads)  # this rank's heads
+        self.kv_b_proj = LatentUpProjection(self.dims, dtype, first_head)
+        self.o_proj = RowParallelLinear(d.num_heads * d.v_head_dim, d.hidden_size, bias, dtype, what)
+        self.g_proj = (ColumnParallelLinear(d.hidden_size, [d.num_heads * d.v_head_dim], False, dtype, what)
+                       if output_gate else None)
         self.interleaved_rope = interleaved_rope
         self.attn = Attention(layer_index, spec)
         self.indexer = indexer  # sparse MLA: picks the positions each query attends to
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext,
                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        d, num_tokens = self.dims, x.shape[0]
+        d, num_tokens = self.dims, x.shape[0]  # d.num_heads: this rank's
         if d.q_lora_rank is None:
             q = self.q_proj(x)
         else:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.parallel_state import get_tp
 from engine.layers.decoder import GATE_UP_PARAMS, GatedMLP, load_tensor
 from engine.layers.linear import linear_layers
 
@@ -76,14 +77,23 @@ class Experts(nn.Module):
     rows) and w2 [E, hidden, I]. Tokens are sorted by expert and each active expert runs
     one pair of matmuls over all of its tokens. With ``swiglu_limit`` (DeepSeek-V4) the
     gate is clamped to at most the limit and the up projection to ±limit before
-    ``silu(gate) * up``."""
+    ``silu(gate) * up``.
+
+    Under tensor parallelism every rank holds every expert, each sharded within: its part of
+    the intermediate size (gate and up rows, down columns), and the ranks sum their outputs.
+    Routing then stays the same on every rank and needs no exchange of tokens, any expert
+    count works with any rank count, and a rank's load does not depend on which experts are
+    popular (expert parallelism, whole experts per rank, would need an all-to-all per layer)."""
 
     def __init__(self, num_experts: int, intermediate_size: int, hidden_size: int, dtype: torch.dtype,
                  swiglu_limit: float | None = None,
                  activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """``activation``: gate_up [n, 2I] -> [n, I] in place of SiLU-and-multiply (Kimi-K3's SiTU-GLU)."""
         super().__init__()
-        e, i, h = num_experts, intermediate_size, hidden_size
+        self.tp = get_tp()
+        self.start, i = self.tp.split(intermediate_size, "moe_intermediate_size")  # this rank's part
+        self.full_intermediate_size = intermediate_size
+        e, h = num_experts, hidden_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
         self.intermediate_size = i
@@ -91,9 +101,16 @@ class Experts(nn.Module):
         self.custom_activation = activation
         self._loaded: set[tuple[int, str]] = set()
 
+    def _local(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part of a full-intermediate-size tensor along ``dim``."""
+        if not self.tp.is_parallel or tensor.shape[dim] != self.full_intermediate_size:
+            return tensor  # whole, or a shape mismatch the caller reports
+        return tensor.narrow(dim, self.start, self.intermediate_size)
+
     def load(self, expert: int, proj: str, tensor: torch.Tensor) -> bool:
         """One expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` weight; True once all are in."""
         i = self.intermediate_size
+        tensor = self._local(tensor, 1 if proj == "down_proj" else 0)
         target = {"gate_proj": self.w13.data[expert, :i], "up_proj": self.w13.data[expert, i:],
                   "down_proj": self.w2.data[expert]}[proj]
         if tuple(target.shape) != tuple(tensor.shape):
@@ -106,6 +123,11 @@ class Experts(nn.Module):
     def load_fused(self, proj: str, tensor: torch.Tensor) -> bool:
         """transformers' stacked layout: ``gate_up_proj`` [E, 2I, hidden], ``down_proj`` [E, hidden, I]."""
         target = self.w13 if proj == "gate_up_proj" else self.w2
+        if self.tp.is_parallel and proj == "gate_up_proj" and tensor.dim() == 3:
+            gate, up = tensor.chunk(2, dim=1)
+            tensor = torch.cat([self._local(gate, 1), self._local(up, 1)], dim=1)
+        elif self.tp.is_parallel and tensor.dim() == 3:
+            tensor = self._local(tensor, 2)
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"experts.{proj}: model expects {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}.")
         target.data.copy_(tensor)
@@ -130,7 +152,7 @@ class Experts(nn.Module):
             start += count
             h = self.activation(x[tokens] @ self.w13[expert].t(), ctx) @ self.w2[expert].t()
             out.index_add_(0, tokens, h.float() * weights.flatten()[rows].unsqueeze(1))
-        return out.to(x.dtype)
+        return self.tp.all_reduce(out).to(x.dtype)
 
     def activation(self, gate_up: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.custom_activation is not None:

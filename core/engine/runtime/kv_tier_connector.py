@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.interfaces.kv_tier import KVTier, KVTierSpec
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.kv_cache_manager import KVCacheManager
@@ -30,11 +31,12 @@ logger = logging.getLogger("engine")
 
 def tier_spec(kv_cache: KVCache, salt: bytes, dtype: torch.dtype) -> KVTierSpec:
     """The spec of this engine's blocks: the digest covers the prefix-cache salt (model,
-    architecture, dtype, block size) and every layer's KV shape."""
+    architecture, dtype, block size) and every layer's KV shape with all its KV heads, so
+    that it does not depend on the tensor-parallel size."""
     shapes = []
     for backend in kv_cache.layer_backends:
         spec = backend.spec
-        shapes.append((kv_cache.block_size, spec.num_kv_heads, spec.head_size))
+        shapes.append((kv_cache.block_size, spec.total_kv_heads or spec.num_kv_heads, spec.head_size))
     dtype_name = str(dtype).removeprefix("torch.")
     digest = hashlib.blake2b(repr((salt, dtype_name, tuple(shapes), "canonical-v1")).encode(), digest_size=16)
     return KVTierSpec(digest.hexdigest(), dtype_name, kv_cache.block_size, tuple(shapes))
@@ -48,8 +50,69 @@ class ConnectorStats:
     prefetch_seconds: float = 0.0  # time requests waited for tier loads
 
 
+class CanonicalBlocks:
+    """This rank's cache blocks to and from the canonical layout: per layer, K then V as
+    [block_size, all KV heads, head_size]. Under tensor parallelism a rank holds some of the
+    heads (:meth:`TensorParallel.kv_heads`); rank 0 gathers every rank's heads into canonical
+    rows, and every rank takes its heads out of canonical rows rank 0 sends."""
+
+    def __init__(self, kv_cache: KVCache, spec: KVTierSpec, tp: TensorParallel = SINGLE) -> None:
+        self.kv_cache, self.spec, self.tp = kv_cache, spec, tp
+        self.dtype = getattr(torch, spec.dtype)
+        # per layer and rank: (first head, heads) of the layer's KV heads
+        self.placements = [[TensorParallel(rank=r, size=tp.size).kv_heads(heads) if tp.is_parallel else (0, heads)
+                            for r in range(tp.size)] for _, heads, _ in spec.layer_shapes]
+
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        bs = self.kv_cache.block_size
+        ids = torch.tensor(blocks, dtype=torch.int64)
+        return (ids[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)
+
+    def local(self, blocks: list[int]) -> torch.Tensor:
+        """[len(blocks), n] on the CPU: this rank's heads of each block, layer by layer K then V."""
+        slots, parts = self._slots(blocks), []
+        for cache, backend in zip(self.kv_cache.layer_caches, self.kv_cache.layer_backends):
+            k, v = backend.gather_kv(cache, slots.to(cache.device))
+            parts += [k.reshape(len(blocks), -1).cpu(), v.reshape(len(blocks), -1).cpu()]
+        return torch.cat(parts, dim=1).to(self.dtype)
+
+    def assemble(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Canonical rows from every rank's :meth:`local` rows (rank order)."""
+        n = parts[0].shape[0]
+        out = torch.empty(n, self.spec.block_numel, dtype=self.dtype)
+        offset, local_offset = 0, 0
+        for (bs, heads, size), placement in zip(self.spec.layer_shapes, self.placements):
+            local_numel = bs * placement[0][1] * size
+            for kv in range(2):  # keys, then values
+                canonical = out[:, offset : offset + bs * heads * size].view(n, bs, heads, size)
+                for (first, count), part in zip(placement, parts):
+                    local = part[:, local_offset : local_offset + local_numel].view(n, bs, count, size)
+                    canonical[:, :, first : first + count] = local
+                offset += bs * heads * size
+                local_offset += local_numel
+        return out
+
+    def write(self, blocks: list[int], rows: torch.Tensor) -> None:
+        """Write this rank's heads of canonical ``rows`` into ``blocks`` of its cache."""
+        slots, offset = self._slots(blocks), 0
+        for cache, backend, (bs, heads, size), placement in zip(
+            self.kv_cache.layer_caches, self.kv_cache.layer_backends, self.spec.layer_shapes, self.placements
+        ):
+            first, count = placement[self.tp.rank]
+            numel = bs * heads * size
+            k, v = (rows[:, o : o + numel].reshape(-1, heads, size)[:, first : first + count].to(cache.device)
+                    for o in (offset, offset + numel))
+            backend.scatter_kv(cache, slots.to(cache.device), k.contiguous(), v.contiguous())
+            offset += 2 * numel
+
+
 class KVTierConnector:
-    def __init__(self, tier: KVTier, kv_cache: KVCache, manager: KVCacheManager, spec: KVTierSpec) -> None:
+    """Rank 0's side of the tier. Under tensor parallelism (a ``channel`` to the other ranks)
+    every gather and write of blocks is broadcast first, so that each rank contributes or
+    takes its KV heads (``engine.distributed.executor.serve_steps``)."""
+
+    def __init__(self, tier: KVTier, kv_cache: KVCache, manager: KVCacheManager, spec: KVTierSpec,
+                 tp: TensorParallel = SINGLE, channel=None) -> None:
         self.tier = tier
         self.kv_cache = kv_cache
         self.manager = manager
@@ -57,38 +120,22 @@ class KVTierConnector:
         self.dtype = getattr(torch, spec.dtype)
         self.stats = ConnectorStats()
         manager.record_evictions = True
-        # per layer: elements of its K (and of its V) within a canonical block
-        self._layer_numel = [bs * heads * size for bs, heads, size in spec.layer_shapes]
+        self.blocks = CanonicalBlocks(kv_cache, spec, tp)
+        self.channel = channel
 
     # canonical blocks <-> cache blocks
 
-    def _slots(self, blocks: list[int]) -> torch.Tensor:
-        bs = self.kv_cache.block_size
-        ids = torch.tensor(blocks, dtype=torch.int64)
-        return (ids[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)
-
     def gather(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), block_numel] on the CPU: each row one block in the canonical layout."""
-        out = torch.empty(len(blocks), self.spec.block_numel, dtype=self.dtype)
-        slots = self._slots(blocks)
-        offset = 0
-        for cache, backend, numel in zip(self.kv_cache.layer_caches, self.kv_cache.layer_backends, self._layer_numel):
-            k, v = backend.gather_kv(cache, slots.to(cache.device))
-            out[:, offset : offset + numel] = k.reshape(len(blocks), numel).cpu()
-            out[:, offset + numel : offset + 2 * numel] = v.reshape(len(blocks), numel).cpu()
-            offset += 2 * numel
-        return out
+        if self.channel is None:
+            return self.blocks.local(blocks)
+        self.channel.send(("kv_gather", blocks))
+        return self.blocks.assemble(self.channel.gather(self.blocks.local(blocks)))
 
     def scatter(self, blocks: list[int], rows: torch.Tensor) -> None:
-        slots = self._slots(blocks)
-        offset = 0
-        for cache, backend, (bs, heads, size), numel in zip(
-            self.kv_cache.layer_caches, self.kv_cache.layer_backends, self.spec.layer_shapes, self._layer_numel
-        ):
-            k = rows[:, offset : offset + numel].reshape(-1, heads, size).to(cache.device)
-            v = rows[:, offset + numel : offset + 2 * numel].reshape(-1, heads, size).to(cache.device)
-            backend.scatter_kv(cache, slots.to(cache.device), k, v)
-            offset += 2 * numel
+        if self.channel is not None:
+            self.channel.send(("kv_write", blocks, rows))
+        self.blocks.write(blocks, rows)
 
     # offload
 

@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from engine.config import EngineConfig
+from engine.distributed.executor import (
+    STUCK_STEP_GRACE_S,
+    ControlChannel,
+    Launch,
+    LocalWorkers,
+    WorkerDiedError,
+    free_local_address,
+    join_group,
+    leave_group,
+    torchrun_launch,
+)
+from engine.distributed.parallel_state import SINGLE, TensorParallel, tensor_parallel
 from engine.interfaces.model import Model, ModelInit
 from engine.interfaces.attention import LINEAR, TOKEN_STATE
 from engine.interfaces.quantizer import Quantizer
@@ -25,7 +40,7 @@ from engine.plugins.registry import ComponentError
 from engine.runtime.kv_cache_manager import KVCacheManager, cache_salt
 from engine.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
 from engine.runtime.kv_cache import KVCache, KVCacheGroup, group_layers, num_blocks_for
-from engine.runtime.kv_tier_connector import KVTierConnector, tier_spec
+from engine.runtime.kv_tier_connector import CanonicalBlocks, KVTierConnector, tier_spec
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.request import Request, RequestStatus
 from engine.runtime.scheduler import Scheduler
@@ -50,12 +65,21 @@ class StepResult:
 
 
 class LLMEngine:
+    """The engine of one process. With ``tensor_parallel_size`` > 1 this is rank 0, which
+    spawns the other ranks (or meets them under torchrun); a worker rank builds the same
+    engine with its ``launch`` and serves rank 0's steps (``engine.distributed.executor``)."""
+
     def __init__(
-        self, config: EngineConfig, *, plugin_manager: EnginePluginManager | None = None, progress: bool = True
+        self, config: EngineConfig, *, plugin_manager: EnginePluginManager | None = None, progress: bool = True,
+        launch: Launch | None = None,
     ) -> None:
         self.config = config
         self.plugin_manager = plugin_manager or get_plugin_manager(config.plugins)
         components = self.plugin_manager.components()
+        self.tp: TensorParallel = SINGLE
+        self.channel: ControlChannel | None = None
+        self.workers: LocalWorkers | None = None
+        self.kv_tier = None
 
         self.model_path = resolve_model_path(config.model)
         with open(self.model_path / "config.json", encoding="utf-8") as f:
@@ -69,7 +93,11 @@ class LLMEngine:
 
         self.platform = select_platform(components.platforms, config.device)
         self.platform.configure_process()
-        self.device = self.platform.device()
+        launch = launch or self._launch_ranks(model_cls)
+        if launch is not None:
+            self.tp = join_group(launch, self.platform.dist_backend)
+            self.channel = ControlChannel(self.tp)
+        self.device = self.platform.device(self.local_device_index())
         self.dtype_name = resolve_dtype(config.dtype, checkpoint_dtype(raw_config), self.platform)
         self.dtype: torch.dtype = getattr(torch, self.dtype_name)
         self.platform.seed_everything(config.seed)
@@ -86,14 +114,16 @@ class LLMEngine:
 
         self.dequantizer: CheckpointDequantizer | None = None  # set for checkpoints dequantized at load
         self.quantizer = self._make_quantizer(components, raw_config)
-        self.model: Model = build_model(
-            model_cls, self.hf_config, self.model_path, self.platform, self.dtype_name, self.device,
-            quantizer=self.quantizer, progress=progress, dequantizer=self.dequantizer,
-        )
+        with tensor_parallel(self.tp):
+            self.model: Model = build_model(
+                model_cls, self.hf_config, self.model_path, self.platform, self.dtype_name, self.device,
+                quantizer=self.quantizer, progress=progress and self.tp.rank == 0, dequantizer=self.dequantizer,
+            )
         if self.dequantizer is not None:
             logger.info("dequantized %d %s weights to %s while loading", self.dequantizer.dequantized,
                         raw_config["quantization_config"]["quant_method"], self.dtype_name)
-        self.kv_cache = self._make_kv_cache(components)
+        with tensor_parallel(self.tp):
+            self.kv_cache = self._make_kv_cache(components)
         prefix_caching = config.enable_prefix_caching
         recurrent = sorted({spec.kind for spec in self.model.kv_cache_specs() if spec.is_recurrent})
         if recurrent and prefix_caching:
@@ -109,7 +139,7 @@ class LLMEngine:
         )
         self.kv_tier = self._make_kv_tier(components)
         self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device, channel=self.channel)
         self.vocab_size = int(raw_config.get("vocab_size") or text_config.get("vocab_size") or 0)
         self.spec = self._make_spec_decoder(components)
         self.tokenizer = load_tokenizer(config.tokenizer or self.model_path)
@@ -118,9 +148,61 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.request_groups: dict[str, list[Request]] = {}  # n > 1: parent id -> its samples, while any runs
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens",
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens%s",
             self.architecture, self.platform.name, self.dtype_name, self.kv_cache.num_blocks, config.block_size,
+            f", tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp.is_parallel else "",
         )
+
+    # tensor parallelism
+
+    def _launch_ranks(self, model_cls: type[Model]) -> Launch | None:
+        """Rank 0's side of starting the ranks: None for one rank; under torchrun this
+        process's launch; else spawn ranks 1..N-1 here and return rank 0's launch."""
+        config, size = self.config, self.config.tensor_parallel_size
+        launch = torchrun_launch()
+        if launch is not None and launch.world_size != size:
+            raise ValueError(f"This process was started as rank {launch.rank} of WORLD_SIZE={launch.world_size} "
+                             f"(torchrun), but --tensor-parallel-size is {size}: make them equal.")
+        if size == 1:
+            return None
+        if not getattr(model_cls, "supports_tensor_parallel", False):
+            raise SelectionError(f"{self.architecture} does not support tensor parallelism (its plugin does not "
+                                 f"shard it); run it with --tensor-parallel-size 1.")
+        if config.speculative_method is not None:
+            raise SelectionError("Speculative decoding is not supported with --tensor-parallel-size > 1 yet.")
+        if launch is not None:
+            return launch
+        # the workers load exactly the plugins this process loaded, named explicitly
+        loaded = [info.name if info.source == "entry_point" else info.module
+                  for info in self.plugin_manager.plugin_infos if info.loaded]
+        init_method = free_local_address()
+        self.workers = LocalWorkers(config.model_copy(update={"plugins": loaded}), size, init_method,
+                                    self._on_worker_death)
+        return Launch(0, size, init_method)
+
+    def local_device_index(self) -> int:
+        """The device this rank uses: ``LOCAL_RANK`` under torchrun, else the rank."""
+        if not self.tp.is_parallel or self.platform.device_type == "cpu":
+            return 0
+        return int(os.environ.get("LOCAL_RANK", self.tp.rank))
+
+    def _on_worker_death(self, reason: str) -> None:
+        """Called on the watchdog thread: a step waiting on the dead rank fails by itself
+        (gloo sees the closed connection); one still stuck after a grace period ends the
+        process, since a hung server is worse than a dead one."""
+        def exit_if_stuck() -> None:
+            if self.runner.in_step:
+                logger.critical("%s and the step waiting on it is stuck after %.0f s: exiting", reason,
+                                STUCK_STEP_GRACE_S)
+                os._exit(1)
+
+        timer = threading.Timer(STUCK_STEP_GRACE_S, exit_if_stuck)
+        timer.daemon = True
+        timer.start()
+
+    def _check_ranks(self) -> None:
+        if self.workers is not None and self.workers.failure is not None:
+            raise WorkerDiedError(self.workers.failure)
 
     def _make_quantizer(self, components, raw_config: dict) -> Quantizer | None:
         """The checkpoint's own quantization method, else ``--quantization``'s, else None."""
@@ -230,18 +312,32 @@ class LLMEngine:
                 f"KV tiers hold K/V blocks of MHA/GQA layers; {self.architecture} has {', '.join(keys_only)} layers, "
                 f"whose caches (latent entries, indexer keys) they do not carry yet. Run it without --kv-tier."
             )
-        tier_cls = components.kv_tiers.get(config.kv_tier)
         spec = tier_spec(self.kv_cache, self.kv_manager.salt, self.dtype)
+        if self.tp.rank != 0:  # rank 0 holds the tier; this rank gives and takes its KV heads of blocks
+            self.kv_blocks = CanonicalBlocks(self.kv_cache, spec, self.tp)
+            return None
+        tier_cls = components.kv_tiers.get(config.kv_tier)
         tier = tier_cls(spec, config.kv_tier_config)
         logger.info("KV tier %s (%s): blocks of %d bytes, digest %s", config.kv_tier, tier_cls.__name__,
                     spec.block_bytes, spec.digest)
-        return KVTierConnector(tier, self.kv_cache, self.kv_manager, spec)
+        return KVTierConnector(tier, self.kv_cache, self.kv_manager, spec, tp=self.tp, channel=self.channel)
 
     def close(self) -> None:
-        """Release what outlives a step: the KV tier (pending stores finish first)."""
+        """Release what outlives a step: the KV tier (pending stores finish first), and the
+        other tensor-parallel ranks (told to stop, then joined)."""
         if self.kv_tier is not None:
             self.kv_tier.close()
             self.kv_tier = None
+        if self.channel is not None and self.tp.rank == 0:
+            channel, self.channel = self.channel, None
+            if self.workers is None or self.workers.failure is None:
+                try:
+                    channel.send(("stop",))
+                except Exception:  # a rank already gone
+                    logger.debug("telling the ranks to stop failed", exc_info=True)
+            if self.workers is not None:
+                self.workers.stop(timeout=2.0 if self.workers.failure else 10.0)
+            leave_group()
 
     def _make_kv_cache(self, components) -> KVCache:
         config = self.config
@@ -254,6 +350,7 @@ class LLMEngine:
         return build_kv_cache(
             self.model, components, self.platform, self.dtype_name, self.device, config.block_size, memory,
             max_model_len=self.max_model_len, max_num_seqs=config.max_num_seqs, attention_backend=config.attention_backend,
+            agree=self.channel.agree_on_min if self.channel is not None else None,
         )
 
     # requests
@@ -364,12 +461,20 @@ class LLMEngine:
 
     def step(self) -> StepResult:
         started = time.perf_counter()
+        self._check_ranks()
         batch = self.scheduler.schedule()
         if self.spec is not None:
             self.spec.plan(batch, self.runner.last_hidden)
         if self.kv_tier is not None:
             self.kv_tier.offload_evicted()  # before this step's forward overwrites the evicted blocks
-        sampled_requests, kept = self.runner.execute(batch)
+        try:
+            sampled_requests, kept = self.runner.execute(batch)
+        except RuntimeError as exc:
+            if not self.tp.is_parallel:
+                raise
+            time.sleep(0.5)  # let the watchdog see which rank went away
+            reason = self.workers.failure if self.workers is not None and self.workers.failure else None
+            raise WorkerDiedError(reason or f"a tensor-parallel rank went away during the step: {exc}") from exc
         for request, n in zip(batch.requests, batch.num_tokens):
             request.num_computed_tokens += n
         index = {id(r): i for i, r in enumerate(batch.requests)} if batch.drafts else {}
@@ -441,6 +546,7 @@ def build_model(
 def build_kv_cache(
     model: Model, components, platform, dtype_name: str, device: torch.device, block_size: int, memory_bytes: int,
     *, max_model_len: int, max_num_seqs: int, attention_backend: str | None = None,
+    agree: Callable[[int], int] | None = None,
 ) -> KVCache:
     """The paged KV cache of ``model``: one group per distinct layer spec with the attention
     backend selected for it, as many blocks as ``memory_bytes`` holds (no more than
@@ -482,6 +588,8 @@ def build_kv_cache(
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = num_blocks_for(specs, block_size, element_size, memory_bytes,
                                 max_blocks_useful=max_num_seqs * blocks_per_seq)
+    if agree is not None:  # tensor-parallel ranks: the same block numbering everywhere
+        num_blocks = agree(num_blocks)
     if num_blocks * block_size < max_model_len:
         raise ValueError(
             f"The KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks), fewer than "

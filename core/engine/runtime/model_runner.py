@@ -16,8 +16,13 @@ from engine.spec_decode.verify import verify
 
 
 class ModelRunner:
-    def __init__(self, model: Model, kv_cache: KVCache, device: torch.device) -> None:
+    """With a ``channel`` (tensor parallelism, rank 0) every step's arrays and every logits
+    computation are broadcast first, so that the other ranks run the same collectives."""
+
+    def __init__(self, model: Model, kv_cache: KVCache, device: torch.device, channel=None) -> None:
         self.model = model
+        self.channel = channel
+        self.in_step = False
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
@@ -30,6 +35,10 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         """input_ids [T], positions [T] and the step's attention metadata."""
+        return self.to_device(self.prepare_arrays(batch))
+
+    def prepare_arrays(self, batch: ScheduledBatch) -> dict:
+        """The step as flat host arrays (what :meth:`to_device` turns into tensors)."""
         requests, num_new = batch.requests, batch.num_tokens
         num_seqs = len(requests)
         input_ids: list[int] = []
@@ -57,31 +66,61 @@ class ModelRunner:
         positions = np.arange(len(input_ids)) - query_start_loc[seq_idx] + context_lens[seq_idx]
         slot_mapping = block_table[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
 
+        return {
+            "input_ids": np.asarray(input_ids, dtype=np.int64), "positions": positions,
+            "query_start_loc": query_start_loc, "query_lens": query_lens, "context_lens": context_lens,
+            "seq_lens": seq_lens, "block_tables": block_table, "slot_mapping": slot_mapping,
+            "state_slots": (np.asarray([r.state_slot for r in requests], dtype=np.int64)
+                            if requests[0].state_slot is not None else None),
+        }
+
+    def to_device(self, arrays: dict) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         device = self.device
 
         def tensor(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(device)
 
         metadata = CommonAttentionMetadata(
-            query_start_loc=tensor(query_start_loc),
-            query_lens=tensor(query_lens),
-            context_lens=tensor(context_lens),
-            seq_lens=tensor(seq_lens),
-            block_tables=tensor(block_table),
-            slot_mapping=tensor(slot_mapping),
-            max_query_len=max(num_new),
-            max_seq_len=int(seq_lens.max()),
+            query_start_loc=tensor(arrays["query_start_loc"]),
+            query_lens=tensor(arrays["query_lens"]),
+            context_lens=tensor(arrays["context_lens"]),
+            seq_lens=tensor(arrays["seq_lens"]),
+            block_tables=tensor(arrays["block_tables"]),
+            slot_mapping=tensor(arrays["slot_mapping"]),
+            max_query_len=int(arrays["query_lens"].max()),
+            max_seq_len=int(arrays["seq_lens"].max()),
             block_size=self.block_size,
-            state_slots=(tensor(np.asarray([r.state_slot for r in requests], dtype=np.int64))
-                         if requests[0].state_slot is not None else None),
+            state_slots=tensor(arrays["state_slots"]) if arrays["state_slots"] is not None else None,
         )
-        return torch.tensor(input_ids, dtype=torch.int64, device=device), tensor(positions), metadata
+        return tensor(arrays["input_ids"]), tensor(arrays["positions"]), metadata
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits of these hidden rows (on every rank, under tensor parallelism)."""
+        if self.channel is not None:
+            self.channel.send(("logits", hidden.cpu()))
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
+    def execute_arrays(self, arrays: dict) -> torch.Tensor:
+        """A worker rank's step: the forward pass only (rank 0 samples)."""
+        input_ids, positions, common = self.to_device(arrays)
+        return self.model(input_ids, positions, self.kv_cache.forward_context(common))
+
     def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[list[int]]]:
         """Run one step. Returns the requests that sampled this step and, for each, the
         tokens it keeps: one, or with drafts the accepted drafts and one more."""
-        input_ids, positions, common = self.prepare(batch)
+        self.in_step = True
+        try:
+            return self._execute(batch)
+        finally:
+            self.in_step = False
+
+    @torch.inference_mode()
+    def _execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[list[int]]]:
+        arrays = self.prepare_arrays(batch)
+        if self.channel is not None:
+            self.channel.send(("forward", arrays))
+        input_ids, positions, common = self.to_device(arrays)
         ctx = self.kv_cache.forward_context(common)
         hidden = self.model(input_ids, positions, ctx)
 
@@ -94,7 +133,7 @@ class ModelRunner:
         if any(r.want_prompt_logits for r in batch.requests):
             self._record_prompt_logits(batch, hidden, ends)
         if any(r.sampling_params.prompt_logprobs is not None for r in batch.requests):
-            record_prompt_logprobs(self.model.compute_logits, batch.requests, batch.num_tokens, hidden, ends)
+            record_prompt_logprobs(self.compute_logits, batch.requests, batch.num_tokens, hidden, ends)
         if not sampling:
             return [], []
         requests = [batch.requests[i] for i in sampling]
@@ -110,7 +149,7 @@ class ModelRunner:
         logits of their last row."""
         requests = [batch.requests[i] for i in indices]
         rows = torch.tensor([ends[i] - 1 for i in indices], device=self.device)
-        sampled = self.sampler(self.model.compute_logits(hidden[rows]), requests)
+        sampled = self.sampler(self.compute_logits(hidden[rows]), requests)
         if sampled.logprobs is not None:
             record_sample_logprobs(requests, sampled.logprobs)
         self._keep_hidden(requests, hidden, rows)
@@ -121,7 +160,7 @@ class ModelRunner:
         requests = [batch.requests[i] for i in drafted]
         rows = [r for i in drafted for r in range(ends[i] - len(batch.drafts[i]) - 1, ends[i])]
         kept = verify(
-            self.sampler, self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), requests,
+            self.sampler, self.compute_logits(hidden[torch.tensor(rows, device=self.device)]), requests,
             [batch.drafts[i] for i in drafted], [batch.draft_probs.get(i) for i in drafted],
         )
         if self.keep_hidden_states:  # the row that produced each request's newest token
@@ -144,5 +183,5 @@ class ModelRunner:
                 first = request.num_computed_tokens
                 keep = max(0, min(n, request.num_prompt_tokens - first))
                 if keep:
-                    request.prompt_logits.append(self.model.compute_logits(hidden[start : start + keep]).float())
+                    request.prompt_logits.append(self.compute_logits(hidden[start : start + keep]).float())
             start = end

@@ -29,7 +29,8 @@ from torch import nn
 from engine.interfaces.attention import INDEXER, MLA, SPARSE_MLA, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.decoder import DecoderStack, GatedMLP, PreNormDecoderLayer, require_silu
-from engine.layers.linear import Linear
+from engine.distributed import get_tp
+from engine.layers.linear import Linear, ParallelLMHead, gather_logits
 from engine.layers.mla import MLADims, MLAttention
 from engine.layers.moe import MoE, MoEDims, load_named_tensors
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
@@ -175,8 +176,9 @@ def indexer_spec(dims: Dims) -> AttentionSpec:
 
 def attention_spec(dims: Dims, rope: dict) -> AttentionSpec:
     """The KV-cache spec of the MLA layers (sparse MLA when the dims have an indexer)."""
-    return AttentionSpec(
-        kind=MLA if dims.index_topk is None else SPARSE_MLA, num_heads=dims.num_heads, num_kv_heads=1,
+    return AttentionSpec(  # this rank's heads; every rank caches the whole latent
+        kind=MLA if dims.index_topk is None else SPARSE_MLA,
+        num_heads=get_tp().split(dims.num_heads, "num_attention_heads")[1], num_kv_heads=1,
         head_size=dims.kv_lora_rank + dims.qk_rope_head_dim, scale=softmax_scale(dims, rope),
         latent_size=dims.kv_lora_rank,
     )
@@ -184,6 +186,7 @@ def attention_spec(dims: Dims, rope: dict) -> AttentionSpec:
 
 class DeepseekV3ForCausalLM(Model):
     sparse_attention = False  # V3.2: an indexer in every layer
+    supports_tensor_parallel = True
 
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
@@ -205,7 +208,7 @@ class DeepseekV3ForCausalLM(Model):
             self.model = DecoderStack(d.vocab_size, d.hidden_size, d.rms_norm_eps, layers, dtype)
             self.rotary = RotaryEmbedding(d.qk_rope_head_dim, int(config.get("max_position_embeddings", 4096)), rope)
             self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-            self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
+            self.lm_head = ParallelLMHead(d.hidden_size, d.vocab_size, dtype)
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -219,7 +222,7 @@ class DeepseekV3ForCausalLM(Model):
         return self.model(input_ids, ctx, lambda dtype: self.rotary.cos_sin(positions, dtype))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        return gather_logits(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skipped_mtp = 0
@@ -245,6 +248,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2: V3 with DeepSeek sparse attention (an indexer in every layer)."""
 
     sparse_attention = True
+    supports_tensor_parallel = False  # its indexer is not sharded yet
 
 
 def decoder_layer(dims: Dims, spec: AttentionSpec, layer_index: int, attention_index: int, interleaved_rope: bool,

@@ -39,7 +39,15 @@ from torch import nn
 from engine.interfaces.attention import LINEAR, MLA, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.decoder import GATE_UP_PARAMS, DecoderStack, GatedMLP, PreNormDecoderLayer, require_silu
-from engine.layers.linear import Linear, MergedLinear
+from engine.distributed import get_tp
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    ParallelLMHead,
+    RowParallelLinear,
+    gather_logits,
+    shard_parameter,
+)
 from engine.layers.mla import MLADims, MLAttention
 from engine.layers.moe import MoE, MoEDims, load_named_tensors
 from engine.model_config import HFConfig
@@ -113,11 +121,14 @@ class KimiDims(MLADims, MoEDims):
 
 
 class ShortConv(nn.Module):
-    """One depthwise convolution's weight, [channels, 1, kernel] as checkpoints hold it."""
+    """One depthwise convolution's weight, [channels, 1, kernel] as checkpoints hold it (this
+    rank's ``channels`` of ``full_channels``, from ``first``)."""
 
-    def __init__(self, channels: int, kernel: int, dtype: torch.dtype) -> None:
+    def __init__(self, channels: int, kernel: int, dtype: torch.dtype, first: int = 0,
+                 full_channels: int | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype), requires_grad=False)
+        self.weight = shard_parameter(nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype), requires_grad=False),
+                                      0, first, full_channels or channels)
 
 
 class GatedHeadNorm(nn.Module):
@@ -135,24 +146,32 @@ class GatedHeadNorm(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
+    """Under tensor parallelism each rank runs its KDA heads: the per-head and per-channel
+    projections, convolutions, decays and state are split by head, the low-rank gates' first
+    factors (``f_a``, ``g_a``) are whole on every rank, and ``o_proj`` sums over the ranks."""
+
     def __init__(self, dims: KimiDims, spec: AttentionSpec, layer_index: int, dtype: torch.dtype) -> None:
         super().__init__()
-        heads, head_dim = dims.linear_num_heads, dims.linear_head_dim
-        width = heads * head_dim
-        self.qkv_proj = MergedLinear(dims.hidden_size, [width] * 3, False, dtype)
-        self.q_conv1d = ShortConv(width, dims.conv_kernel, dtype)
-        self.k_conv1d = ShortConv(width, dims.conv_kernel, dtype)
-        self.v_conv1d = ShortConv(width, dims.conv_kernel, dtype)
+        all_heads, head_dim = dims.linear_num_heads, dims.linear_head_dim
+        first, heads = get_tp().split(all_heads, "linear_num_heads")  # this rank's heads
+        full_width, width, first_channel = all_heads * head_dim, heads * head_dim, first * head_dim
+        what = "linear_num_heads × head_dim"
+        self.qkv_proj = ColumnParallelLinear(dims.hidden_size, [full_width] * 3, False, dtype, what)
+        self.q_conv1d = ShortConv(width, dims.conv_kernel, dtype, first_channel, full_width)
+        self.k_conv1d = ShortConv(width, dims.conv_kernel, dtype, first_channel, full_width)
+        self.v_conv1d = ShortConv(width, dims.conv_kernel, dtype, first_channel, full_width)
         # the forget gate: g = -exp(A_log_h) · softplus(f_b(f_a(x)) + dt_bias), per channel
         self.f_a_proj = Linear(dims.hidden_size, head_dim, False, dtype)
-        self.f_b_proj = Linear(head_dim, width, False, dtype)
-        self.dt_bias = nn.Parameter(torch.empty(width, dtype=torch.float32), requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(1, 1, heads, 1, dtype=torch.float32), requires_grad=False)
-        self.b_proj = Linear(dims.hidden_size, heads, False, dtype)
+        self.f_b_proj = ColumnParallelLinear(head_dim, [full_width], False, dtype, what)
+        self.dt_bias = shard_parameter(nn.Parameter(torch.empty(width, dtype=torch.float32), requires_grad=False),
+                                       0, first_channel, full_width)
+        self.A_log = shard_parameter(nn.Parameter(torch.empty(1, 1, heads, 1, dtype=torch.float32),
+                                                  requires_grad=False), 2, first, all_heads)
+        self.b_proj = ColumnParallelLinear(dims.hidden_size, [all_heads], False, dtype, "linear_num_heads")
         self.g_a_proj = Linear(dims.hidden_size, head_dim, False, dtype)
-        self.g_b_proj = Linear(head_dim, width, False, dtype)
+        self.g_b_proj = ColumnParallelLinear(head_dim, [full_width], False, dtype, what)
         self.o_norm = GatedHeadNorm(head_dim, dims.norm_eps)
-        self.o_proj = Linear(width, dims.hidden_size, False, dtype)
+        self.o_proj = RowParallelLinear(full_width, dims.hidden_size, False, dtype, what)
         self.layer_index, self.heads, self.head_dim = layer_index, heads, head_dim
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,6 +193,8 @@ class KimiDeltaAttention(nn.Module):
 
 
 class KimiLinearForCausalLM(Model):
+    supports_tensor_parallel = True
+
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
         config, dtype = init.config, init.dtype
@@ -181,9 +202,12 @@ class KimiLinearForCausalLM(Model):
         d = self.dims = KimiDims.from_config(config)
         if d.num_experts % d.num_groups:
             raise ValueError(f"num_experts={d.num_experts} is not a multiple of num_expert_group={d.num_groups}.")
-        self.mla_spec = AttentionSpec(MLA, d.num_heads, 1, d.kv_lora_rank + d.qk_rope_head_dim, d.qk_head_dim**-0.5,
+        tp = get_tp()  # the specs count this rank's heads
+        mla_heads, kda_heads = tp.split(d.num_heads, "num_attention_heads")[1], tp.split(d.linear_num_heads,
+                                                                                          "linear_num_heads")[1]
+        self.mla_spec = AttentionSpec(MLA, mla_heads, 1, d.kv_lora_rank + d.qk_rope_head_dim, d.qk_head_dim**-0.5,
                                       latent_size=d.kv_lora_rank)
-        self.kda_spec = AttentionSpec(LINEAR, d.linear_num_heads, d.linear_num_heads, d.linear_head_dim,
+        self.kda_spec = AttentionSpec(LINEAR, kda_heads, kda_heads, d.linear_head_dim,
                                       d.linear_head_dim**-0.5, value_size=d.linear_head_dim,
                                       conv_kernel=d.conv_kernel)
         layers = []
@@ -195,7 +219,7 @@ class KimiLinearForCausalLM(Model):
                        else MoE(d, dtype))
                 layers.append(PreNormDecoderLayer(attention, mlp, d.hidden_size, d.norm_eps, dtype))
             self.model = DecoderStack(d.vocab_size, d.hidden_size, d.norm_eps, layers, dtype)
-            self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
+            self.lm_head = ParallelLMHead(d.hidden_size, d.vocab_size, dtype)
 
     def kv_cache_specs(self) -> list[AttentionSpec]:
         return [self.mla_spec if t == "full_attention" else self.kda_spec for t in self.dims.layer_types]
@@ -204,7 +228,7 @@ class KimiLinearForCausalLM(Model):
         return self.model(input_ids, ctx, lambda dtype: None)  # no positional encoding anywhere
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        return gather_logits(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed():

@@ -20,7 +20,8 @@ from engine.layers.decoder import (
     load_tensor,
     require_silu,
 )
-from engine.layers.linear import Linear, MergedLinear, linear_layers
+from engine.distributed import get_tp
+from engine.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, gather_logits, linear_layers
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
 from engine.runtime.forward_context import ForwardContext
@@ -69,11 +70,13 @@ class LlamaAttentionBlock(nn.Module):
     def __init__(self, dims: Dims, spec: AttentionSpec, layer_index: int, qkv_bias: bool, o_bias: bool,
                  qk_norm: bool, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
-        q_size, kv_size = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
-        self.split = [q_size, kv_size, kv_size]
-        self.qkv_proj = MergedLinear(dims.hidden_size, self.split, qkv_bias, dtype)
-        self.o_proj = Linear(q_size, dims.hidden_size, o_bias, dtype)
+        # this rank's heads (all of them without tensor parallelism)
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, dims.head_dim
+        self.qkv_proj = QKVParallelLinear(dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim,
+                                          qkv_bias, dtype)
+        self.split = list(self.qkv_proj.output_sizes)
+        self.o_proj = RowParallelLinear(dims.num_heads * dims.head_dim, dims.hidden_size, o_bias, dtype,
+                                        what="num_attention_heads × head_dim")
         if qk_norm:
             self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype)
@@ -96,6 +99,7 @@ class LlamaAttentionBlock(nn.Module):
 
 class LlamaForCausalLM(Model):
     variant: ClassVar[Variant] = Variant()
+    supports_tensor_parallel = True
 
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
@@ -122,7 +126,7 @@ class LlamaForCausalLM(Model):
                 rotary_dim=int(dims.head_dim * float(config.get("partial_rotary_factor", 1.0))),
             )
             self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-            self.lm_head = Linear(dims.hidden_size, dims.vocab_size, False, dtype)
+            self.lm_head = ParallelLMHead(dims.hidden_size, dims.vocab_size, dtype)
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -138,9 +142,13 @@ class LlamaForCausalLM(Model):
             ]
             windows = [int(window) if t == "sliding_attention" else None for t in layer_types]
         scale = dims.head_dim**-0.5
+        tp = get_tp()  # this rank's heads
+        num_heads = tp.split(dims.num_heads, "num_attention_heads")[1]
+        num_kv_heads = tp.kv_heads(dims.num_kv_heads)[1]
         return [
             AttentionSpec(
-                kind=SLIDING_WINDOW if w else MHA, num_heads=dims.num_heads, num_kv_heads=dims.num_kv_heads,
+                kind=SLIDING_WINDOW if w else MHA, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                total_kv_heads=dims.num_kv_heads if tp.is_parallel else None,
                 head_size=dims.head_dim, scale=scale, sliding_window=w,
             )
             for w in windows
@@ -154,7 +162,7 @@ class LlamaForCausalLM(Model):
         return self.model(input_ids, ctx, lambda dtype: self.rotary.cos_sin(positions, dtype))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+        return gather_logits(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params, linears = dict(self.named_parameters()), linear_layers(self)

@@ -24,6 +24,8 @@ Which check catches which bug:
   does not tie, so the checkpoint's ``lm_head.weight`` is silently dropped):
   ``test_all_weight_names_consumed`` (changing that tensor changes nothing)
   and ``test_logits_match_transformers``.
+- ``forgets_o_proj_all_reduce`` (the attention output projections keep each rank's partial
+  sum): ``test_two_tensor_parallel_ranks_equal_one`` only; one rank has nothing to sum.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ KIT_TESTS = (
     "test_cached_decode_equals_recompute",
     "test_chunked_prefill_equals_whole_prefill",
     "test_all_weight_names_consumed",
+    "test_two_tensor_parallel_ranks_equal_one",
 )
 
 CAUGHT_BY = {
@@ -50,6 +53,7 @@ CAUGHT_BY = {
     "skips_post_attention_norm": {"test_all_weight_names_consumed", "test_logits_match_transformers"},
     "wrong_rms_eps": {"test_logits_match_transformers"},
     "ties_untied_lm_head": {"test_all_weight_names_consumed", "test_logits_match_transformers"},
+    "forgets_o_proj_all_reduce": {"test_two_tensor_parallel_ranks_equal_one"},
 }
 
 BROKEN_MODELS = '''
@@ -97,6 +101,13 @@ class ties_untied_lm_head(LlamaForCausalLM):
         super().__init__(init)
         self.tie_word_embeddings = True  # its load_weights now drops lm_head.weight
         self.lm_head.weight = self.model.embed_tokens.weight
+
+
+class forgets_o_proj_all_reduce(LlamaForCausalLM):
+    def __init__(self, init):
+        super().__init__(init)
+        for layer in self.model.layers:
+            layer.self_attn.o_proj.reduce = False
 
 
 @engine.hookimpl

@@ -7,7 +7,9 @@ the architecture, in fp32 on the cpu platform by default:
 - prompt logits equal HF transformers' forward on the same weights;
 - decode steps that read the KV cache give what one recompute pass gives;
 - chunked prefill gives what a whole-prompt prefill gives;
-- ``load_weights`` uses every checkpoint tensor and fills every parameter.
+- ``load_weights`` uses every checkpoint tensor and fills every parameter;
+- a model that declares ``supports_tensor_parallel`` gives on two ranks (gloo, spawned
+  processes) the logits it gives on one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from engine.testing.kit.base import KitTests
+from engine.testing.kit.base import KitTests, capability_skip
 
 PROMPT_LENGTHS = (3, 8, 17, 30)
 NUM_GENERATED = 12
@@ -165,6 +167,23 @@ class ModelTests(KitTests):
             error = (a - b).abs().max().item()
             assert error <= tolerance(a, self.atol), (
                 f"prompt of {len(prompt)} tokens: chunked prefill differs from whole prefill by {error:.3g}"
+            )
+
+    def test_two_tensor_parallel_ranks_equal_one(self, checkpoint: tuple[Path, Any]) -> None:
+        """With ``supports_tensor_parallel``, prompt logits on two ranks (each holding its part of
+        every layer, spawned processes talking over gloo) equal those on one rank."""
+        if not getattr(self.resolve(self.required("architecture")), "supports_tensor_parallel", False):
+            capability_skip("tensor parallelism (Model.supports_tensor_parallel)")
+        path, _ = checkpoint
+        prompts = self.prompts(path, seed=3)
+        one = self.make_llm(path).prompt_logits(prompts)
+        with self.make_llm(path, tensor_parallel_size=2) as llm:
+            two = llm.prompt_logits(prompts)
+        for prompt, a, b in zip(prompts, one, two):
+            assert a.shape == b.shape
+            error = (a - b).abs().max().item()
+            assert error <= tolerance(a, self.atol), (
+                f"prompt of {len(prompt)} tokens: two tensor-parallel ranks differ from one by {error:.3g}"
             )
 
     def test_all_weight_names_consumed(self, checkpoint: tuple[Path, Any]) -> None:

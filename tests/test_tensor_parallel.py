@@ -393,3 +393,22 @@ def test_a_quantizer_applies_to_each_rank_s_part(tmp_path):
     one_rank = (logits(1, "bitsandbytes") - reference).abs().mean()
     two_ranks = (logits(2, "bitsandbytes") - reference).abs().mean()
     assert 0 < two_ranks < 1.5 * one_rank, (one_rank, two_ranks)
+
+
+def test_a_worker_that_dies_before_joining_is_an_error_at_once(checkpoints, tmp_path, monkeypatch):
+    """A plugin that cannot load in the spawned rank (here it exits there on import) makes
+    building the engine raise WorkerDiedError with the rank's exit status, promptly."""
+    from engine.distributed.executor import WorkerDiedError
+
+    module = f"dies_in_workers_{os.getpid()}"
+    (tmp_path / f"{module}.py").write_text(
+        "import multiprocessing, os\n"
+        "if multiprocessing.parent_process() is not None:\n"
+        "    os._exit(3)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path, plugin = checkpoints["llama-gqa"]
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="engine-tp-rank-1 .* exited with status 3 before joining"):
+        LLM(str(path), plugins=["cpu", plugin, module], dtype="float32", tensor_parallel_size=2, progress=False)
+    assert time.monotonic() - started < 60

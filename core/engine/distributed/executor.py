@@ -78,16 +78,47 @@ def free_local_address() -> str:
         return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
 
 
-def join_group(launch: Launch, backend: str) -> TensorParallel:
+READY_KEY = "engine/ranks_ready"
+
+
+def join_group(launch: Launch, backend: str, workers: LocalWorkers | None = None) -> TensorParallel:
     """Initialise ``torch.distributed`` for this rank; layers' collectives use ``backend``
-    (the platform's), step messages a gloo group."""
+    (the platform's), step messages a gloo group.
+
+    Spawned ranks meet at rank 0's store: each checks in, and rank 0 waits for all of them
+    while watching ``workers``, so that a rank dying before it joins (a plugin that fails to
+    import there, ...) is a prompt :class:`WorkerDiedError` rather than a rendezvous that
+    waits out its timeout."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=launch.init_method, rank=launch.rank,
-                            world_size=launch.world_size, timeout=COLLECTIVE_TIMEOUT)
+    if launch.init_method.startswith("tcp://"):
+        host, port = launch.init_method.removeprefix("tcp://").rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), world_size=launch.world_size, is_master=launch.rank == 0,
+                              timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+        if launch.rank == 0:
+            wait_for_ranks(store, launch.world_size - 1, workers)
+        else:
+            store.add(READY_KEY, 1)
+        dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+    else:
+        dist.init_process_group(backend, init_method=launch.init_method, rank=launch.rank,
+                                world_size=launch.world_size, timeout=COLLECTIVE_TIMEOUT)
     control = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     logger.info("tensor-parallel rank %d of %d joined (%s)", launch.rank, launch.world_size, backend)
     return TensorParallel(rank=launch.rank, size=launch.world_size, group=None, control_group=control)
+
+
+def wait_for_ranks(store, expected: int, workers: LocalWorkers | None) -> None:
+    """Until ``expected`` ranks checked in at ``store``; a dead worker raises."""
+    deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
+    while store.add(READY_KEY, 0) < expected:
+        if workers is not None and workers.failure is not None:
+            raise WorkerDiedError(f"{workers.failure} before joining the tensor-parallel group; its log says why")
+        if time.monotonic() > deadline:
+            raise WorkerDiedError(f"only {store.add(READY_KEY, 0)} of {expected} tensor-parallel ranks joined "
+                                  f"within {COLLECTIVE_TIMEOUT}")
+        time.sleep(0.05)
 
 
 def leave_group() -> None:
@@ -206,6 +237,7 @@ class LocalWorkers:
                 process = alive.pop(sentinel)
                 if self.stopping.is_set():
                     return
+                process.join(1.0)  # reap it, so that its exit status is known
                 self.failure = (f"tensor-parallel worker {process.name} (pid {process.pid}) exited with status "
                                 f"{process.exitcode}")
                 logger.error("%s; the engine cannot go on", self.failure)

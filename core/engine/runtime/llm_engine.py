@@ -94,8 +94,17 @@ class LLMEngine:
         self.platform = select_platform(components.platforms, config.device)
         self.platform.configure_process()
         launch = launch or self._launch_ranks(model_cls)
+        try:
+            self._build(config, components, raw_config, model_cls, launch, progress)
+        except BaseException:
+            self._stop_ranks(failed=True)  # the other ranks would wait on this one for ever
+            raise
+
+    def _build(self, config: EngineConfig, components, raw_config: dict, model_cls: type[Model],
+               launch: Launch | None, progress: bool) -> None:
+        """Everything after the platform: join the ranks, load the model, size the caches."""
         if launch is not None:
-            self.tp = join_group(launch, self.platform.dist_backend)
+            self.tp = join_group(launch, self.platform.dist_backend, self.workers)
             self.channel = ControlChannel(self.tp)
         self.device = self.platform.device(self.local_device_index())
         self.dtype_name = resolve_dtype(config.dtype, checkpoint_dtype(raw_config), self.platform)
@@ -191,7 +200,8 @@ class LLMEngine:
         (gloo sees the closed connection); one still stuck after a grace period ends the
         process, since a hung server is worse than a dead one."""
         def exit_if_stuck() -> None:
-            if self.runner.in_step:
+            runner = getattr(self, "runner", None)
+            if runner is not None and runner.in_step:
                 logger.critical("%s and the step waiting on it is stuck after %.0f s: exiting", reason,
                                 STUCK_STEP_GRACE_S)
                 os._exit(1)
@@ -328,16 +338,23 @@ class LLMEngine:
         if self.kv_tier is not None:
             self.kv_tier.close()
             self.kv_tier = None
-        if self.channel is not None and self.tp.rank == 0:
-            channel, self.channel = self.channel, None
-            if self.workers is None or self.workers.failure is None:
-                try:
-                    channel.send(("stop",))
-                except Exception:  # a rank already gone
-                    logger.debug("telling the ranks to stop failed", exc_info=True)
-            if self.workers is not None:
-                self.workers.stop(timeout=2.0 if self.workers.failure else 10.0)
-            leave_group()
+        self._stop_ranks()
+
+    def _stop_ranks(self, failed: bool = False) -> None:
+        """Rank 0: tell the other ranks to stop (unless one died or this rank ``failed``), join
+        the spawned ones (terminating stragglers), leave the group."""
+        if self.tp.rank != 0 or (not self.tp.is_parallel and self.workers is None):
+            return
+        channel, self.channel = self.channel, None
+        if channel is not None and not failed and (self.workers is None or self.workers.failure is None):
+            try:
+                channel.send(("stop",))
+            except Exception:  # a rank already gone
+                logger.debug("telling the ranks to stop failed", exc_info=True)
+        if self.workers is not None:
+            self.workers.stop(timeout=2.0 if failed or self.workers.failure else 10.0)
+            self.workers = None
+        leave_group()
 
     def _make_kv_cache(self, components) -> KVCache:
         config = self.config

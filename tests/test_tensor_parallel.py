@@ -284,6 +284,21 @@ def test_a_killed_worker_fails_the_requests_in_flight_and_the_server_exits(check
             server.wait()
 
 
+def test_a_worker_killed_while_the_server_idles_stops_the_server(checkpoints):
+    path, plugin = checkpoints["llama-gqa"]
+    port = free_port()
+    server = start_server(path, plugin, port)
+    try:
+        (worker,) = worker_pids(server)
+        os.kill(worker, signal.SIGKILL)
+        assert server.wait(15) == 1
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert "tensor-parallel worker engine-tp-rank-1" in server.stdout.read()
+
+
 def test_two_torchrun_launches_on_loopback_act_as_two_nodes(checkpoints):
     """``torchrun --nnodes 2`` started twice (node ranks 0 and 1) on 127.0.0.1: rank 0 prints
     the output of one rank, the other serves its steps; both exit 0."""

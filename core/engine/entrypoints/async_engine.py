@@ -224,6 +224,7 @@ class AsyncEngine:
                 self._drain_commands(block=not self.engine.has_unfinished())
                 if self._stopping.is_set():
                     break
+                self.engine.check_ranks()  # a tensor-parallel rank that died while idle stops the loop too
                 if self.engine.has_unfinished():
                     result = self.engine.step()
                     self._dispatch(result.updated, result.finished)

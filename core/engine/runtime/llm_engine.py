@@ -210,7 +210,8 @@ class LLMEngine:
         timer.daemon = True
         timer.start()
 
-    def _check_ranks(self) -> None:
+    def check_ranks(self) -> None:
+        """Raise ``WorkerDiedError`` when a spawned rank has exited (cheap: a flag the watchdog sets)."""
         if self.workers is not None and self.workers.failure is not None:
             raise WorkerDiedError(self.workers.failure)
 
@@ -478,7 +479,7 @@ class LLMEngine:
 
     def step(self) -> StepResult:
         started = time.perf_counter()
-        self._check_ranks()
+        self.check_ranks()
         batch = self.scheduler.schedule()
         if self.spec is not None:
             self.spec.plan(batch, self.runner.last_hidden)

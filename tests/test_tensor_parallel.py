@@ -176,6 +176,24 @@ def test_torchrun_world_size_must_match(checkpoints, monkeypatch):
         LLM(str(path), plugins=["cpu", plugin], dtype="float32", tensor_parallel_size=2, progress=False)
 
 
+def test_a_worker_rank_refuses_what_rank_0_refuses_before_joining(checkpoints, tmp_path):
+    """Under torchrun each rank builds its own engine: a worker rank checks the rank count and
+    the model's support itself, so that it fails as rank 0 does instead of waiting for it."""
+    from engine.config import EngineConfig
+    from engine.distributed.executor import Launch
+    from engine.runtime.llm_engine import LLMEngine
+
+    path, plugin = checkpoints["llama-gqa"]
+    config = EngineConfig(model=str(path), plugins=["cpu", plugin], dtype="float32", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="rank 1 of 3, but --tensor-parallel-size is 2"):
+        LLMEngine(config, progress=False, launch=Launch(1, 3, "env://"))
+    make_tiny_checkpoint("DeepseekV32ForCausalLM", tmp_path)
+    config = EngineConfig(model=str(tmp_path), plugins=["cpu", "deepseek_v4"], dtype="float32",
+                          tensor_parallel_size=2)
+    with pytest.raises(SelectionError, match="does not support tensor parallelism"):
+        LLMEngine(config, progress=False, launch=Launch(1, 2, "env://"))
+
+
 # engine serve, and a worker killed mid-generation
 
 

@@ -93,7 +93,13 @@ class LLMEngine:
 
         self.platform = select_platform(components.platforms, config.device)
         self.platform.configure_process()
-        launch = launch or self._launch_ranks(model_cls)
+        if launch is None:
+            launch = self._launch_ranks(model_cls)
+        else:  # a worker rank
+            if launch.world_size != config.tensor_parallel_size:
+                raise ValueError(f"This process was started as rank {launch.rank} of {launch.world_size}, but "
+                                 f"--tensor-parallel-size is {config.tensor_parallel_size}: make them equal.")
+            self._check_tensor_parallel(model_cls)
         try:
             self._build(config, components, raw_config, model_cls, launch, progress)
         except BaseException:
@@ -174,11 +180,7 @@ class LLMEngine:
                              f"(torchrun), but --tensor-parallel-size is {size}: make them equal.")
         if size == 1:
             return None
-        if not getattr(model_cls, "supports_tensor_parallel", False):
-            raise SelectionError(f"{self.architecture} does not support tensor parallelism (its plugin does not "
-                                 f"shard it); run it with --tensor-parallel-size 1.")
-        if config.speculative_method is not None:
-            raise SelectionError("Speculative decoding is not supported with --tensor-parallel-size > 1 yet.")
+        self._check_tensor_parallel(model_cls)
         if launch is not None:
             return launch
         # the workers load exactly the plugins this process loaded, named explicitly
@@ -188,6 +190,14 @@ class LLMEngine:
         self.workers = LocalWorkers(config.model_copy(update={"plugins": loaded}), size, init_method,
                                     self._on_worker_death)
         return Launch(0, size, init_method)
+
+    def _check_tensor_parallel(self, model_cls: type[Model]) -> None:
+        """What more than one rank cannot run, refused on every rank before any joins."""
+        if not getattr(model_cls, "supports_tensor_parallel", False):
+            raise SelectionError(f"{self.architecture} does not support tensor parallelism (its plugin does not "
+                                 f"shard it); run it with --tensor-parallel-size 1.")
+        if self.config.speculative_method is not None:
+            raise SelectionError("Speculative decoding is not supported with --tensor-parallel-size > 1 yet.")
 
     def local_device_index(self) -> int:
         """The device this rank uses: ``LOCAL_RANK`` under torchrun, else the rank."""

@@ -11,12 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-
+from engine.distributed.executor import free_local_address
 from engine.distributed.parallel_state import TensorParallel, tensor_parallel
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -34,14 +36,11 @@ CASES = {
 }
 
 
-def greedy(path: Path, plugin: str, tp: int, n: int = 12) -> list[list[int]]:
-    llm = LLM(str(path), plugins=["cpu", plugin], dtype="float32", tensor_parallel_size=tp, kv_cache_memory=0.05,
-              progress=False)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    finally:
-        llm.engine.close()
+def greedy(path: Path, plugin: str, tp: int, prompts: list[list[int]] = PROMPTS, n: int = 12) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    with LLM(str(path), plugins=["cpu", plugin], dtype="float32", tensor_parallel_size=tp, kv_cache_memory=0.05,
+             progress=False) as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +63,12 @@ def test_two_ranks_give_the_greedy_output_of_one(checkpoints, case):
 
 
 def test_column_and_row_parallel_parts_make_the_whole_layer():
-    from engine.layers.linear import ColumnParallelLinear, MergedLinear, QKVParallelLinear, RowParallelLinear
+    from engine.layers.linear import (
+        ColumnParallelLinear,
+        MergedLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 12, generator=g)
@@ -143,7 +147,7 @@ def test_heads_that_do_not_split_are_refused(tmp_path):
 def test_the_spawned_ranks_get_the_plugins_this_process_loaded_by_name(checkpoints, monkeypatch):
     """With plugins autoloaded (None), the workers' configuration names every plugin rank 0
     loaded, so that they load the same set whatever their environment."""
-    import engine.runtime.llm_engine as llm_engine
+    from engine.runtime import llm_engine
 
     class Spawned(Exception):
         pass
@@ -201,14 +205,6 @@ def engine_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "engine", *args]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def children(pid: int) -> list[int]:
     """Child processes of ``pid`` (Linux /proc)."""
     found = []
@@ -221,6 +217,23 @@ def children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 found.append(int(entry.name))
     return found
+
+
+def free_port() -> int:
+    return int(free_local_address().rsplit(":", 1)[1])
+
+
+@contextmanager
+def tensor_parallel_server(path: Path, plugin: str) -> Iterator[tuple[subprocess.Popen, int]]:
+    """``engine serve`` on two ranks, up and answering; killed on the way out if still running."""
+    port = free_port()
+    server = start_server(path, plugin, port)
+    try:
+        yield server, port
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
 
 
 def start_server(path: Path, plugin: str, port: int) -> subprocess.Popen:
@@ -257,9 +270,7 @@ def worker_pids(server: subprocess.Popen) -> list[int]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_engine_serve_on_two_ranks_answers_as_one_rank_does(checkpoints, case):
     path, plugin = checkpoints[case]
-    port = free_port()
-    server = start_server(path, plugin, port)
-    try:
+    with tensor_parallel_server(path, plugin) as (server, port):
         assert len(worker_pids(server)) == 1
         answers = [
             httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
@@ -268,7 +279,6 @@ def test_engine_serve_on_two_ranks_answers_as_one_rank_does(checkpoints, case):
             }).json()
             for prompt in PROMPTS
         ]
-    finally:
         server.send_signal(signal.SIGINT)
         server.wait(30)
     assert [a["choices"][0]["token_ids"] for a in answers] == greedy(path, plugin, 1)
@@ -276,9 +286,7 @@ def test_engine_serve_on_two_ranks_answers_as_one_rank_does(checkpoints, case):
 
 def test_a_killed_worker_fails_the_requests_in_flight_and_the_server_exits(checkpoints):
     path, plugin = checkpoints["llama-gqa"]
-    port = free_port()
-    server = start_server(path, plugin, port)
-    try:
+    with tensor_parallel_server(path, plugin) as (server, port):
         (worker,) = worker_pids(server)
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
             "model": str(path), "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
@@ -296,24 +304,14 @@ def test_a_killed_worker_fails_the_requests_in_flight_and_the_server_exits(check
         assert "tensor-parallel worker" in events[-1]["error"]["message"]
         assert server.wait(30) == 1
         assert time.monotonic() - killed < 15
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
 
 
 def test_a_worker_killed_while_the_server_idles_stops_the_server(checkpoints):
     path, plugin = checkpoints["llama-gqa"]
-    port = free_port()
-    server = start_server(path, plugin, port)
-    try:
+    with tensor_parallel_server(path, plugin) as (server, _):
         (worker,) = worker_pids(server)
         os.kill(worker, signal.SIGKILL)
         assert server.wait(15) == 1
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
     assert "tensor-parallel worker engine-tp-rank-1" in server.stdout.read()
 
 
@@ -348,7 +346,7 @@ def test_kv_tier_blocks_stored_under_one_rank_count_restore_under_the_other(chec
     outputs of an engine without a tier."""
     path, plugin = checkpoints["llama-gqa"]
     prompts = [list(range(3, 3 + 40)), list(range(50, 50 + 33))]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     def run(tp: int) -> tuple[list[list[int]], int]:
         llm = LLM(str(path), plugins=["cpu", plugin, "kv_tier_disk"], dtype="float32", tensor_parallel_size=tp,
@@ -358,7 +356,7 @@ def test_kv_tier_blocks_stored_under_one_rank_count_restore_under_the_other(chec
             outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             return outputs, llm.engine.kv_tier.stats.prefetched_blocks
 
-    expected = greedy_of(path, plugin, prompts, params)
+    expected = greedy(path, plugin, 1, prompts)
     stored, _ = run(store_tp)
     loaded, prefetched = run(load_tp)
     assert stored == expected and loaded == expected
@@ -366,19 +364,13 @@ def test_kv_tier_blocks_stored_under_one_rank_count_restore_under_the_other(chec
     assert prefetched == sum((len(p) - 1) // 4 for p in prompts)
 
 
-def greedy_of(path: Path, plugin: str, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    with LLM(str(path), plugins=["cpu", plugin], dtype="float32", kv_cache_memory=0.05, progress=False) as llm:
-        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
 def test_checkpoint_tensors_are_views_of_the_mapped_file(tmp_path):
     """What the loader yields equals what safetensors reads, for every dtype, without a
     private copy per tensor (a view of the copy-on-write mapping, so a rank copying its
     part reads only that part); writing to one leaves the file as it was."""
+    from engine.model_loader.weights import mapped_tensors
     from safetensors import safe_open
     from safetensors.torch import save_file
-
-    from engine.model_loader.weights import mapped_tensors
 
     g = torch.Generator().manual_seed(3)
     tensors = {

@@ -577,3 +577,15 @@ def test_real_cpu_platform_selects_its_paged_backend():
     platform = select_platform(components.platforms, None)
     backend = select_attention_backend(components.attention_backends, platform, SPEC, dtype="float32", block_size=16)
     assert (platform.name, backend.name) == ("cpu", "cpu_paged")
+
+
+def test_every_backend_refuses_a_linear_spec_without_its_state_sizes():
+    """The base spec checks cover each kind, so a backend need not repeat them (triton_kda
+    declares kind linear and inherits them)."""
+    pytest.importorskip("triton")
+    from engine.interfaces.attention import LINEAR, AttentionSpec
+    from engine.kernels.kda import TritonKdaAttention
+
+    spec = AttentionSpec(LINEAR, 2, 2, 8, 0.1)
+    reasons = TritonKdaAttention.validate(spec, platform="cuda", dtype="bfloat16", block_size=16)
+    assert "value_size must be set (got None)" in reasons and "conv_kernel must be at least 2 (got None)" in reasons

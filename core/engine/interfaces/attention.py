@@ -92,6 +92,27 @@ class AttentionSpec:
         return tensors * self.num_kv_heads * self.head_size * element_size
 
 
+def spec_field_reasons(spec: AttentionSpec) -> list[str]:
+    """Why ``spec`` lacks what its kind needs: MLA one entry per token with its value part,
+    an indexer one key per token and a top-k, linear attention its state's sizes."""
+    reasons = []
+    if spec.is_latent or spec.kind == INDEXER:
+        if spec.num_kv_heads != 1:
+            what = "entry" if spec.is_latent else "key"
+            reasons.append(f"{spec.kind} caches one {what} per token: num_kv_heads must be 1, not {spec.num_kv_heads}")
+    if spec.is_latent and (spec.latent_size is None or not 0 < spec.latent_size <= spec.head_size):
+        reasons.append(f"latent_size must be set within the entry's head_size {spec.head_size} "
+                       f"(got {spec.latent_size})")
+    if spec.kind == INDEXER and (spec.index_topk is None or spec.index_topk < 1):
+        reasons.append(f"index_topk must be a positive number of positions (got {spec.index_topk})")
+    if spec.kind == LINEAR:
+        if spec.value_size is None or spec.value_size < 1:
+            reasons.append(f"value_size must be set (got {spec.value_size})")
+        if spec.conv_kernel is None or spec.conv_kernel < 2:
+            reasons.append(f"conv_kernel must be at least 2 (got {spec.conv_kernel})")
+    return reasons
+
+
 @dataclass(frozen=True)
 class AttentionCapabilities:
     """What a backend supports; read by selection and by the conformance kit.
@@ -175,9 +196,10 @@ class AttentionBackend(ABC):
 
     @classmethod
     def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
-        """Reasons a spec of a declared kind is malformed for this backend (an MLA spec without
-        ``latent_size``, say); empty by default. :meth:`validate` and the constructor use it."""
-        return []
+        """Reasons a spec of a declared kind is malformed (an MLA spec without ``latent_size``,
+        a linear one without ``value_size``, ...: :func:`spec_field_reasons`); a backend with
+        checks of its own extends it. :meth:`validate` and the constructor use it."""
+        return spec_field_reasons(spec)
 
     @classmethod
     def validate(

@@ -24,7 +24,6 @@ from engine.interfaces.attention import (
     SLIDING_WINDOW,
     AttentionBackend,
     AttentionCapabilities,
-    AttentionSpec,
     CommonAttentionMetadata,
 )
 
@@ -138,15 +137,6 @@ class TritonMlaAttention(AttentionBackend):
 
     name = "triton_mla"
     capabilities = AttentionCapabilities(kinds=frozenset({MLA}), platforms=GPU_PLATFORMS, dtypes=GPU_DTYPES)
-
-    @classmethod
-    def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
-        reasons = []
-        if spec.num_kv_heads != 1:
-            reasons.append(f"MLA caches one entry per token: num_kv_heads must be 1, not {spec.num_kv_heads}")
-        if spec.latent_size is None or not 0 < spec.latent_size <= spec.head_size:
-            reasons.append(f"latent_size must be set within the entry's head_size {spec.head_size}")
-        return reasons
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, self.spec.head_size)

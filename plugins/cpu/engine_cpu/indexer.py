@@ -24,7 +24,6 @@ from engine.interfaces.attention import (
     INDEXER,
     AttentionBackend,
     AttentionCapabilities,
-    AttentionSpec,
     CommonAttentionMetadata,
 )
 
@@ -47,10 +46,6 @@ class CpuIndexer(AttentionBackend):
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({"float32", "bfloat16"}),
     )
-
-    @classmethod
-    def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
-        return indexer_spec_reasons(spec)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         # [block, offset in block, key]
@@ -114,13 +109,3 @@ class CpuIndexer(AttentionBackend):
             best, positions = scores.topk(width, dim=-1)
             selected[:, part, :width] = positions.masked_fill_(best == float("-inf"), -1)
         return selected[seq, row]
-
-
-def indexer_spec_reasons(spec: AttentionSpec) -> list[str]:
-    """Why ``spec`` is not a well-formed indexer spec (one key per token, a top-k to select)."""
-    reasons = []
-    if spec.num_kv_heads != 1:
-        reasons.append(f"the indexer caches one key per token: num_kv_heads must be 1, not {spec.num_kv_heads}")
-    if spec.index_topk is None or spec.index_topk < 1:
-        reasons.append(f"index_topk must be a positive number of positions (got {spec.index_topk})")
-    return reasons

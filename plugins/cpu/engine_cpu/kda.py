@@ -26,7 +26,6 @@ from engine.interfaces.attention import (
     LINEAR,
     AttentionBackend,
     AttentionCapabilities,
-    AttentionSpec,
     CommonAttentionMetadata,
 )
 from engine.kernels.kda_torch import KdaMetadata, build_metadata, chunked, prepare, recurrent_step, split_state
@@ -39,10 +38,6 @@ class CpuKdaAttention(AttentionBackend):
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({"float32", "bfloat16"}),
     )
-
-    @classmethod
-    def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
-        return linear_spec_reasons(spec)
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         # one flat float32 state per slot
@@ -70,13 +65,3 @@ class CpuKdaAttention(AttentionBackend):
             out, final = chunked(q, k, v, decay, strength, initial)
         split_state(self.spec, state)[1][metadata.common.state_slots] = final
         return out[metadata.token_seq, metadata.token_row].to(mixed_qkv.dtype)  # [T, H, dv]
-
-
-def linear_spec_reasons(spec: AttentionSpec) -> list[str]:
-    """Why ``spec`` is not a well-formed linear-attention spec."""
-    reasons = []
-    if spec.value_size is None or spec.value_size < 1:
-        reasons.append(f"value_size must be set (got {spec.value_size})")
-    if spec.conv_kernel is None or spec.conv_kernel < 2:
-        reasons.append(f"conv_kernel must be at least 2 (got {spec.conv_kernel})")
-    return reasons

@@ -38,7 +38,6 @@ from engine.interfaces.attention import (
     SPARSE_MLA,
     AttentionBackend,
     AttentionCapabilities,
-    AttentionSpec,
     CommonAttentionMetadata,
 )
 
@@ -81,10 +80,6 @@ class CpuMlaAttention(AttentionBackend):
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({"float32", "bfloat16"}),
     )
-
-    @classmethod
-    def spec_reasons(cls, spec: AttentionSpec) -> list[str]:
-        return latent_spec_reasons(spec) if spec.is_latent else []
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         # [block, offset in block, entry]
@@ -191,15 +186,6 @@ class CpuMlaAttention(AttentionBackend):
         return result[:, 0, :, : self.spec.latent_size]
 
 
-def latent_spec_reasons(spec: AttentionSpec) -> list[str]:
-    """Why ``spec`` is not a well-formed MLA spec (one entry per token, value its leading part)."""
-    reasons = []
-    if spec.num_kv_heads != 1:
-        reasons.append(f"MLA caches one entry per token: num_kv_heads must be 1, not {spec.num_kv_heads}")
-    if spec.latent_size is None or not 0 < spec.latent_size <= spec.head_size:
-        reasons.append(f"latent_size must be set within the entry's head_size {spec.head_size} "
-                       f"(got {spec.latent_size})")
-    return reasons
 
 
 def key_slots_of(common: CommonAttentionMetadata, seqs: torch.Tensor, max_seq_len: int) -> torch.Tensor:

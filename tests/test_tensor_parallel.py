@@ -437,3 +437,18 @@ def test_a_worker_that_dies_before_joining_is_an_error_at_once(checkpoints, tmp_
     with pytest.raises(WorkerDiedError, match="engine-tp-rank-1 .* exited with status 3 before joining"):
         LLM(str(path), plugins=["cpu", plugin, module], dtype="float32", tensor_parallel_size=2, progress=False)
     assert time.monotonic() - started < 60
+
+
+def test_only_errors_out_of_collectives_count_as_a_lost_rank():
+    """A step's own RuntimeError (a model bug, out of memory) passes through unchanged; one
+    raised inside torch.distributed is read as a rank that went away."""
+    import torch.distributed as dist
+
+    from engine.distributed.executor import raised_by_collective
+
+    with pytest.raises(RuntimeError) as own:
+        raise RuntimeError("CUDA out of memory")
+    with pytest.raises((RuntimeError, ValueError)) as collective:
+        dist.broadcast(torch.zeros(1), src=0)  # no process group: raised in torch.distributed
+    assert not raised_by_collective(own.value)
+    assert raised_by_collective(collective.value)

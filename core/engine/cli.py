@@ -250,28 +250,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
-    if _run_as_worker(EngineConfig(
+    config = EngineConfig(
         model=args.model, plugins=args.plugins, dtype=args.dtype, device=args.device,
         attention_backend=args.attention_backend, max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory, quantization=args.quantization,
-        quantization_config=args.quantization_config, tensor_parallel_size=args.tensor_parallel_size,
-    )):
-        return 0
-    llm = LLM(
-        args.model,
-        plugins=args.plugins,
-        dtype=args.dtype,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        max_model_len=args.max_model_len,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_tier=args.kv_tier,
-        kv_tier_config=args.kv_tier_config,
-        quantization=args.quantization,
-        quantization_config=args.quantization_config,
-        tensor_parallel_size=args.tensor_parallel_size,
-        **_speculative_settings(args),
+        kv_cache_memory=args.kv_cache_memory, kv_tier=args.kv_tier, kv_tier_config=args.kv_tier_config,
+        quantization=args.quantization, quantization_config=args.quantization_config,
+        tensor_parallel_size=args.tensor_parallel_size, **_speculative_settings(args),
     )
+    if _run_as_worker(config):  # every rank builds its engine from the same settings
+        return 0
+    llm = LLM.from_config(config)
     prompts: list[Any] = list(args.prompt or [])
     for ids in args.prompt_ids or []:
         prompts.append([int(t) for t in ids.split(",") if t.strip()])

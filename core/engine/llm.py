@@ -32,6 +32,11 @@ class LLM:
         self.engine = LLMEngine(self.config, progress=progress)
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, progress: bool = True) -> LLM:
+        """An ``LLM`` for settings already validated as an :class:`EngineConfig`."""
+        return cls(config.model, progress=progress, **config.model_dump(exclude={"model"}))
+
     def close(self) -> None:
         """Release the engine: its KV tier and, under tensor parallelism, the other ranks."""
         self.engine.close()

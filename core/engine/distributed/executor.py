@@ -3,8 +3,8 @@ workers rank 0 spawns, and the loop a worker runs.
 
 Rank 0 is the engine: it schedules, runs its shard, samples and answers requests. Every
 step it broadcasts the step's flat input arrays to the other ranks over a gloo group
-(``("forward", arrays)``), each time it needs logits the hidden rows they are for
-(``("logits", rows)``), and each time its KV tier moves blocks which ones (``("kv_gather",
+(``("forward", arrays)``), each time it needs logits which rows of the step's hidden
+states they are for (``("logits", rows)``: every rank has the same hidden states), and each time its KV tier moves blocks which ones (``("kv_gather",
 blocks)``, ``("kv_write", blocks, rows)``: each rank gives or takes its KV heads), so that
 every rank runs the same collectives in the same order. The other ranks hold no requests: they build the same engine from the same
 configuration (the plugin selection included, resolved to names on rank 0), then run
@@ -122,6 +122,18 @@ def wait_for_ranks(store, expected: int, workers: LocalWorkers | None) -> None:
         time.sleep(0.05)
 
 
+def raised_by_collective(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a ``torch.distributed`` call (a peer that went away makes
+    gloo raise a plain ``RuntimeError``, so the traceback tells, not the type)."""
+    marker = os.sep.join(("torch", "distributed", ""))
+    tb = exc.__traceback__
+    while tb is not None:
+        if marker in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def leave_group() -> None:
     import torch.distributed as dist
 
@@ -190,14 +202,17 @@ def run_worker(config: EngineConfig, launch: Launch) -> None:
 
 def serve_steps(engine: LLMEngine) -> None:
     """A worker's loop: run each step rank 0 broadcasts until it says stop."""
+    from engine.runtime.model_runner import select_rows
+
     channel, runner = engine.channel, engine.runner
+    hidden = None
     while True:
         message = channel.receive()
         kind = message[0]
         if kind == "forward":
-            runner.execute_arrays(message[1])
-        elif kind == "logits":
-            runner.model.compute_logits(message[1].to(runner.device))
+            hidden = runner.execute_arrays(message[1])
+        elif kind == "logits":  # rows of this step's hidden states, the same on every rank
+            runner.model.compute_logits(select_rows(hidden, message[1]))
         elif kind == "kv_gather":  # the KV tier on rank 0 stores blocks: this rank's heads of them
             channel.gather(engine.kv_blocks.local(message[1]))
         elif kind == "kv_write":  # ... or loads blocks: this rank takes its heads

@@ -22,6 +22,7 @@ from engine.distributed.executor import (
     free_local_address,
     join_group,
     leave_group,
+    raised_by_collective,
     torchrun_launch,
 )
 from engine.distributed.parallel_state import SINGLE, TensorParallel, tensor_parallel
@@ -498,9 +499,10 @@ class LLMEngine:
         try:
             sampled_requests, kept = self.runner.execute(batch)
         except RuntimeError as exc:
-            if not self.tp.is_parallel:
-                raise
-            time.sleep(0.5)  # let the watchdog see which rank went away
+            if not (self.tp.is_parallel and raised_by_collective(exc)):
+                raise  # the step's own error (out of memory, a model bug), not a lost rank
+            if self.workers is not None:
+                time.sleep(0.5)  # let the watchdog see which rank went away
             reason = self.workers.failure if self.workers is not None and self.workers.failure else None
             raise WorkerDiedError(reason or f"a tensor-parallel rank went away during the step: {exc}") from exc
         for request, n in zip(batch.requests, batch.num_tokens):

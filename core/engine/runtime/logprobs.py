@@ -63,15 +63,15 @@ def record_sample_logprobs(requests: list[Request], tensors: LogprobsTensors) ->
 
 
 def record_prompt_logprobs(
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    logits_of_rows: Callable[[slice], torch.Tensor],
     requests: list[Request],
     num_new_tokens: list[int],
-    hidden: torch.Tensor,
     query_ends: list[int],
 ) -> None:
     """Extend ``prompt_logprobs`` of the requests that asked for them with this step's prompt rows.
 
-    hidden: [T, H], the step's flattened hidden states; request i owns rows
+    ``logits_of_rows(rows)`` gives the logits of those rows of the step's flattened hidden
+    states [T, H]; request i owns rows
     ``[query_ends[i] - num_new_tokens[i], query_ends[i])``, at positions from
     ``num_computed_tokens``. The row at position q scores prompt token q + 1, so
     positions 0 .. P-2 carry entries. Positions recorded before (a preempted
@@ -93,7 +93,7 @@ def record_prompt_logprobs(
         if last <= first:
             continue
         start = end - n - computed  # row of position 0
-        logits = compute_logits(hidden[start + first : start + last]).float()
+        logits = logits_of_rows(slice(start + first, start + last)).float()
         targets = torch.tensor(request.prompt_token_ids[first + 1 : last + 1], device=logits.device)
         tensors = gather_logprobs(logits.log_softmax(dim=-1), targets, num_top)
         request.prompt_logprobs.extend(tensors.entries([num_top] * len(targets)))

@@ -15,6 +15,10 @@ from engine.runtime.scheduler import ScheduledBatch
 from engine.spec_decode.verify import verify
 
 
+def select_rows(hidden: torch.Tensor, rows: slice | list[int]) -> torch.Tensor:
+    return hidden[rows] if isinstance(rows, slice) else hidden[torch.tensor(rows, device=hidden.device)]
+
+
 class ModelRunner:
     """With a ``channel`` (tensor parallelism, rank 0) every step's arrays and every logits
     computation are broadcast first, so that the other ranks run the same collectives."""
@@ -94,15 +98,17 @@ class ModelRunner:
         )
         return tensor(arrays["input_ids"]), tensor(arrays["positions"]), metadata
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The model's logits of these hidden rows (on every rank, under tensor parallelism)."""
+    def logits(self, hidden: torch.Tensor, rows: slice | list[int]) -> torch.Tensor:
+        """The model's logits of ``hidden[rows]``. Under tensor parallelism the other ranks,
+        which hold the same hidden states, are told the rows and compute their part too."""
         if self.channel is not None:
-            self.channel.send(("logits", hidden.cpu()))
-        return self.model.compute_logits(hidden)
+            self.channel.send(("logits", rows))
+        return self.model.compute_logits(select_rows(hidden, rows))
 
     @torch.inference_mode()
     def execute_arrays(self, arrays: dict) -> torch.Tensor:
-        """A worker rank's step: the forward pass only (rank 0 samples)."""
+        """A worker rank's step: the forward pass only (rank 0 samples); returns the hidden
+        states the step's ``("logits", rows)`` messages select from."""
         input_ids, positions, common = self.to_device(arrays)
         return self.model(input_ids, positions, self.kv_cache.forward_context(common))
 
@@ -124,7 +130,7 @@ class ModelRunner:
         ctx = self.kv_cache.forward_context(common)
         hidden = self.model(input_ids, positions, ctx)
 
-        ends = common.query_start_loc[1:].tolist()
+        ends = arrays["query_start_loc"][1:].tolist()
         sampling = [
             i
             for i, (request, n) in enumerate(zip(batch.requests, batch.num_tokens))
@@ -133,7 +139,7 @@ class ModelRunner:
         if any(r.want_prompt_logits for r in batch.requests):
             self._record_prompt_logits(batch, hidden, ends)
         if any(r.sampling_params.prompt_logprobs is not None for r in batch.requests):
-            record_prompt_logprobs(self.compute_logits, batch.requests, batch.num_tokens, hidden, ends)
+            record_prompt_logprobs(lambda rows: self.logits(hidden, rows), batch.requests, batch.num_tokens, ends)
         if not sampling:
             return [], []
         requests = [batch.requests[i] for i in sampling]
@@ -148,8 +154,8 @@ class ModelRunner:
         """Requests ``indices`` of the batch, without drafts, sample one token each from the
         logits of their last row."""
         requests = [batch.requests[i] for i in indices]
-        rows = torch.tensor([ends[i] - 1 for i in indices], device=self.device)
-        sampled = self.sampler(self.compute_logits(hidden[rows]), requests)
+        rows = [ends[i] - 1 for i in indices]
+        sampled = self.sampler(self.logits(hidden, rows), requests)
         if sampled.logprobs is not None:
             record_sample_logprobs(requests, sampled.logprobs)
         self._keep_hidden(requests, hidden, rows)
@@ -160,20 +166,19 @@ class ModelRunner:
         requests = [batch.requests[i] for i in drafted]
         rows = [r for i in drafted for r in range(ends[i] - len(batch.drafts[i]) - 1, ends[i])]
         kept = verify(
-            self.sampler, self.compute_logits(hidden[torch.tensor(rows, device=self.device)]), requests,
+            self.sampler, self.logits(hidden, rows), requests,
             [batch.drafts[i] for i in drafted], [batch.draft_probs.get(i) for i in drafted],
         )
         if self.keep_hidden_states:  # the row that produced each request's newest token
-            last = torch.tensor([ends[i] - len(batch.drafts[i]) - 1 + len(k) - 1 for i, k in zip(drafted, kept)],
-                                device=self.device)
+            last = [ends[i] - len(batch.drafts[i]) - 1 + len(k) - 1 for i, k in zip(drafted, kept)]
             self._keep_hidden(requests, hidden, last)
         return kept
 
-    def _keep_hidden(self, requests: list[Request], hidden: torch.Tensor, rows: torch.Tensor) -> None:
+    def _keep_hidden(self, requests: list[Request], hidden: torch.Tensor, rows: list[int]) -> None:
         if self.keep_hidden_states:
             if self.keep_pre_head_hidden_states:
                 hidden = self.model.pre_head_hidden_states
-            for request, row in zip(requests, hidden[rows]):
+            for request, row in zip(requests, select_rows(hidden, rows)):
                 self.last_hidden[request.request_id] = row.clone()
 
     def _record_prompt_logits(self, batch: ScheduledBatch, hidden: torch.Tensor, ends: list[int]) -> None:
@@ -183,5 +188,5 @@ class ModelRunner:
                 first = request.num_computed_tokens
                 keep = max(0, min(n, request.num_prompt_tokens - first))
                 if keep:
-                    request.prompt_logits.append(self.compute_logits(hidden[start : start + keep]).float())
+                    request.prompt_logits.append(self.logits(hidden, slice(start, start + keep)).float())
             start = end

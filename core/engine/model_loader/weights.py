@@ -16,6 +16,10 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from engine.interfaces.model import Model
+from engine.layers.linear import linear_layers, tied_linear_layers
+from engine.model_loader.dequant import CheckpointDequantizer, dequantize_stream
+
 # safetensors dtype codes torch can view directly
 MAPPED_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -24,18 +28,26 @@ MAPPED_DTYPES = {
 }
 
 
-def mapped_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor of one safetensors file, as views of the file
-    mapped copy-on-write; tensors of a dtype torch cannot view, or not aligned to their
-    element size, are read by safetensors."""
+def read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's tensor table (``__metadata__`` left out) and where its data starts."""
     with open(path, "rb") as f:
         (header_size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_size))
-        header.pop("__metadata__", None)
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if header else None
-    base = 8 + header_size
+    header.pop("__metadata__", None)
+    return header, 8 + header_size
+
+
+def mapped_tensors(path: Path, header: tuple[dict, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of one safetensors file (its ``read_header``, when
+    already read), as views of the file mapped copy-on-write; tensors of a dtype torch cannot
+    view, or not aligned to their element size, are read by safetensors."""
+    table, base = header or read_header(path)
+    if not table:
+        return
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     handle = None
-    for name, entry in header.items():
+    for name, entry in table.items():
         dtype = MAPPED_DTYPES.get(entry["dtype"])
         start, end = entry["data_offsets"]
         shape = entry["shape"]
@@ -48,21 +60,15 @@ def mapped_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
             flat = torch.frombuffer(mapped, dtype=dtype, count=(end - start) // dtype.itemsize, offset=base + start)
             yield name, flat.view(shape)
 
-from engine.interfaces.model import Model
-from engine.layers.linear import linear_layers, tied_linear_layers
-from engine.model_loader.dequant import CheckpointDequantizer, dequantize_stream
-
 
 def iterate_weights(files: list[Path], *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor in ``files``, one at a time, memory-mapped."""
-    total = 0
-    for path in files:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            total += len(handle.keys())
+    headers = [read_header(path) for path in files]
+    total = sum(len(table) for table, _ in headers)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress, leave=False) as bar:
-        for path in files:
-            for name, tensor in mapped_tensors(path):
-                yield name, tensor
+        for path, header in zip(files, headers):
+            for item in mapped_tensors(path, header):
+                yield item
                 bar.update(1)
 
 

@@ -20,7 +20,7 @@ from engine.interfaces.attention import AttentionSpec
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
 from engine.distributed.parallel_state import get_tp
-from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, shard_parameter
 
 if TYPE_CHECKING:
     from engine.runtime.forward_context import ForwardContext
@@ -48,27 +48,16 @@ class MLADims:
 class LatentUpProjection(nn.Module):
     """``kv_b_proj``: weight [H * (qk_nope + v), kv_lora_rank], held as a matrix and split
     per head into W_UK [H, qk_nope, R] and W_UV [H, v, R] for the absorbed form. ``dims``
-    are this rank's (its heads); ``first_head`` is where they start in the checkpoint."""
+    are this rank's (its heads); ``first_head`` is where they start among ``num_heads``, the
+    checkpoint's."""
 
-    def __init__(self, dims: MLADims, dtype: torch.dtype, first_head: int = 0) -> None:
+    def __init__(self, dims: MLADims, dtype: torch.dtype, first_head: int = 0, num_heads: int | None = None) -> None:
         super().__init__()
-        rows = dims.num_heads * (dims.qk_nope_head_dim + dims.v_head_dim)
-        self.weight = nn.Parameter(torch.empty(rows, dims.kv_lora_rank, dtype=dtype), requires_grad=False)
-        self.weight.load_checkpoint = self.load_checkpoint  # type: ignore[attr-defined]
+        per_head = dims.qk_nope_head_dim + dims.v_head_dim
+        weight = nn.Parameter(torch.empty(dims.num_heads * per_head, dims.kv_lora_rank, dtype=dtype),
+                              requires_grad=False)
+        self.weight = shard_parameter(weight, 0, first_head * per_head, (num_heads or dims.num_heads) * per_head)
         self.dims = dims
-        self.first_row = first_head * (dims.qk_nope_head_dim + dims.v_head_dim)
-
-    def load_checkpoint(self, name: str, tensor: torch.Tensor) -> None:
-        """This rank's heads' rows of the checkpoint's ``kv_b_proj.weight``."""
-        rows, columns = self.weight.shape
-        if tensor.dim() != 2 or tensor.shape[1] != columns or tensor.shape[0] < self.first_row + rows:
-            raise ValueError(f"{name}: model expects [num_heads * (qk_nope_head_dim + v_head_dim), {columns}] "
-                             f"(this rank: rows {self.first_row}..{self.first_row + rows}), checkpoint has "
-                             f"{tuple(tensor.shape)}.")
-        if not get_tp().is_parallel and tensor.shape[0] != rows:
-            raise ValueError(f"{name}: model expects shape {tuple(self.weight.shape)}, checkpoint has "
-                             f"{tuple(tensor.shape)}.")
-        self.weight.data.copy_(tensor.narrow(0, self.first_row, rows))
 
     def split(self) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.dims
@@ -101,7 +90,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(d.hidden_size, d.kv_lora_rank + d.qk_rope_head_dim, bias, dtype)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, d.rms_norm_eps, dtype)
         self.dims = replace(dims, num_heads=num_heads)  # this rank's heads
-        self.kv_b_proj = LatentUpProjection(self.dims, dtype, first_head)
+        self.kv_b_proj = LatentUpProjection(self.dims, dtype, first_head, d.num_heads)
         self.o_proj = RowParallelLinear(d.num_heads * d.v_head_dim, d.hidden_size, bias, dtype, what)
         self.g_proj = (ColumnParallelLinear(d.hidden_size, [d.num_heads * d.v_head_dim], False, dtype, what)
                        if output_gate else None)

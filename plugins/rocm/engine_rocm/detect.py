@@ -80,13 +80,13 @@ def device_arch(index: int = 0) -> str:
 
 
 def aiter_importable(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether AMD's AITER kernels can be used: ``aiter`` imports and ``ENGINE_ROCM_AITER`` is
-    not ``0``. Never raises; an installed aiter that fails to import is logged as a warning."""
+    """Whether AMD's AITER kernels can be used: ``aiter`` imports, has what ``aiter_mha`` calls,
+    and ``ENGINE_ROCM_AITER`` is not ``0``. Never raises; an installed aiter that fails to import is logged as a warning."""
     environ = os.environ if environ is None else environ
     if environ.get(AITER_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     try:
-        import aiter  # noqa: F401
+        import aiter
     except ModuleNotFoundError as exc:
         if exc.name != "aiter":
             logger.warning("aiter is installed but cannot be imported (%s); using the Triton backends", exc)
@@ -94,5 +94,9 @@ def aiter_importable(environ: Mapping[str, str] | None = None) -> bool:
     except Exception as exc:
         logger.warning("aiter is installed but cannot be imported (%s: %s); using the Triton backends",
                        type(exc).__name__, exc)
+        return False
+    if not hasattr(aiter, "flash_attn_varlen_func"):  # what engine_rocm.aiter_attention calls
+        logger.warning("this aiter (%s) has no flash_attn_varlen_func; using the Triton backends",
+                       getattr(aiter, "__version__", "unknown version"))
         return False
     return True

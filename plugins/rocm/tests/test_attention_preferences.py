@@ -18,6 +18,13 @@ WITH_AITER = {MHA: ("aiter_mha", "triton_paged"), SLIDING_WINDOW: ("aiter_mha", 
               MLA: ("triton_mla",), LINEAR: ("triton_kda",), SPARSE_MLA: (), INDEXER: ()}
 
 
+def usable_aiter() -> types.ModuleType:
+    """An aiter with what aiter_mha calls."""
+    module = types.ModuleType("aiter")
+    module.flash_attn_varlen_func = lambda *args, **kwargs: None
+    return module
+
+
 def preferences() -> dict[str, tuple[str, ...]]:
     platform = RocmPlatform()
     return {kind: platform.attention_backend_preferences(kind) for kind in TRITON}
@@ -29,12 +36,12 @@ def test_without_aiter_the_triton_backends(monkeypatch):
 
 
 def test_with_aiter_its_backends_come_first(monkeypatch):
-    monkeypatch.setitem(sys.modules, "aiter", types.ModuleType("aiter"))
+    monkeypatch.setitem(sys.modules, "aiter", usable_aiter())
     assert preferences() == WITH_AITER
 
 
 def test_aiter_can_be_switched_off(monkeypatch):
-    monkeypatch.setitem(sys.modules, "aiter", types.ModuleType("aiter"))
+    monkeypatch.setitem(sys.modules, "aiter", usable_aiter())
     monkeypatch.setenv("ENGINE_ROCM_AITER", "0")
     assert preferences() == TRITON
 
@@ -53,6 +60,13 @@ def test_an_aiter_that_fails_to_import_is_skipped_with_a_warning(monkeypatch, tm
         assert preferences() == TRITON
     assert "aiter is installed but cannot be imported" in caplog.text
     assert cause in caplog.text
+
+
+def test_an_aiter_without_varlen_flash_attention_is_passed_over(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "aiter", types.ModuleType("aiter"))
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        assert preferences() == TRITON
+    assert "has no flash_attn_varlen_func; using the Triton backends" in caplog.text
 
 
 def test_aiter_is_probed_once_per_platform(monkeypatch):

@@ -303,7 +303,7 @@ def _overhead_section(title: str, description: str, breakdown: DecodeBreakdown |
     section.add("overhead_ms", "engine overhead", "ms", {ENGINE: b.overhead_seconds * 1e3},
                 "step - model: everything but the model's compute (scheduling, building inputs and attention "
                 "metadata, sampling, appending tokens, stop checks).")
-    for label, text in ((SCHEDULE, "scheduler.schedule"), (PREPARE, "runner.prepare (inputs, metadata)")):
+    for label, text in ((SCHEDULE, "scheduler.schedule"), (PREPARE, "runner.prepare_arrays + to_device (inputs, metadata)")):
         if label in b.parts:
             section.add(f"{label}_ms", f"  of which {text}", "ms", {ENGINE: b.parts[label] * 1e3},
                         f"mean time in {text.split(' ')[0]} (inside the overhead).", ".2f")

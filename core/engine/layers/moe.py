@@ -42,6 +42,12 @@ class MoEDims:
     routed_scaling_factor: float
     norm_topk_prob: bool
 
+    def __post_init__(self) -> None:
+        if self.num_experts % self.num_groups:
+            raise ValueError(f"The routed experts ({self.num_experts}) do not split into {self.num_groups} groups: "
+                             f"the config's expert count must be a multiple of its expert-group count "
+                             f"(n_group / num_expert_group).")
+
 
 class Router(nn.Module):
     """Sigmoid scores; experts chosen by score + ``e_score_correction_bias`` among the

@@ -28,15 +28,10 @@ parameter (a hyper-connection's ``scale``) and passes through at the end.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Iterator
 
 import torch
 
-logger = logging.getLogger("engine")
-
-# quant_method values whose checkpoints the engine can dequantize at load (compressed-tensors: MXFP4 only)
-DEQUANTIZABLE_METHODS = ("fp8", "compressed-tensors")
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 PACKED_FP4_TYPES = (torch.int8, torch.uint8)

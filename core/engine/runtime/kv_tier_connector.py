@@ -60,8 +60,8 @@ class CanonicalBlocks:
         self.kv_cache, self.spec, self.tp = kv_cache, spec, tp
         self.dtype = getattr(torch, spec.dtype)
         # per layer and rank: (first head, heads) of the layer's KV heads
-        self.placements = [[TensorParallel(rank=r, size=tp.size).kv_heads(heads) if tp.is_parallel else (0, heads)
-                            for r in range(tp.size)] for _, heads, _ in spec.layer_shapes]
+        self.placements = [[TensorParallel(rank=r, size=tp.size).kv_heads(heads) for r in range(tp.size)]
+                           for _, heads, _ in spec.layer_shapes]
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         bs = self.kv_cache.block_size
@@ -114,7 +114,6 @@ class KVTierConnector:
     def __init__(self, tier: KVTier, kv_cache: KVCache, manager: KVCacheManager, spec: KVTierSpec,
                  tp: TensorParallel = SINGLE, channel=None) -> None:
         self.tier = tier
-        self.kv_cache = kv_cache
         self.manager = manager
         self.spec = spec
         self.dtype = getattr(torch, spec.dtype)

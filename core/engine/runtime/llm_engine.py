@@ -27,7 +27,7 @@ from engine.distributed.executor import (
 )
 from engine.distributed.parallel_state import SINGLE, TensorParallel, tensor_parallel
 from engine.interfaces.model import Model, ModelInit
-from engine.interfaces.attention import LINEAR, TOKEN_STATE
+from engine.interfaces.attention import TOKEN_STATE
 from engine.interfaces.quantizer import Quantizer
 from engine.interfaces.spec_proposer import PRE_HEAD_HIDDEN_STATES, ProposerInit
 from engine.layers.linear import apply_linear_method, quantize_model
@@ -141,10 +141,10 @@ class LLMEngine:
         with tensor_parallel(self.tp):
             self.kv_cache = self._make_kv_cache(components)
         prefix_caching = config.enable_prefix_caching
-        recurrent = sorted({spec.kind for spec in self.model.kv_cache_specs() if spec.is_recurrent})
-        if recurrent and prefix_caching:
+        self.recurrent_kinds = sorted({spec.kind for spec in self.model.kv_cache_specs() if spec.is_recurrent})
+        if self.recurrent_kinds and prefix_caching:
             logger.info("prefix caching is off for %s: its %s layers keep one state per request, which a cached "
-                        "prefix's blocks cannot restore", self.architecture, ", ".join(recurrent))
+                        "prefix's blocks cannot restore", self.architecture, ", ".join(self.recurrent_kinds))
             prefix_caching = False
         self.kv_manager = KVCacheManager(
             self.kv_cache.num_blocks,
@@ -293,10 +293,9 @@ class LLMEngine:
             if config.speculative_config:
                 raise SelectionError("--speculative-config was given without --speculative-method: name the proposer.")
             return None
-        recurrent = sorted({spec.kind for spec in self.model.kv_cache_specs() if spec.kind == LINEAR})
-        if recurrent:
+        if self.recurrent_kinds:
             raise SelectionError(
-                f"Speculative decoding is refused for {self.architecture}: its {', '.join(recurrent)} attention "
+                f"Speculative decoding is refused for {self.architecture}: its {', '.join(self.recurrent_kinds)} attention "
                 f"layers keep a recurrent state that rejected drafts would corrupt (rolling it back is not "
                 f"supported); run it without --speculative-method."
             )

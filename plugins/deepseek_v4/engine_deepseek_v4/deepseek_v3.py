@@ -42,27 +42,12 @@ logger = logging.getLogger("engine.deepseek")
 
 @dataclass(frozen=True)
 class Dims(MLADims, MoEDims):
-    hidden_size: int
-    num_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
+    """MLA's and the routed experts' sizes, and the rest of the network's."""
+
     intermediate_size: int
-    moe_intermediate_size: int
-    num_experts: int
-    experts_per_token: int
-    num_groups: int
-    top_groups: int
-    num_shared_experts: int
     first_k_dense_replace: int
-    routed_scaling_factor: float
-    norm_topk_prob: bool
-    attention_bias: bool
     vocab_size: int
     num_layers: int
-    rms_norm_eps: float
     mlp_layer_types: tuple[str, ...] | None = None  # "dense" / "sparse" per layer, when the config lists them
     # V3.2's indexer: query heads, head size, positions selected per query (None: no indexer)
     index_n_heads: int | None = None
@@ -114,10 +99,6 @@ class Dims(MLADims, MoEDims):
         if self.mlp_layer_types is not None and layer_index < len(self.mlp_layer_types):
             return self.mlp_layer_types[layer_index] == "sparse"
         return layer_index >= self.first_k_dense_replace
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 def softmax_scale(dims: Dims, rope: dict) -> float:
@@ -194,8 +175,6 @@ class DeepseekV3ForCausalLM(Model):
         require_silu(config, self)
         d = Dims.from_config(config)
         self.dims = d = d.with_indexer(config) if self.sparse_attention else d
-        if d.num_experts % d.num_groups:
-            raise ValueError(f"n_routed_experts={d.num_experts} is not a multiple of n_group={d.num_groups}.")
         rope = rope_parameters(config)
         self.spec = attention_spec(d, rope)
         self.num_mtp_layers = int(config.get("num_nextn_predict_layers", 0) or 0)

@@ -198,7 +198,9 @@ class Rope:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[n] -> cos, sin [n, dim / 2] float32, one angle per pair."""
-        angles = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        if self.inv_freq.device != positions.device:  # moved once, to where the model runs
+            self.inv_freq = self.inv_freq.to(positions.device)
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
         return angles.cos(), angles.sin()
 
 
@@ -333,7 +335,7 @@ class LightningIndexer(Compressor):
         self.q_b_proj = Linear(dims.q_lora_rank, dims.index_n_heads * dims.index_head_dim, False, dtype)
         self.scorer = nn.Module()
         self.scorer.weights_proj = Linear(dims.hidden_size, dims.index_n_heads, False, dtype)
-        self.dims, self.ratio, self.keys_layer = dims, ratio, keys_layer
+        self.dims, self.keys_layer = dims, keys_layer
 
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                rope: Rope, rope_q: tuple[torch.Tensor, torch.Tensor], finished: torch.Tensor) -> torch.Tensor:
@@ -379,14 +381,14 @@ class Step:
         self.input_ids, self.positions = input_ids, positions
         self.cache_positions = positions if cache_positions is None else cache_positions
         self.ropes = {name: (rope, rope.cos_sin(positions)) for name, rope in ropes.items()}
-        self.max_position = int(positions.max()) if positions.numel() else 0
         self._finished: dict[int, torch.Tensor] = {}
 
     def finished(self, ratio: int) -> torch.Tensor:
         """[T, n] the last positions of the windows of ``ratio`` that some query of the step has
         reached, -1 where this query has not (at least one column, all -1 if none)."""
         if ratio not in self._finished:
-            ends = torch.arange(max(1, (self.max_position + 1) // ratio), device=self.positions.device) * ratio
+            max_position = int(self.positions.max()) if self.positions.numel() else 0  # only once a layer asks
+            ends = torch.arange(max(1, (max_position + 1) // ratio), device=self.positions.device) * ratio
             ends = ends + ratio - 1
             self._finished[ratio] = ends[None, :].expand(self.positions.shape[0], -1).masked_fill(
                 ends[None, :] > self.positions[:, None], -1)
@@ -582,7 +584,6 @@ class DeepseekV4ForCausalLM(Model):
             self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
         self.ropes = {"main": Rope(d.rope_dim, d.rope_main, d.max_positions),
                       "compress": Rope(d.rope_dim, d.rope_compress, d.max_positions)}
-        self.num_mtp_layers = int(config.get("num_nextn_predict_layers", 0) or 0)
 
     def kv_cache_specs(self) -> list[AttentionSpec]:
         return list(self.specs)

@@ -137,8 +137,8 @@ class LatentMoE(nn.Module):
 class K3DeltaAttention(KimiDeltaAttention):
     """KDA with K3's lower-bounded forget gate and, when ``full_rank_gate``, ``g_proj``."""
 
-    def __init__(self, dims: K3Dims, spec: AttentionSpec, layer_index: int, dtype: torch.dtype) -> None:
-        super().__init__(dims, spec, layer_index, dtype)
+    def __init__(self, dims: K3Dims, layer_index: int, dtype: torch.dtype) -> None:
+        super().__init__(dims, layer_index, dtype)
         self.A_log = nn.Parameter(torch.empty(dims.linear_num_heads, dtype=torch.float32), requires_grad=False)
         self.lower_bound = dims.gate_lower_bound
         if dims.full_rank_gate:
@@ -179,7 +179,7 @@ class K3DecoderLayer(nn.Module):
         if dims.layer_types[index] == "full_attention":
             self.self_attn = MLAttention(dims, specs["mla"], index, False, dtype, output_gate=dims.mla_output_gate)
         else:
-            self.self_attn = K3DeltaAttention(dims, specs["kda"], index, dtype)
+            self.self_attn = K3DeltaAttention(dims, index, dtype)
         self.mlp = (SituMLP(dims.hidden_size, dims.intermediate_size, dims, dtype)
                     if dims.mlp_layer_types[index] == "dense" else LatentMoE(dims, dtype))
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, dtype)
@@ -194,8 +194,6 @@ class KimiK3ForConditionalGeneration(Model):
         super().__init__()
         dtype = init.dtype
         d = self.dims = K3Dims.from_config(init.config)
-        if d.num_experts % d.num_groups:
-            raise ValueError(f"num_experts={d.num_experts} is not a multiple of num_expert_group={d.num_groups}.")
         self.specs = {
             "mla": AttentionSpec(MLA, d.num_heads, 1, d.kv_lora_rank + d.qk_rope_head_dim, d.qk_head_dim**-0.5,
                                  latent_size=d.kv_lora_rank),

@@ -150,7 +150,7 @@ class KimiDeltaAttention(nn.Module):
     projections, convolutions, decays and state are split by head, the low-rank gates' first
     factors (``f_a``, ``g_a``) are whole on every rank, and ``o_proj`` sums over the ranks."""
 
-    def __init__(self, dims: KimiDims, spec: AttentionSpec, layer_index: int, dtype: torch.dtype) -> None:
+    def __init__(self, dims: KimiDims, layer_index: int, dtype: torch.dtype) -> None:
         super().__init__()
         all_heads, head_dim = dims.linear_num_heads, dims.linear_head_dim
         first, heads = get_tp().split(all_heads, "linear_num_heads")  # this rank's heads
@@ -200,8 +200,6 @@ class KimiLinearForCausalLM(Model):
         config, dtype = init.config, init.dtype
         require_silu(config, self)
         d = self.dims = KimiDims.from_config(config)
-        if d.num_experts % d.num_groups:
-            raise ValueError(f"num_experts={d.num_experts} is not a multiple of num_expert_group={d.num_groups}.")
         tp = get_tp()  # the specs count this rank's heads
         mla_heads, kda_heads = tp.split(d.num_heads, "num_attention_heads")[1], tp.split(d.linear_num_heads,
                                                                                           "linear_num_heads")[1]
@@ -214,7 +212,7 @@ class KimiLinearForCausalLM(Model):
         with torch.device(init.device):
             for i, layer_type in enumerate(d.layer_types):
                 attention = (MLAttention(d, self.mla_spec, i, False, dtype) if layer_type == "full_attention"
-                             else KimiDeltaAttention(d, self.kda_spec, i, dtype))
+                             else KimiDeltaAttention(d, i, dtype))
                 mlp = (GatedMLP(d.hidden_size, d.intermediate_size, False, dtype) if d.mlp_layer_types[i] == "dense"
                        else MoE(d, dtype))
                 layers.append(PreNormDecoderLayer(attention, mlp, d.hidden_size, d.norm_eps, dtype))

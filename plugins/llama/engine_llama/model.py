@@ -74,7 +74,6 @@ class LlamaAttentionBlock(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, dims.head_dim
         self.qkv_proj = QKVParallelLinear(dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim,
                                           qkv_bias, dtype)
-        self.split = list(self.qkv_proj.output_sizes)
         self.o_proj = RowParallelLinear(dims.num_heads * dims.head_dim, dims.hidden_size, o_bias, dtype,
                                         what="num_attention_heads × head_dim")
         if qk_norm:
@@ -85,7 +84,7 @@ class LlamaAttentionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
         # q: [T, H, D]; k, v: [T, Hkv, D]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -39,7 +39,6 @@ from engine.interfaces.attention import (
 from engine.testing.kit.base import KitTests, capability_skip
 from engine.testing.oracles import naive_attention, naive_index_scores, naive_kda, naive_mla_attention
 
-KINDS_WITH_ORACLE = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, INDEXER, LINEAR)
 KIT_BLOCK_SIZES = (1, 4, 16)
 KIT_HEAD_SIZES = (16, 32, 64)
 HEAD_LAYOUTS = {"mha": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "mqa": (4, 1)}  # (num_heads, num_kv_heads)
@@ -575,7 +574,7 @@ class AttentionBackendTests(KitTests):
         blocks (as prefix caching does) reads them back. Checks the first declared of MHA,
         sliding window, MLA, sparse MLA (dense) and indexer (keys, ``[blocks, block_size, D]``)."""
         kinds = self.backend_class().capabilities.kinds
-        kind = next((k for k in KINDS_WITH_ORACLE if k in kinds and k != LINEAR), None)
+        kind = next((k for k in ATTENTION_KINDS if k in kinds and k != LINEAR), None)
         if kind is None and LINEAR in kinds:
             pytest.skip("linear attention keeps one state per request, no per-token cache (test_linear checks it)")
         kind = kind or MHA

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -146,6 +147,10 @@ class CommonAttentionMetadata:
     - ``slot_mapping``: [T] cache slot (block * block_size + offset) of each new token
     - ``state_slots``: [B] each sequence's recurrent-state slot (models with linear attention
       layers; None otherwise)
+
+    Per token, computed on first use and shared by every backend of the step: ``token_seq``
+    [T] its sequence, ``token_row`` [T] its index among its sequence's new tokens,
+    ``token_pos`` [T] its position in its sequence.
     """
 
     query_start_loc: torch.Tensor
@@ -170,6 +175,19 @@ class CommonAttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    @cached_property
+    def token_seq(self) -> torch.Tensor:
+        sequences = torch.arange(self.num_seqs, device=self.query_lens.device)
+        return sequences if self.is_decode_only else torch.repeat_interleave(sequences, self.query_lens)
+
+    @cached_property
+    def token_row(self) -> torch.Tensor:
+        return torch.arange(self.num_tokens, device=self.query_lens.device) - self.query_start_loc[self.token_seq]
+
+    @cached_property
+    def token_pos(self) -> torch.Tensor:
+        return self.context_lens[self.token_seq] + self.token_row
 
 
 class AttentionBackend(ABC):

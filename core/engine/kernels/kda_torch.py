@@ -30,10 +30,7 @@ class KdaMetadata:
 
 
 def build_metadata(common: CommonAttentionMetadata) -> KdaMetadata:
-    device = common.query_lens.device
-    token_seq = torch.repeat_interleave(torch.arange(common.num_seqs, device=device), common.query_lens)
-    token_row = torch.arange(token_seq.shape[0], device=device) - common.query_start_loc[token_seq]
-    return KdaMetadata(common, token_seq, token_row, common.context_lens == 0)
+    return KdaMetadata(common, common.token_seq, common.token_row, common.context_lens == 0)
 
 
 def split_state(spec: AttentionSpec, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,10 +101,7 @@ class TritonAttentionMetadata:
 
 
 def build_metadata(common: CommonAttentionMetadata) -> TritonAttentionMetadata:
-    device = common.query_lens.device
-    token_seq = torch.repeat_interleave(torch.arange(common.num_seqs, device=device), common.query_lens)
-    rows = torch.arange(token_seq.shape[0], device=device) - common.query_start_loc[token_seq]
-    return TritonAttentionMetadata(common, token_seq, common.context_lens[token_seq] + rows)
+    return TritonAttentionMetadata(common, common.token_seq, common.token_pos)
 
 
 class TritonPagedAttention(AttentionBackend):

@@ -60,10 +60,7 @@ class TokenStateCache(AttentionBackend):
         kv_cache.view(-1, 1, self.spec.head_size)[slots] = k
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TokenStateMetadata:
-        device = common.query_lens.device
-        return TokenStateMetadata(
-            common, torch.repeat_interleave(torch.arange(common.num_seqs, device=device), common.query_lens)
-        )
+        return TokenStateMetadata(common, common.token_seq)
 
     def forward(self, q, k, v, kv_cache, metadata):
         """Token states are stored and gathered, never attended to."""

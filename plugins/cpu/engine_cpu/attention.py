@@ -139,15 +139,12 @@ class CpuPagedAttention(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CpuAttentionMetadata:
         device = common.slot_mapping.device
-        if common.max_query_len == 1:  # decode only: token i belongs to sequence i
-            token_seq = torch.arange(common.num_seqs, device=device)
-        else:
-            token_seq = torch.repeat_interleave(torch.arange(common.num_seqs, device=device), common.query_lens)
+        token_seq = common.token_seq
         metadata = CpuAttentionMetadata(common=common, token_seq=token_seq)
         if self.kernels is not None:
             return self._split_long_prefills(metadata)
         max_q, max_k, bs = common.max_query_len, common.max_seq_len, common.block_size
-        metadata.token_row = torch.arange(common.num_tokens, device=device) - common.query_start_loc[token_seq]
+        metadata.token_row = common.token_row
         key_pos = torch.arange(max_k, device=device)
         metadata.key_slots = common.block_tables[:, key_pos // bs] * bs + key_pos % bs
         # query row r of sequence b sits at position context_lens[b] + r (padding rows clamp

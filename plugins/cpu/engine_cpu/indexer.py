@@ -65,8 +65,7 @@ class CpuIndexer(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata) -> CpuIndexerMetadata:
         device = common.query_lens.device
-        token_seq = torch.repeat_interleave(torch.arange(common.num_seqs, device=device), common.query_lens)
-        token_row = torch.arange(token_seq.shape[0], device=device) - common.query_start_loc[token_seq]
+        token_seq, token_row = common.token_seq, common.token_row
         key_slots = None
         if common.max_seq_len > self.spec.index_topk:
             bs = common.block_size

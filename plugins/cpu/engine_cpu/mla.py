@@ -102,10 +102,7 @@ class CpuMlaAttention(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> CpuMlaMetadata:
         token_seq = token_pos = None
         if self.spec.kind == SPARSE_MLA:
-            token_seq = torch.repeat_interleave(torch.arange(common.num_seqs, device=common.query_lens.device),
-                                                common.query_lens)
-            rows = torch.arange(token_seq.shape[0], device=token_seq.device) - common.query_start_loc[token_seq]
-            token_pos = common.context_lens[token_seq] + rows
+            token_seq, token_pos = common.token_seq, common.token_pos
         if common.is_decode_only:  # token i belongs to sequence i
             seqs = torch.arange(common.num_seqs, device=common.slot_mapping.device)
             return CpuMlaMetadata(common, decode_group(common, seqs, seqs, common.max_seq_len), None, token_seq,

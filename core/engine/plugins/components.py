@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from engine.plugins.errors import PluginLoadError
 from engine.plugins.registry import BUILT_IN, ComponentError, Registry
 
 if TYPE_CHECKING:
@@ -89,8 +90,6 @@ class Components:
                 except ComponentError:
                     raise
                 except Exception as exc:
-                    from engine.plugins.manager import PluginLoadError
-
                     raise PluginLoadError(
                         f"Plugin {impl.plugin_name!r} ({info.distribution_label if info else '?'}) failed in "
                         f"{kind.hook}: {type(exc).__name__}: {exc}"

@@ -19,6 +19,7 @@ import pluggy
 
 from engine import hookspecs
 from engine.plugins.components import Components
+from engine.plugins.errors import PluginLoadError, PluginLoadWarning, PluginVersionWarning
 
 logger = logging.getLogger("engine.plugins")
 
@@ -27,16 +28,16 @@ PLUGINS_ENV = "ENGINE_PLUGINS"
 TRACE_ENV = "ENGINE_TRACE_PLUGINS"
 
 
-class PluginLoadError(RuntimeError):
-    """A plugin that was asked for could not be loaded or is malformed."""
-
-
-class PluginVersionWarning(UserWarning):
-    """A plugin was built for a range of engine versions that excludes this one."""
-
-
-class PluginLoadWarning(UserWarning):
-    """An autoloaded plugin failed; the others were loaded."""
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "EnginePluginManager",
+    "PluginInfo",
+    "PluginLoadError",
+    "PluginLoadWarning",
+    "PluginVersionWarning",
+    "get_plugin_manager",
+    "parse_plugin_selection",
+]
 
 
 @dataclass

@@ -1,0 +1,110 @@
+"""What one attention layer needs: its kind and sizes (:class:`AttentionSpec`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Attention kinds. A model declares one per layer; platforms list backends per kind. Each kind's
+# forward method and its contract: engine.interfaces.attention.{paged,mla,indexer,linear}.
+MHA = "mha"  # multi-head, grouped-query and multi-query attention
+SLIDING_WINDOW = "sliding_window"  # MHA/GQA restricted to the last `sliding_window` keys
+MLA = "mla"  # multi-head latent attention (DeepSeek)
+SPARSE_MLA = "sparse_mla"  # MLA over the positions an indexer selected for each query
+INDEXER = "indexer"  # DeepSeek sparse attention's lightning indexer: caches keys, returns top-k positions
+LINEAR = "linear"  # Kimi delta attention: a gated delta rule with a fixed-size per-request state
+ATTENTION_KINDS = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, INDEXER, LINEAR)
+# Not attention: per-token values a model stores and reads back itself (DeepSeek-V4's compressor
+# inputs), paged like the KV caches. The core serves it (engine.runtime.token_state, the contract
+# engine.interfaces.attention.token_state); platforms list no backend for it.
+TOKEN_STATE = "token_state"
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one attention layer needs; equal specs share a KV-cache group and backend.
+
+    ``scale`` multiplies ``q·k``; ``sliding_window`` is the number of most recent
+    keys (including the query's own position) a query may attend to.
+
+    MLA (``kind`` mla / sparse_mla) caches one latent entry per token and no separate
+    values: ``num_kv_heads`` is 1, ``head_size`` is the entry's size (``kv_lora_rank +
+    qk_rope_head_dim``) and ``latent_size`` its first part (``kv_lora_rank``), which
+    serves as the value. Queries arrive absorbed (see :meth:`MLAAttentionBackend.forward`).
+
+    Linear attention (``kind`` linear) keeps no per-token cache but one state per running
+    request: the last ``conv_kernel - 1`` inputs of its short convolution (``num_heads ·
+    (2 · head_size + value_size)`` channels) and the recurrent matrix [num_heads, head_size,
+    value_size]; see :meth:`LinearAttentionBackend.forward_linear`. ``scale`` multiplies the
+    normalised queries.
+
+    An indexer (``kind`` indexer) caches one key per token (``num_kv_heads`` 1,
+    ``head_size`` the indexer's head dim), scored by ``num_heads`` query heads with
+    ``scale``; ``index_topk`` is how many positions it selects for each query (see
+    :meth:`IndexerBackend.forward_index`). Its layer index is its own, separate from
+    the sparse-MLA layer it serves, so its keys are their own KV-cache group.
+    """
+
+    kind: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None = None
+    latent_size: int | None = None  # MLA: the leading part of a cache entry that is the value
+    index_topk: int | None = None  # indexer: positions selected for each query
+    value_size: int | None = None  # linear: the recurrent state's value width
+    conv_kernel: int | None = None  # linear: the short convolution's kernel size
+    # tensor parallelism: the layer's KV heads in all, when this rank's num_kv_heads are a part of
+    # them (see engine.distributed.TensorParallel.kv_heads); KV tiers store blocks with all of them
+    total_kv_heads: int | None = None
+
+    @property
+    def is_latent(self) -> bool:
+        return self.kind in (MLA, SPARSE_MLA)
+
+    @property
+    def has_values(self) -> bool:
+        """Whether the cache keeps values beside the keys (MLA entries, indexer keys and token
+        states do not; linear attention keeps no per-token cache at all)."""
+        return self.kind not in (MLA, SPARSE_MLA, INDEXER, TOKEN_STATE, LINEAR)
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Whether the layer keeps one state per request instead of paged per-token entries."""
+        return self.kind == LINEAR
+
+    @property
+    def conv_channels(self) -> int:
+        """Linear: the short convolution's channels, queries, keys and values."""
+        return self.num_heads * (2 * self.head_size + self.value_size)
+
+    def state_numel(self) -> int:
+        """Linear: the elements of one request's state (convolution inputs, recurrent matrix)."""
+        return (self.conv_kernel - 1) * self.conv_channels + self.num_heads * self.head_size * self.value_size
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        if self.is_recurrent:
+            return 0
+        tensors = 2 if self.has_values else 1
+        return tensors * self.num_kv_heads * self.head_size * element_size
+
+
+def spec_field_reasons(spec: AttentionSpec) -> list[str]:
+    """Why ``spec`` lacks what its kind needs: MLA one entry per token with its value part,
+    an indexer one key per token and a top-k, linear attention its state's sizes."""
+    reasons = []
+    if spec.is_latent or spec.kind == INDEXER:
+        if spec.num_kv_heads != 1:
+            what = "entry" if spec.is_latent else "key"
+            reasons.append(f"{spec.kind} caches one {what} per token: num_kv_heads must be 1, not {spec.num_kv_heads}")
+    if spec.is_latent and (spec.latent_size is None or not 0 < spec.latent_size <= spec.head_size):
+        reasons.append(f"latent_size must be set within the entry's head_size {spec.head_size} "
+                       f"(got {spec.latent_size})")
+    if spec.kind == INDEXER and (spec.index_topk is None or spec.index_topk < 1):
+        reasons.append(f"index_topk must be a positive number of positions (got {spec.index_topk})")
+    if spec.kind == LINEAR:
+        if spec.value_size is None or spec.value_size < 1:
+            reasons.append(f"value_size must be set (got {spec.value_size})")
+        if spec.conv_kernel is None or spec.conv_kernel < 2:
+            reasons.append(f"conv_kernel must be at least 2 (got {spec.conv_kernel})")
+    return reasons

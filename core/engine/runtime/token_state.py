@@ -8,7 +8,7 @@ may be several steps (and chunks) after the first. Held in the paged cache, one
 requests through chunked prefill, preemption and prefix caching like keys do.
 
 The core serves this kind on every platform (plain tensor indexing); platforms
-list no backend for it.
+list no backend for it. It implements engine.interfaces.attention.TokenStateBackend.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch
 
 from engine.interfaces.attention import (
     TOKEN_STATE,
-    AttentionBackend,
     AttentionCapabilities,
     AttentionSpec,
     CommonAttentionMetadata,
+    TokenStateBackend,
 )
 
 
@@ -33,7 +33,7 @@ class TokenStateMetadata:
     token_seq: torch.Tensor  # [T] the sequence of each new token
 
 
-class TokenStateCache(AttentionBackend):
+class TokenStateCache(TokenStateBackend):
     """``store`` writes the step's new tokens' values; ``gather`` reads any positions of each
     new token's sequence. Cache layout [block, offset in block, head_size]."""
 
@@ -62,19 +62,12 @@ class TokenStateCache(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> TokenStateMetadata:
         return TokenStateMetadata(common, common.token_seq)
 
-    def forward(self, q, k, v, kv_cache, metadata):
-        """Token states are stored and gathered, never attended to."""
-        raise NotImplementedError("token_state caches are read with gather(), not attended to")
-
     def store(self, values: torch.Tensor, kv_cache: torch.Tensor, metadata: TokenStateMetadata) -> None:
-        """Write ``values`` [T, head_size] (one row per new token) at the step's slots."""
         kv_cache.view(-1, self.spec.head_size).index_copy_(
             0, metadata.common.slot_mapping, values.reshape(-1, self.spec.head_size).to(kv_cache.dtype)
         )
 
     def gather(self, kv_cache: torch.Tensor, metadata: TokenStateMetadata, positions: torch.Tensor) -> torch.Tensor:
-        """[T, m, head_size]: the values at ``positions`` [T, m] (int64, within each new token's
-        own sequence, below its length) — zeros where a position is -1."""
         common, bs = metadata.common, metadata.common.block_size
         valid = positions >= 0
         clamped = positions.clamp(min=0)

@@ -13,51 +13,72 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = Field(description="Checkpoint directory (config.json + safetensors) or a built-in model name.")
-    tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to the model directory.")
-    plugins: list[str] | None = Field(None, description="Plugins to load; None autoloads all installed.")
-    device: str | None = Field(None, description="Platform name; default: the only available accelerator, else cpu.")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute dtype; auto uses the checkpoint's when the platform supports it."
+    model: str = Field(
+        description="Checkpoint directory (config.json + safetensors), built-in model name or Hub id (owner/name)."
     )
-    attention_backend: str | None = Field(None, description="Attention backend name or module.path:Class.")
-    max_model_len: int | None = Field(None, ge=1, description="Longest prompt + output; default from config.json.")
+    tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model directory.")
+    plugins: list[str] | None = Field(
+        None, description="Comma-separated plugins to load (entry-point names or module paths); '' loads none; "
+        "unset: $ENGINE_PLUGINS, else every installed plugin."
+    )
+    device: str | None = Field(
+        None, description="Platform name; default: the only available accelerator (two or more need a choice), "
+        "else cpu."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype; auto: the checkpoint's where the platform supports it, else the "
+        "platform's default."
+    )
+    attention_backend: str | None = Field(
+        None, description="Attention backend name or module.path:Class; default: the platform's first backend "
+        "that can serve the model."
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + output in tokens; default: the checkpoint's max_position_embeddings."
+    )
     block_size: int = Field(16, ge=1, description="Tokens per KV-cache block.")
     max_num_seqs: int = Field(256, ge=1, description="Most requests running at once.")
     max_num_batched_tokens: int = Field(16384, ge=1, description="Token budget of one step.")
     kv_cache_memory: float | None = Field(
-        None, gt=0, description="KV-cache size in GiB; default: kv_cache_memory_fraction of free memory, "
-        "else the platform's default (cpu: half of free memory, at most 4 GiB)."
+        None, gt=0, description="KV-cache size in GiB; unset: kv_cache_memory_fraction of the free memory if that "
+        "is set, else the platform's default (half of the free device memory; cpu: half of the free host memory, "
+        "at most 4 GiB)."
     )
     kv_cache_memory_fraction: float | None = Field(
-        None, gt=0, le=1, description="Share of free device memory for the KV cache."
+        None, gt=0, le=1, description="Share of the free device memory (host memory on cpu) for the KV cache, "
+        "used when kv_cache_memory is unset."
     )
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before.")
     kv_tier: str | None = Field(
-        None, description="Secondary KV tier for evicted prefix blocks: a registered name (cpu, disk, ...) or "
-        "module.path:Class; default: none."
+        None, description="Secondary KV tier for evicted prefix blocks: cpu (built in), a plugin's tier (e.g. disk) "
+        "or module.path:Class."
     )
     kv_tier_config: dict[str, Any] = Field(
-        default_factory=dict, description="The tier's settings, a JSON object (e.g. {\"capacity_gb\": 8})."
+        default_factory=dict, description="The tier's settings, a JSON object (e.g. {\"capacity_gb\": 8} for cpu, "
+        "{\"path\": \"/var/cache/engine-kv\", \"capacity_gb\": 20} for disk)."
     )
     quantization: str | None = Field(
-        None, description="Quantize an unquantized checkpoint while loading: a registered method (bitsandbytes, "
-        "...) or module.path:Class. A quantized checkpoint names its own method in config.json."
+        None, description="Quantize an unquantized checkpoint while loading: a registered method (e.g. "
+        "bitsandbytes, from engine-bitsandbytes) or module.path:Class. A quantized checkpoint needs none: its "
+        "config.json names its method."
     )
     quantization_config: dict[str, Any] = Field(
-        default_factory=dict, description="Settings for --quantization, a JSON object in the shape of a "
+        default_factory=dict, description="Settings for quantization, a JSON object in the shape of a "
         "checkpoint's quantization_config (e.g. {\"load_in_8bit\": true})."
     )
     speculative_method: str | None = Field(
-        None, description="Speculative decoding proposer: ngram, draft, a plugin's, or module.path:Class; "
-        "default: none."
+        None, description="Speculative decoding: a proposer drafts tokens, the model verifies them in one pass "
+        "(outputs are unchanged): ngram (prompt lookup), draft (a small model, see speculative_config), a plugin's "
+        "proposer or module.path:Class."
     )
-    num_speculative_tokens: int = Field(4, ge=1, le=64, description="Most draft tokens per request and step.")
+    num_speculative_tokens: int = Field(
+        4, ge=1, le=64, description="Most draft tokens per request and step (fewer when acceptance or load says so)."
+    )
     speculative_config: dict[str, Any] = Field(
         default_factory=dict, description="The proposer's settings, a JSON object (e.g. {\"model\": \"./draft\"} "
-        "for draft, {\"prompt_lookup_max\": 5} for ngram)."
+        "for draft, {\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} for ngram)."
     )
-    seed: int = Field(0, description="Seed for unseeded sampling.")
+    seed: int = Field(0, description="Seed of the random state that requests without a seed of their own sample from.")
     tensor_parallel_size: int = Field(
         1, ge=1, description="Ranks to split the model over (tensor parallelism): spawned on this machine, or "
         "started by torchrun across machines (WORLD_SIZE must equal it)."
@@ -98,7 +119,7 @@ class ServerConfig(BaseModel):
     )
     served_model_name: str | None = Field(None, description="Model name clients send; default: the model argument.")
     metrics_public: bool = Field(False, description="Serve /metrics without the API key.")
-    max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted.")
+    max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted, in bytes.")
 
     @field_validator("api_key")
     @classmethod

@@ -1,18 +1,17 @@
-"""The six component registries, filled by calling the registration hooks."""
+"""The six component registries, filled by calling the registration hooks through pluggy."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+import pluggy
+
+from engine.kernels import BUILTIN_ATTENTION_BACKENDS
+from engine.kv_tiers import BUILTIN_KV_TIERS
 from engine.plugins.errors import PluginLoadError
 from engine.plugins.registry import BUILT_IN, ComponentError, Registry
-
-if TYPE_CHECKING:
-    from engine.plugins.manager import EnginePluginManager
-
-logger = logging.getLogger("engine.plugins")
+from engine.spec_decode import BUILTIN_SPEC_PROPOSERS
 
 
 @dataclass(frozen=True)
@@ -59,6 +58,7 @@ class Components:
     kv_tiers: Registry[Any]
 
     def __init__(self) -> None:
+        self.added_by: dict[str, dict[str, list[str]]] = {}  # plugin -> kind attr -> names it added
         for kind in KINDS:
             setattr(self, kind.attr, Registry(kind.label, kind.interface, kind.option))
 
@@ -66,11 +66,16 @@ class Components:
         return getattr(self, attr)
 
     @classmethod
-    def from_plugin_manager(cls, pm: EnginePluginManager) -> Components:
-        from engine.kernels import BUILTIN_ATTENTION_BACKENDS
-        from engine.kv_tiers import BUILTIN_KV_TIERS
-        from engine.spec_decode import BUILTIN_SPEC_PROPOSERS
+    def from_plugin_manager(cls, pm: pluggy.PluginManager, distribution_label: Callable[[str], str]) -> Components:
+        """Call every registration hook through ``pm`` and return the filled registries.
 
+        ``distribution_label(plugin_name)`` names the distribution in registry entries
+        and errors. Each hook is called once per plugin, in the order of
+        ``get_hookimpls()`` (the order decides duplicates and overrides), with a
+        ``register`` callback of its own; ``pm.subset_hook_caller`` leaves the other
+        registering plugins out of that call, so wrappers and call monitors see one
+        call per plugin. :attr:`added_by` records what each call added.
+        """
         components = cls()
         for registry, builtins in ((components.kv_tiers, BUILTIN_KV_TIERS),
                                    (components.spec_proposers, BUILTIN_SPEC_PROPOSERS),
@@ -78,43 +83,62 @@ class Components:
             for name, target in builtins.items():  # part of the engine: no plugin needed
                 registry.add(name, target, plugin=BUILT_IN, distribution="engine (built in)")
         for kind in KINDS:
-            registry = components.registry(kind.attr)
-            for impl in getattr(pm.hook, kind.hook).get_hookimpls():
-                info = pm.info_for(impl.plugin_name)
-                callback = _make_register(registry, impl.plugin_name, info.distribution_label if info else "?")
-                if pm.trace_enabled:
-                    logger.info("hook %s: calling plugin %r", kind.hook, impl.plugin_name)
-                before = set(registry.names())
-                try:
-                    impl.function(register=callback)
-                except ComponentError:
-                    raise
-                except Exception as exc:
-                    raise PluginLoadError(
-                        f"Plugin {impl.plugin_name!r} ({info.distribution_label if info else '?'}) failed in "
-                        f"{kind.hook}: {type(exc).__name__}: {exc}"
-                    ) from exc
-                added = sorted(set(registry.names()) - before)
-                if info is not None:
-                    info.components.setdefault(kind.attr, []).extend(added)
-                if pm.trace_enabled:
-                    logger.info("hook %s: plugin %r registered %s", kind.hook, impl.plugin_name, added)
+            components._call_registration_hook(pm, kind, distribution_label)
         return components
 
+    def _call_registration_hook(
+        self, pm: pluggy.PluginManager, kind: ComponentKind, distribution_label: Callable[[str], str]
+    ) -> None:
+        registry = self.registry(kind.attr)
+        registering: dict[str, Any] = {}  # plugin name -> plugin object, in hookimpl order
+        for impl in getattr(pm.hook, kind.hook).get_hookimpls():
+            if not (impl.hookwrapper or impl.wrapper):
+                registering.setdefault(impl.plugin_name, impl.plugin)
+        for plugin_name, plugin in registering.items():
+            distribution = distribution_label(plugin_name)
+            register = Registration(registry, plugin_name, distribution)
+            others = [other for other in registering.values() if other is not plugin]
+            try:
+                pm.subset_hook_caller(kind.hook, remove_plugins=others)(register=register)
+            except ComponentError:
+                raise
+            except Exception as exc:
+                raise PluginLoadError(
+                    f"Plugin {plugin_name!r} ({distribution}) failed in {kind.hook}: {type(exc).__name__}: {exc}"
+                ) from exc
+            self.added_by.setdefault(plugin_name, {}).setdefault(kind.attr, []).extend(register.added)
 
-def _make_register(registry: Registry[Any], plugin: str, distribution: str) -> Callable[..., None]:
-    def register(name_or_component: Any, component: Any = None, *, override: bool = False) -> None:
+
+class Registration:
+    """The ``register`` callback one plugin receives in one call of a registration hook.
+
+    :attr:`added` lists, sorted, the names this call put into the registry that were
+    not there before (a name it overrides stays with the plugin that added it first).
+    """
+
+    def __init__(self, registry: Registry[Any], plugin: str, distribution: str) -> None:
+        self.registry = registry
+        self.plugin = plugin
+        self.distribution = distribution
+        self._added: set[str] = set()
+
+    @property
+    def added(self) -> list[str]:
+        return sorted(self._added)
+
+    def __call__(self, name_or_component: Any, component: Any = None, *, override: bool = False) -> None:
         if component is None:
             target = name_or_component
             name = getattr(target, "name", None) if isinstance(target, type) else None
             if not isinstance(name, str):
                 raise ComponentError(
-                    f"Plugin {plugin!r} called register({target!r}) for a {registry.kind}: a single "
+                    f"Plugin {self.plugin!r} called register({target!r}) for a {self.registry.kind}: a single "
                     f"argument must be a class with a string 'name' attribute; otherwise call "
                     f"register('name', component)."
                 )
         else:
             name, target = name_or_component, component
-        registry.add(name, target, plugin=plugin, distribution=distribution, override=override)
-
-    return register
+        is_new = name not in self.registry
+        self.registry.add(name, target, plugin=self.plugin, distribution=self.distribution, override=override)
+        if is_new:
+            self._added.add(name)

@@ -20,6 +20,7 @@ import pluggy
 from engine import hookspecs
 from engine.plugins.components import Components
 from engine.plugins.errors import PluginLoadError, PluginLoadWarning, PluginVersionWarning
+from engine.plugins.tracing import enable_tracing
 
 logger = logging.getLogger("engine.plugins")
 
@@ -77,7 +78,10 @@ class PluginInfo:
 
 
 class EnginePluginManager(pluggy.PluginManager):
-    """A pluggy manager that also records what was discovered and why it failed."""
+    """A pluggy manager that also records what was discovered and why it failed.
+
+    ``trace=True`` installs the call monitor of :func:`engine.plugins.tracing.enable_tracing`.
+    """
 
     def __init__(self, trace: bool = False) -> None:
         super().__init__("engine")
@@ -85,12 +89,18 @@ class EnginePluginManager(pluggy.PluginManager):
         self.plugin_infos: list[PluginInfo] = []
         self.trace_enabled = trace
         self._components: Components | None = None
+        if trace:
+            enable_tracing(self)
 
     def info_for(self, name: str) -> PluginInfo | None:
         for info in self.plugin_infos:
             if info.name == name:
                 return info
         return None
+
+    def distribution_label(self, name: str) -> str:
+        info = self.info_for(name)
+        return info.distribution_label if info is not None else "?"
 
     @property
     def load_errors(self) -> list[PluginInfo]:
@@ -99,7 +109,10 @@ class EnginePluginManager(pluggy.PluginManager):
     def components(self) -> Components:
         """Call every registration hook once and return the filled registries."""
         if self._components is None:
-            self._components = Components.from_plugin_manager(self)
+            components = Components.from_plugin_manager(self, self.distribution_label)
+            for info in self.plugin_infos:
+                info.components = components.added_by.get(info.name, {})
+            self._components = components
         return self._components
 
 
@@ -139,8 +152,6 @@ def get_plugin_manager(
         trace = os.environ.get(TRACE_ENV, "") not in ("", "0", "false", "False")
 
     pm = EnginePluginManager(trace=trace)
-    if trace:
-        _enable_tracing(pm)
     entry_points = _discover()
 
     for name in selection or []:
@@ -290,17 +301,3 @@ def _fail(info: PluginInfo, reason: str, cause: BaseException) -> None:
     warnings.warn(message, PluginLoadWarning, stacklevel=4)
     logger.warning(message)
 
-
-def _enable_tracing(pm: EnginePluginManager) -> None:
-    def before(hook_name: str, hook_impls: list[Any], kwargs: dict[str, Any]) -> None:
-        logger.info("hook %s called with %s for plugins %s", hook_name, sorted(kwargs), [i.plugin_name for i in hook_impls])
-
-    def after(outcome: Any, hook_name: str, hook_impls: list[Any], kwargs: dict[str, Any]) -> None:
-        logger.info("hook %s returned %r", hook_name, outcome.get_result())
-
-    pm.add_hookcall_monitoring(before, after)
-    if not logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)

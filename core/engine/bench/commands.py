@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol, TypeVar
+from typing import Any, Callable, Mapping, Protocol, TypeVar
 
 import torch
 
@@ -43,18 +43,13 @@ R = TypeVar("R", bound=_Run)
 @dataclass(frozen=True)
 class BenchOptions:
     model: str = "llama58m"
-    plugins: str | None = None
     dtype: str = "bfloat16"
     peers: tuple[str, ...] = ()
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
     scale: float = 1.0
     repeat: int = 1
-    quantization: str | None = None
-    quantization_config: str | None = None
-    speculative_method: str | None = None
-    num_speculative_tokens: int = 4
-    speculative_config: str | None = None
+    engine_settings: Mapping[str, Any] = field(default_factory=dict)
+    """The engine's other settings, as EngineConfig fields (plugins, limits, quantization, speculative
+    decoding): only those given, so the rest keep EngineConfig's defaults."""
 
     def __post_init__(self) -> None:
         unknown = [p for p in self.peers if p not in PEERS]
@@ -137,16 +132,11 @@ class _Session:
 
     def engine(self) -> EngineRunner:
         o = self.options
-        runner = EngineRunner(
-            str(self.model_path), plugins=o.plugins, dtype=o.dtype, max_num_seqs=o.max_num_seqs,
-            max_num_batched_tokens=o.max_num_batched_tokens, quantization=o.quantization,
-            quantization_config=o.quantization_config, speculative_method=o.speculative_method,
-            num_speculative_tokens=o.num_speculative_tokens, speculative_config=o.speculative_config,
-        )
+        runner = EngineRunner(str(self.model_path), dtype=o.dtype, **{"plugins": None, **o.engine_settings})
         d = runner.describe()
         quantized = f", quantization {d['quantization']}" if d["quantization"] else ""
         if d["speculative"]:
-            quantized += f", speculative {d['speculative']} (up to {self.options.num_speculative_tokens} drafts)"
+            quantized += f", speculative {d['speculative']} (up to {runner.config.num_speculative_tokens} drafts)"
         self.report.setup["engine"] = (
             f"{d['architecture']} on {d['platform']} ({d['dtype']}{quantized}), max_num_seqs {d['max_num_seqs']}, "
             f"max_num_batched_tokens {d['max_num_batched_tokens']}, {d['kv_cache_blocks']} KV blocks of {d['block_size']}"

@@ -1,1 +1,9 @@
-"""engine-deepseek-v4: the DeepSeek family (V3 and Kimi-K2 so far) for engine."""
+"""engine-deepseek-v4: the DeepSeek family for engine: DeepSeek-V3 and Kimi-K2, V3.2 (sparse
+attention) and V4, with the ``mtp`` speculative proposer.
+
+- ``deepseek_v3``: ``DeepseekV3ForCausalLM`` (V3, Kimi-K2) and ``DeepseekV32ForCausalLM``;
+- ``deepseek_v4``: the package of ``DeepseekV4ForCausalLM``, one part of the network per module;
+- ``chat_v4``: V4's chat encoder (its prompt format, which its checkpoints ship as code);
+- ``mtp``: the ``mtp`` proposer and V3 / V3.2's multi-token-prediction layer;
+- ``plugin``: the hooks that register all of these with the engine.
+"""

@@ -1,0 +1,58 @@
+"""Checks of multi-head, grouped-query and sliding-window attention (kinds ``mha`` and
+``sliding_window``, :class:`engine.interfaces.attention.PagedAttentionBackend`), against
+:func:`engine.testing.oracles.naive_attention` over the unpaged keys and values."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec
+from engine.testing.kit.attention.base import BATCHES, KIT_BLOCK_SIZES, random_batch
+from engine.testing.kit.attention.steps import PagedCacheSteps
+
+HEAD_LAYOUTS = {"mha": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "mqa": (4, 1)}  # (num_heads, num_kv_heads)
+# sliding windows, as a function of the block size: a single key, just across a block edge, across
+# two edges, and wider than every sequence (the same as full causal attention)
+WINDOWS = {"w1": lambda bs: 1, "block+1": lambda bs: bs + 1, "2blocks+3": lambda bs: 2 * bs + 3,
+           "wide": lambda bs: 1000}
+
+
+class PagedChecks(PagedCacheSteps):
+    """``test_mha`` and ``test_sliding_window``."""
+
+    @pytest.mark.parametrize("batch", BATCHES)
+    @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
+    @pytest.mark.parametrize("heads", list(HEAD_LAYOUTS))
+    def test_mha(self, batch: str, block_size: int, heads: str, dtype: str, engine_device: str) -> None:
+        """Full causal attention (MHA, GQA 2 and 4, MQA) over shuffled paged blocks matches the
+        oracle for decode-only, prefill-after-prefix and mixed ragged batches."""
+        self.check_random_case(MHA, batch, block_size, heads, None, dtype, engine_device)
+
+    @pytest.mark.parametrize("window", list(WINDOWS))
+    @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
+    def test_sliding_window(self, window: str, block_size: int, dtype: str, engine_device: str) -> None:
+        """Only the last ``sliding_window`` keys are attended to: windows of one key, just
+        across one and two block edges, and wider than the sequence."""
+        index = list(WINDOWS).index(window) + KIT_BLOCK_SIZES.index(block_size)
+        batch, heads = BATCHES[index % len(BATCHES)], list(HEAD_LAYOUTS)[index % len(HEAD_LAYOUTS)]
+        self.check_random_case(SLIDING_WINDOW, batch, block_size, heads, window, dtype, engine_device)
+
+    def check_random_case(self, kind: str, batch: str, block_size: int, heads: str, window: str | None,
+                          dtype: str, engine_device: str) -> None:
+        """Two steps over a random ragged batch in a stale cache: a prefill of the cached
+        prefixes, then the new tokens after them; both steps must match the oracle."""
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{batch}/{block_size}/{heads}/{window}".encode()))
+        # every head layout meets every head size across the block sizes
+        head_size = self.head_size(list(HEAD_LAYOUTS).index(heads) + KIT_BLOCK_SIZES.index(block_size))
+        cls, device = self.setup_backend(kind, dtype, engine_device, block_size)
+        # a scale other than the usual head_size ** -0.5, so that a backend ignoring spec.scale fails
+        scale = head_size**-0.5 * (0.5 + float(torch.rand((), generator=gen)))
+        sliding_window = WINDOWS[window](block_size) if window else None
+        spec = AttentionSpec(kind, *HEAD_LAYOUTS[heads], head_size, scale, sliding_window)
+        context_lens, query_lens = random_batch(batch, gen)
+        seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
+        case = self.new_case(cls, spec, block_size, dtype, device, seq_lens, gen, stale_cache=True)
+        self.run_prefix_then_new_tokens(case, context_lens, query_lens)

@@ -147,7 +147,7 @@ def test_heads_that_do_not_split_are_refused(tmp_path):
 def test_the_spawned_ranks_get_the_plugins_this_process_loaded_by_name(checkpoints, monkeypatch):
     """With plugins autoloaded (None), the workers' configuration names every plugin rank 0
     loaded, so that they load the same set whatever their environment."""
-    from engine.runtime import llm_engine
+    from engine.engine import ranks
 
     class Spawned(Exception):
         pass
@@ -155,7 +155,7 @@ def test_the_spawned_ranks_get_the_plugins_this_process_loaded_by_name(checkpoin
     def capture(config, world_size, init_method, on_death):
         raise Spawned(config, world_size)
 
-    monkeypatch.setattr(llm_engine, "LocalWorkers", capture)
+    monkeypatch.setattr(ranks, "LocalWorkers", capture)
     path, _ = checkpoints["llama-gqa"]
     with pytest.raises(Spawned) as caught:
         LLM(str(path), dtype="float32", tensor_parallel_size=2, progress=False)
@@ -262,7 +262,7 @@ def worker_pids(server: subprocess.Popen) -> list[int]:
     pids = []
     for pid in children(server.pid):
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        if "multiprocessing.spawn" in command and "resource_tracker" not in command:
+        if "engine.engine.workers" in command:
             pids.append(pid)
     return pids
 
@@ -427,8 +427,8 @@ def test_a_worker_that_dies_before_joining_is_an_error_at_once(checkpoints, tmp_
 
     module = f"dies_in_workers_{os.getpid()}"
     (tmp_path / f"{module}.py").write_text(
-        "import multiprocessing, os\n"
-        "if multiprocessing.parent_process() is not None:\n"
+        "import os\n"
+        "if os.environ.get('ENGINE_WORKER_RANK'):\n"
         "    os._exit(3)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -228,8 +228,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts.append([int(t) for t in ids.split(",") if t.strip()])
     if not prompts:
         prompts = ["The capital of France is"] if llm.get_tokenizer() is not None else [list(range(1, 17))]
+    # --seed also seeds every prompt's sampling, so a seeded run gives the same tokens whatever the batch
     params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos, seed=getattr(args, "seed", None),
     )
     start = time.perf_counter()
     with llm:  # under tensor parallelism, closing stops the other ranks

@@ -83,6 +83,10 @@ class EngineConfig(BaseModel):
         1, ge=1, description="Ranks to split the model over (tensor parallelism): spawned on this machine, or "
         "started by torchrun across machines (WORLD_SIZE must equal it)."
     )
+    async_scheduling: bool = Field(
+        False, description="Run each step's forward on a thread of its own, so that the engine schedules the next "
+        "step while the device computes this one; outputs are the same either way."
+    )
 
     @field_validator("kv_tier_config", "quantization_config", "speculative_config", mode="before")
     @classmethod

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.runtime.llm_engine import LLMEngine
+from engine.engine.llm_engine import LLMEngine
 from engine.runtime.logprobs import logprob_dict
 from engine.runtime.request import Request
 from engine.sampling_params import SamplingParams

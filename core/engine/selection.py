@@ -5,15 +5,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from engine.errors import SelectionError
 from engine.interfaces.attention import AttentionBackend, AttentionSpec
 from engine.interfaces.platform import Platform
 from engine.plugins.registry import Registry
 
 logger = logging.getLogger("engine")
 
-
-class SelectionError(RuntimeError):
-    """No component fits, or the choice is ambiguous."""
+__all__ = ["SelectionError", "resolve_dtype", "select_attention_backend", "select_platform"]
 
 
 def select_platform(platforms: Registry[Any], device: str | None) -> Platform:

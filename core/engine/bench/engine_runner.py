@@ -60,7 +60,7 @@ class EngineRunner:
         num_speculative_tokens: int = 4, speculative_config: str | None = None,
     ) -> None:
         from engine.config import EngineConfig
-        from engine.runtime.llm_engine import LLMEngine
+        from engine.engine.llm_engine import LLMEngine
 
         limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
         self.config = EngineConfig(

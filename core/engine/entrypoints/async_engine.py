@@ -16,7 +16,9 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Callable
 
-from engine.runtime.llm_engine import LLMEngine
+from engine.engine.llm_engine import LLMEngine
+from engine.engine.stats import EngineStats
+from engine.errors import WorkerDiedError
 from engine.runtime.logprobs import LogprobEntry
 from engine.runtime.request import Request
 from engine.sampling_params import SamplingParams
@@ -31,8 +33,6 @@ class EngineDeadError(RuntimeError):
     Its message is safe to show a client: the cause is in the server log only."""
 
     def __init__(self, cause: BaseException | None = None) -> None:
-        from engine.distributed.executor import WorkerDiedError
-
         what = "a tensor-parallel worker went away" if isinstance(cause, WorkerDiedError) else "an internal error"
         super().__init__(f"The engine stopped on {what} and cannot serve requests; see the server log.")
 
@@ -48,19 +48,6 @@ class SampleDelta:
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last delta
     stop_reason: int | str | None = None
     num_output_tokens: int = 0  # output tokens of this sample so far
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine for metrics, refreshed by the loop after every step."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
 
 
 @dataclass
@@ -332,12 +319,7 @@ class AsyncEngine:
         return replace(stats, proposed_at=list(stats.proposed_at), accepted_at=list(stats.accepted_at))
 
     def _refresh_stats(self) -> None:
-        scheduler, kv = self.engine.scheduler, self.engine.kv_manager
-        self.stats = EngineStats(
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks, prefix_cache_queries=kv.stats.queries,
-            prefix_cache_hits=kv.stats.hits, num_preemptions=scheduler.num_preemptions,
-        )
+        self.stats = self.engine.stats()
         if self.on_step is not None:
             self.on_step(self.stats)
 

@@ -50,7 +50,7 @@ def make_app(engine_config: EngineConfig, server_config: ServerConfig, *, progre
     from engine.entrypoints.api_server import build_app
     from engine.entrypoints.async_engine import AsyncEngine
     from engine.model_loader.checkpoint import sampling_defaults
-    from engine.runtime.llm_engine import LLMEngine
+    from engine.engine.llm_engine import LLMEngine
 
     llm_engine = LLMEngine(engine_config, progress=progress)
     defaults = sampling_defaults(llm_engine.model_path)

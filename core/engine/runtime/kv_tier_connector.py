@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.distributed.parallel_state import SINGLE, TensorParallel
+from engine.interfaces.attention import AttentionSpec
 from engine.interfaces.kv_tier import KVTier, KVTierSpec
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.kv_cache_manager import KVCacheManager
@@ -33,13 +34,15 @@ def tier_spec(kv_cache: KVCache, salt: bytes, dtype: torch.dtype) -> KVTierSpec:
     """The spec of this engine's blocks: the digest covers the prefix-cache salt (model,
     architecture, dtype, block size) and every layer's KV shape with all its KV heads, so
     that it does not depend on the tensor-parallel size."""
-    shapes = []
-    for backend in kv_cache.layer_backends:
-        spec = backend.spec
-        shapes.append((kv_cache.block_size, spec.total_kv_heads or spec.num_kv_heads, spec.head_size))
+    return tier_spec_of([backend.spec for backend in kv_cache.layer_backends], kv_cache.block_size, salt, dtype)
+
+
+def tier_spec_of(specs: list[AttentionSpec], block_size: int, salt: bytes, dtype: torch.dtype) -> KVTierSpec:
+    """:func:`tier_spec` from the model's per-layer specs (before its cache exists)."""
+    shapes = [(block_size, spec.total_kv_heads or spec.num_kv_heads, spec.head_size) for spec in specs]
     dtype_name = str(dtype).removeprefix("torch.")
     digest = hashlib.blake2b(repr((salt, dtype_name, tuple(shapes), "canonical-v1")).encode(), digest_size=16)
-    return KVTierSpec(digest.hexdigest(), dtype_name, kv_cache.block_size, tuple(shapes))
+    return KVTierSpec(digest.hexdigest(), dtype_name, block_size, tuple(shapes))
 
 
 @dataclass
@@ -109,7 +112,7 @@ class CanonicalBlocks:
 class KVTierConnector:
     """Rank 0's side of the tier. Under tensor parallelism (a ``channel`` to the other ranks)
     every gather and write of blocks is broadcast first, so that each rank contributes or
-    takes its KV heads (``engine.distributed.executor.serve_steps``)."""
+    takes its KV heads (``engine.engine.workers.serve_steps``)."""
 
     def __init__(self, tier: KVTier, kv_cache: KVCache, manager: KVCacheManager, spec: KVTierSpec,
                  tp: TensorParallel = SINGLE, channel=None) -> None:

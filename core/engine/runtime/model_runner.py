@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from engine.interfaces.attention import CommonAttentionMetadata
 from engine.interfaces.model import Model
+from engine.runtime.batch import ModelOutput, ScheduledBatch, StepTimings
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.logprobs import record_prompt_logprobs, record_sample_logprobs
 from engine.runtime.request import Request
 from engine.runtime.sampler import Sampler
-from engine.runtime.scheduler import ScheduledBatch
 from engine.spec_decode.verify import verify
 
 
@@ -21,10 +24,16 @@ def select_rows(hidden: torch.Tensor, rows: slice | list[int]) -> torch.Tensor:
 
 class ModelRunner:
     """With a ``channel`` (tensor parallelism, rank 0) every step's arrays and every logits
-    computation are broadcast first, so that the other ranks run the same collectives."""
+    computation are broadcast first, so that the other ranks run the same collectives.
 
-    def __init__(self, model: Model, kv_cache: KVCache, device: torch.device, channel=None) -> None:
+    Each step's phases are timed (``ModelOutput.timings``); with ``synchronize`` (the
+    platform's) each phase waits for the device first, so that the times are the device's."""
+
+    def __init__(self, model: Model, kv_cache: KVCache, device: torch.device, channel=None,
+                 synchronize: Callable[[], None] | None = None) -> None:
         self.model = model
+        self.synchronize = synchronize
+        self._timings = StepTimings()
         self.channel = channel
         self.in_step = False
         self.kv_cache = kv_cache
@@ -103,7 +112,15 @@ class ModelRunner:
         which hold the same hidden states, are told the rows and compute their part too."""
         if self.channel is not None:
             self.channel.send(("logits", rows))
-        return self.model.compute_logits(select_rows(hidden, rows))
+        start = self._clock()
+        logits = self.model.compute_logits(select_rows(hidden, rows))
+        self._timings.logits += self._clock() - start
+        return logits
+
+    def _clock(self) -> float:
+        if self.synchronize is not None:
+            self.synchronize()
+        return time.perf_counter()
 
     @torch.inference_mode()
     def execute_arrays(self, arrays: dict) -> torch.Tensor:
@@ -112,30 +129,34 @@ class ModelRunner:
         input_ids, positions, common = self.to_device(arrays)
         return self.model(input_ids, positions, self.kv_cache.forward_context(common))
 
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[list[int]]]:
-        """Run one step. Returns the requests that sampled this step and, for each, the
-        tokens it keeps: one, or with drafts the accepted drafts and one more."""
+    def execute(self, batch: ScheduledBatch) -> ModelOutput:
+        """Run one step: the forward pass over the batch, then sampling (and verification of
+        drafts) for the requests of ``batch.sample_indices``. Reads request state, writes
+        none of it but logprobs and prompt logits (the scheduler advances requests)."""
         self.in_step = True
+        self._timings = timings = StepTimings()
         try:
-            return self._execute(batch)
+            requests, tokens = self._execute(batch, timings)
         finally:
             self.in_step = False
+        return ModelOutput(requests, tokens, timings)
 
     @torch.inference_mode()
-    def _execute(self, batch: ScheduledBatch) -> tuple[list[Request], list[list[int]]]:
+    def _execute(self, batch: ScheduledBatch, timings: StepTimings) -> tuple[list[Request], list[list[int]]]:
+        start = self._clock()
         arrays = self.prepare_arrays(batch)
         if self.channel is not None:
             self.channel.send(("forward", arrays))
         input_ids, positions, common = self.to_device(arrays)
         ctx = self.kv_cache.forward_context(common)
+        forward_start = self._clock()
+        timings.prepare = forward_start - start
         hidden = self.model(input_ids, positions, ctx)
+        sample_start = self._clock()
+        timings.forward, timings.forward_tokens = sample_start - forward_start, len(arrays["input_ids"])
 
         ends = arrays["query_start_loc"][1:].tolist()
-        sampling = [
-            i
-            for i, (request, n) in enumerate(zip(batch.requests, batch.num_tokens))
-            if request.num_computed_tokens + n == request.num_tokens
-        ]
+        sampling = batch.sample_indices
         if any(r.want_prompt_logits for r in batch.requests):
             self._record_prompt_logits(batch, hidden, ends)
         if any(r.sampling_params.prompt_logprobs is not None for r in batch.requests):
@@ -148,6 +169,7 @@ class ModelRunner:
         tokens = dict(zip(plain, self._sample(batch, plain, hidden, ends))) if plain else {}
         if drafted:
             tokens.update(zip(drafted, self._verify(batch, drafted, hidden, ends)))
+        timings.sample = self._clock() - sample_start - timings.logits
         return requests, [tokens[i] for i in sampling]
 
     def _sample(self, batch: ScheduledBatch, indices: list[int], hidden: torch.Tensor, ends: list[int]) -> list[list[int]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 
 from engine.sampling_params import SamplingParams
@@ -19,9 +18,6 @@ class RequestStatus(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.value in ("stop", "length", "abort")
-
-
-_arrival_counter = itertools.count()
 
 
 class Request:
@@ -53,7 +49,7 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.priority = priority
         self.arrival_time = time.monotonic()
-        self.arrival_order = next(_arrival_counter)
+        self.arrival_order: int | None = None  # given by the scheduler when it first takes the request
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []

@@ -1,43 +1,50 @@
 """Continuous batching under a per-step token budget, with chunked prefill and
-preemption by recompute."""
+preemption by recompute. The scheduler is the one writer of request progress: it
+admits, allocates KV blocks (speculative drafts too), and advances each request from
+the step's output (``update_from_output``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from engine.runtime.batch import ModelOutput, ScheduledBatch
 from engine.runtime.kv_cache_manager import KVCacheManager
 from engine.runtime.request import Request, RequestStatus
 
+if TYPE_CHECKING:
+    from engine.spec_decode.decoder import SpecDecoder
 
-@dataclass
-class ScheduledBatch:
-    """What runs this step: ``requests[i]`` computes ``num_tokens[i]`` new tokens, then
-    the speculative drafts ``drafts[i]`` (set after scheduling, for decoding requests;
-    ``draft_probs[i]`` the proposer's probabilities of them, or None)."""
+__all__ = ["ScheduledBatch", "Scheduler", "StopCheck"]
 
-    requests: list[Request] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    drafts: dict[int, list[int]] = field(default_factory=dict)
-    draft_probs: dict[int, object] = field(default_factory=dict)
+# (request, the status its newest token gives it, or None) -> the status it finishes with, or None;
+# the output processor's text checks (stop strings) run through it, token by token
+StopCheck = Callable[[Request, "RequestStatus | None"], "RequestStatus | None"]
 
-    def __len__(self) -> int:
-        return len(self.requests)
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens) + sum(len(d) for d in self.drafts.values())
+def _no_text_check(request: Request, status: RequestStatus | None) -> RequestStatus | None:
+    return status
 
 
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 max_model_len: int = 2**62, spec: SpecDecoder | None = None) -> None:
         self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.spec = spec  # speculative decoding: drafts planned into each batch
         self.waiting: list[Request] = []  # kept sorted by sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._arrivals = itertools.count()  # first come, first served within a priority
+        self._step_started = 0.0
 
     def add(self, request: Request) -> None:
+        if request.arrival_order is None:  # a preempted request keeps its place
+            request.arrival_order = next(self._arrivals)
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
         self.waiting.sort(key=lambda r: r.sort_key)
@@ -45,7 +52,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # schedule
+
     def schedule(self) -> ScheduledBatch:
+        self._step_started = time.perf_counter()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # decode, and the next chunk of running prefills, in priority order
@@ -72,6 +82,7 @@ class Scheduler:
             cached_blocks = self.kv_manager.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(cached_blocks) * self.kv_manager.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            # with cached blocks, allocate takes them as the request's computed prefix
             if not self.kv_manager.allocate(request, num_new, cached_blocks):
                 if not self.running and self.kv_manager.blocks_needed(request, 1) > self.kv_manager.num_blocks:
                     raise RuntimeError(
@@ -90,7 +101,27 @@ class Scheduler:
                 f"Nothing can be scheduled: the KV cache ({self.kv_manager.num_blocks} blocks of "
                 f"{self.kv_manager.block_size} tokens) cannot hold the next request. Raise --kv-cache-memory."
             )
+        # a request samples when this step computes its newest token
+        batch.sample_indices = [
+            i for i, (request, n) in enumerate(zip(batch.requests, batch.num_tokens))
+            if request.num_computed_tokens + n == request.num_tokens
+        ]
+        if self.spec is not None and batch.requests:
+            self._plan_drafts(batch)
         return batch
+
+    def _plan_drafts(self, batch: ScheduledBatch) -> None:
+        """Drafts the proposer made for decoding requests, each admitted while the step's
+        token budget and the KV cache have room (their blocks are not published: they may
+        be rejected)."""
+        room = self.max_num_batched_tokens - batch.total_tokens
+        for i, tokens, probs in self.spec.propose(batch):
+            count = min(len(tokens), room)
+            if count and self.kv_manager.allocate_lookahead(batch.requests[i], count):
+                batch.drafts[i] = tokens[:count]
+                if probs is not None:
+                    batch.draft_probs[i] = probs[:count]
+                room -= count
 
     def _preempt(self, request: Request) -> None:
         # recompute on resumption: drop the cache, keep the tokens
@@ -100,6 +131,39 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(request)
 
+    # update
+
+    def update_from_output(self, batch: ScheduledBatch, output: ModelOutput,
+                           check: StopCheck = _no_text_check) -> list[Request]:
+        """Advance every request of ``batch`` by what the step computed and sampled: the
+        scheduled tokens and accepted drafts count as computed, sampled tokens are appended
+        one by one until one finishes the request (its stop conditions, then ``check``:
+        the output processor's stop strings). Returns the requests that finished."""
+        for request, n in zip(batch.requests, batch.num_tokens):
+            request.num_computed_tokens += n
+        finished: list[Request] = []
+        rejected: list[Request] = []
+        for i, request, tokens in zip(batch.sample_indices, output.requests, output.tokens):
+            drafts = batch.drafts.get(i)
+            if drafts:  # accepted drafts were computed with the right context: their KV stays
+                accepted = self.spec.record(request, len(drafts), len(tokens) - 1)
+                request.num_computed_tokens += accepted
+                if accepted < len(drafts):
+                    rejected.append(request)
+            for token in tokens:
+                request.append_token(token)
+                status = check(request, request.check_stop(self.max_model_len))
+                if status is not None:
+                    self.finish(request, status)
+                    finished.append(request)
+                    break
+        for request in rejected:  # the blocks taken for rejected drafts hold nothing
+            if not request.status.finished:
+                self.kv_manager.trim(request)
+        if self.spec is not None:
+            self.spec.record_step(batch.total_tokens, time.perf_counter() - self._step_started, batch.decode_only)
+        return finished
+
     def finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         if request in self.running:
@@ -107,3 +171,5 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_manager.free(request)
+        if self.spec is not None:
+            self.spec.remove([request.request_id])

@@ -1,11 +1,10 @@
 """The engine's side of speculative decoding: which requests get drafts this step,
-room in the KV cache for them, and what verification kept."""
+how many each gets, and what verification kept (the scheduler allocates their blocks)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -16,9 +15,8 @@ from engine.interfaces.spec_proposer import (
     Drafts,
     SpecProposer,
 )
-from engine.runtime.kv_cache_manager import KVCacheManager
 from engine.runtime.request import Request
-from engine.runtime.scheduler import ScheduledBatch
+from engine.runtime.batch import ScheduledBatch
 from engine.spec_decode.budget import SpecBudget
 
 logger = logging.getLogger("engine.spec_decode")
@@ -69,9 +67,14 @@ def can_speculate(request: Request) -> bool:
 
 
 class SpecDecoder:
+    """Which decoding requests get drafts and how many (the adaptive budget), what the
+    proposer drafted, and what verification kept. The scheduler asks it for drafts while
+    it schedules and allocates their KV blocks itself; ``hidden_states`` is the runner's
+    map of each request's newest hidden state, for proposers that read them."""
+
     def __init__(
-        self, proposer: SpecProposer, num_speculative_tokens: int, kv_manager: KVCacheManager,
-        max_num_batched_tokens: int, max_model_len: int, vocab_size: int,
+        self, proposer: SpecProposer, num_speculative_tokens: int, max_num_batched_tokens: int, max_model_len: int,
+        vocab_size: int, hidden_states: dict[str, torch.Tensor] | None = None,
     ) -> None:
         layers = tuple(proposer.hidden_state_layers)
         if layers not in ((), (FINAL_HIDDEN_STATES,), (PRE_HEAD_HIDDEN_STATES,)):
@@ -82,16 +85,17 @@ class SpecDecoder:
             )
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
-        self.kv_manager = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.hidden_states = hidden_states if hidden_states is not None else {}
         self.budget = SpecBudget(num_speculative_tokens)
         self.stats = SpecDecodeStats()
-        self.pending_trim: list[Request] = []  # requests with rejected drafts this step
 
-    def plan(self, batch: ScheduledBatch, last_hidden: dict[str, torch.Tensor]) -> None:
-        """Propose and admit drafts for the batch's decoding requests; sets ``batch.drafts``."""
+    def propose(self, batch: ScheduledBatch) -> list[tuple[int, list[int], torch.Tensor | None]]:
+        """Drafts for the batch's decoding requests: ``(index in the batch, draft tokens, their
+        probabilities or None)``, as many as the budget gives each (the scheduler may admit
+        fewer, for room)."""
         self.budget.start_step()
         candidates = []
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_tokens)):
@@ -102,12 +106,12 @@ class SpecDecoder:
                 else:
                     self.budget.skip(request.request_id)
         if not candidates:
-            return
+            return []
         requests = [batch.requests[i] for i in candidates]
         hidden = None
         if self.proposer.hidden_state_layers:
             layer = self.proposer.hidden_state_layers[0]
-            hidden = {layer: torch.stack([last_hidden[r.request_id] for r in requests])}
+            hidden = {layer: torch.stack([self.hidden_states[r.request_id] for r in requests])}
         drafts = self.proposer.propose(
             [DraftRequest(r.request_id, tuple(r.token_ids)) for r in requests], self.num_speculative_tokens, hidden
         )
@@ -118,19 +122,12 @@ class SpecDecoder:
             drafts.probs[k][torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.int64)].tolist()
             for k, tokens in enumerate(drafts.token_ids)
         ]
-        num_sampled = sum(
-            1 for r, n in zip(batch.requests, batch.num_tokens) if r.num_computed_tokens + n == r.num_tokens
-        )
-        room = self.max_num_batched_tokens - batch.total_tokens
-        taken = self.budget.plan([r.request_id for r in requests], confidences, num_sampled, batch.total_tokens,
-                                 limits)
-        for k, (i, request, count) in enumerate(zip(candidates, requests, taken)):
-            count = min(count, room)
-            if count and self.kv_manager.allocate_lookahead(request, count):
-                batch.drafts[i] = drafts.token_ids[k][:count]
-                if drafts.probs is not None:
-                    batch.draft_probs[i] = drafts.probs[k][:count]
-                room -= count
+        taken = self.budget.plan([r.request_id for r in requests], confidences, len(batch.sample_indices),
+                                 batch.total_tokens, limits)
+        return [
+            (i, list(drafts.token_ids[k][:count]), None if drafts.probs is None else drafts.probs[k][:count])
+            for k, (i, count) in enumerate(zip(candidates, taken))
+        ]
 
     def _limit(self, request: Request) -> int:
         """Drafts beyond max_tokens or max_model_len could never be kept."""
@@ -160,29 +157,19 @@ class SpecDecoder:
                 raise RuntimeError(f"Proposer {name!r} returned draft probabilities not shaped "
                                    f"[len(drafts), {self.vocab_size}] per request.")
 
-    def record(self, batch: ScheduledBatch, index: int, request: Request, kept: Sequence[int]) -> int:
-        """After verification: the number of the request's drafts that were accepted."""
-        drafts = batch.drafts.get(index)
-        if not drafts:
-            return 0
-        accepted = len(kept) - 1
-        if accepted < len(drafts):
-            self.pending_trim.append(request)
-        self.budget.record(request.request_id, len(drafts), accepted)
-        self.stats.record(len(drafts), accepted)
+    def record(self, request: Request, num_drafts: int, accepted: int) -> int:
+        """After verification: ``accepted`` of the request's ``num_drafts`` drafts were kept."""
+        self.budget.record(request.request_id, num_drafts, accepted)
+        self.stats.record(num_drafts, accepted)
         return accepted
 
     def record_step(self, num_tokens: int, seconds: float, decode_only: bool) -> None:
-        """After the step's tokens were appended: give back the blocks of rejected drafts, and
-        time a decode step for the cost table."""
-        for request in self.pending_trim:
-            if not request.status.finished:
-                self.kv_manager.trim(request)
-        self.pending_trim.clear()
+        """Time a decode step for the budget's cost table (prompt chunks cost differently per token)."""
         if decode_only:
             self.budget.costs.record(num_tokens, seconds)
 
     def remove(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.budget.remove(request_id)
+            self.hidden_states.pop(request_id, None)
         self.proposer.remove(request_ids)

@@ -28,7 +28,7 @@ class DraftModelProposer(SpecProposer):
         from engine.model_config import HFConfig
         from engine.model_loader.checkpoint import resolve_model_path
         from engine.runtime.kv_cache_manager import KVCacheManager
-        from engine.runtime.llm_engine import build_kv_cache, build_model
+        from engine.runtime.model_builder import build_kv_cache, build_model
         from engine.runtime.model_runner import ModelRunner
         from engine.sampling_params import SamplingParams
 
@@ -83,7 +83,7 @@ class DraftModelProposer(SpecProposer):
         return shadow
 
     def propose(self, requests: Sequence[DraftRequest], num_tokens: int, hidden_states=None) -> Drafts:
-        from engine.runtime.scheduler import ScheduledBatch
+        from engine.runtime.batch import ScheduledBatch
 
         shadows = [self._sync(r) for r in requests]
         active = [s for s, r in zip(shadows, requests) if len(r.token_ids) + num_tokens <= self.max_model_len]
@@ -96,10 +96,11 @@ class DraftModelProposer(SpecProposer):
                     batch.num_tokens.append(count)
             if not batch.requests:
                 break
-            sampled, kept = self.runner.execute(batch)
+            batch.sample_indices = list(range(len(batch.requests)))  # each computes up to its newest token
+            output = self.runner.execute(batch)
             for shadow, n in zip(batch.requests, batch.num_tokens):
                 shadow.num_computed_tokens += n
-            for shadow, tokens in zip(sampled, kept):
+            for shadow, tokens in zip(output.requests, output.tokens):
                 shadow.append_token(tokens[0])
             active = batch.requests  # a request out of draft blocks stops drafting this step
         return Drafts([list(s.token_ids[len(r.token_ids):]) for s, r in zip(shadows, requests)])

@@ -123,7 +123,7 @@ class MtpProposer(SpecProposer):
         from engine.model_loader.checkpoint import safetensors_files
         from engine.model_loader.weights import load_tensors
         from engine.runtime.kv_cache_manager import KVCacheManager
-        from engine.runtime.llm_engine import build_kv_cache
+        from engine.runtime.model_builder import build_kv_cache
         from engine.runtime.model_runner import ModelRunner
 
         unknown = sorted(set(init.config) - set(SETTINGS))

@@ -1,0 +1,307 @@
+"""The engine of one process: its components, resolved from an ``EngineConfig`` before
+any weight is read, and the step loop."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.config import EngineConfig
+from engine.distributed.executor import Launch
+from engine.engine.model_shard import ModelShard, build_shard
+from engine.engine.output_processor import OutputProcessor, StepResult
+from engine.engine.ranks import Ranks
+from engine.engine.setup import EngineSetup, check_tensor_parallel, resolve_setup
+from engine.engine.stats import EngineStats
+from engine.errors import SelectionError
+from engine.interfaces.model import Model
+from engine.interfaces.spec_proposer import PRE_HEAD_HIDDEN_STATES, ProposerInit
+from engine.model_loader.checkpoint import eos_token_ids
+from engine.plugins.manager import EnginePluginManager, get_plugin_manager
+from engine.runtime.kv_cache_manager import KVCacheManager
+from engine.runtime.kv_tier_connector import KVTierConnector, tier_spec_of
+from engine.runtime.request import Request, RequestStatus
+from engine.runtime.scheduler import Scheduler
+from engine.sampling_params import SamplingParams
+from engine.spec_decode.decoder import SpecDecoder
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger("engine")
+
+__all__ = ["LLMEngine", "StepResult"]
+
+
+class LLMEngine:
+    """The engine of one process. With ``tensor_parallel_size`` > 1 this is rank 0, which
+    spawns the other ranks (or meets them under torchrun); they each run a ``ModelShard``
+    (``engine.engine.workers``)."""
+
+    def __init__(
+        self, config: EngineConfig, *, plugin_manager: EnginePluginManager | None = None, progress: bool = True,
+        launch: Launch | None = None,
+    ) -> None:
+        self.config = config
+        self.plugin_manager = plugin_manager or get_plugin_manager(config.plugins)
+        self.setup: EngineSetup = resolve_setup(config, self.plugin_manager.components())
+        if launch is not None:  # a worker rank runs a shard (engine.engine.workers.run_worker), not an engine
+            if launch.world_size != config.tensor_parallel_size:
+                raise ValueError(f"This process was started as rank {launch.rank} of {launch.world_size}, but "
+                                 f"--tensor-parallel-size is {config.tensor_parallel_size}: make them equal.")
+            check_tensor_parallel(self.setup)
+            if launch.rank != 0:
+                raise ValueError(f"Rank {launch.rank} runs engine.engine.workers.run_worker, not an LLMEngine.")
+        self.setup.platform.configure_process()
+        self.shard: ModelShard | None = None
+        self.kv_tier: KVTierConnector | None = None
+        self._tier = None
+        loaded = [info.name if info.source == "entry_point" else info.module
+                  for info in self.plugin_manager.plugin_infos if info.loaded]
+        self.ranks = Ranks(self.setup, loaded, in_step=lambda: self.shard is not None and self.shard.runner.in_step)
+        try:
+            self._build(progress)
+        except BaseException:
+            if self._tier is not None:
+                self._tier.close()
+            self.ranks.stop(failed=True)  # the other ranks would wait on this one for ever
+            raise
+
+    def _build(self, progress: bool) -> None:
+        setup, config = self.setup, self.config
+        self.ranks.join(setup.platform.dist_backend)
+        setup.platform.seed_everything(config.seed)
+        self.prefix_caching = config.enable_prefix_caching
+        self.shard = build_shard(setup, tp=self.ranks.tp, channel=self.ranks.channel, progress=progress,
+                                 before_weights=self._check_model, async_execution=config.async_scheduling)
+        kv_cache = self.shard.kv_cache
+        self.kv_manager = KVCacheManager(kv_cache.num_blocks, config.block_size,
+                                         enable_prefix_caching=self.prefix_caching, salt=setup.salt,
+                                         num_state_slots=kv_cache.num_state_slots)
+        if self._tier is not None:
+            self.kv_tier = KVTierConnector(self._tier, kv_cache, self.kv_manager, self._tier.spec, tp=self.ranks.tp,
+                                           channel=self.ranks.channel)
+        self.spec = self._make_spec_decoder()
+        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_model_len=setup.max_model_len, spec=self.spec)
+        self.tokenizer = load_tokenizer(config.tokenizer or setup.model_path)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.chat_encoder = type(self.model).chat_encoder  # None: the tokenizer's chat template
+        self.eos_token_ids = eos_token_ids(setup.model_path, setup.raw_config)
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens%s", setup.architecture, setup.platform.name,
+            setup.dtype_name, kv_cache.num_blocks, config.block_size,
+            f", tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp.is_parallel else "",
+        )
+
+    def _check_model(self, model: Model) -> None:
+        """What the constructed model's cache layout decides, before its weights are read:
+        recurrent layers (no prefix caching, no speculation) and the KV tier (made here)."""
+        setup, config = self.setup, self.config
+        specs = model.kv_cache_specs()
+        self.recurrent_kinds = sorted({spec.kind for spec in specs if spec.is_recurrent})
+        if self.recurrent_kinds and self.prefix_caching:
+            logger.info("prefix caching is off for %s: its %s layers keep one state per request, which a cached "
+                        "prefix's blocks cannot restore", setup.architecture, ", ".join(self.recurrent_kinds))
+            self.prefix_caching = False
+        if self.recurrent_kinds and setup.proposer_cls is not None:
+            raise SelectionError(
+                f"Speculative decoding is refused for {setup.architecture}: its {', '.join(self.recurrent_kinds)} "
+                f"attention layers keep a recurrent state that rejected drafts would corrupt (rolling it back is "
+                f"not supported); run it without --speculative-method."
+            )
+        if setup.kv_tier_cls is None:
+            return
+        keys_only = sorted({spec.kind for spec in specs if not spec.has_values})
+        if keys_only:
+            raise SelectionError(
+                f"KV tiers hold K/V blocks of MHA/GQA layers; {setup.architecture} has {', '.join(keys_only)} "
+                f"layers, whose caches (latent entries, indexer keys) they do not carry yet. Run it without --kv-tier."
+            )
+        if self.ranks.tp.rank == 0:  # the other ranks give and take their heads of rank 0's blocks
+            spec = tier_spec_of(specs, config.block_size, setup.salt, setup.dtype)
+            self._tier = setup.kv_tier_cls(spec, config.kv_tier_config)
+            logger.info("KV tier %s (%s): blocks of %d bytes, digest %s", config.kv_tier,
+                        setup.kv_tier_cls.__name__, spec.block_bytes, spec.digest)
+
+    def _make_spec_decoder(self) -> SpecDecoder | None:
+        setup, config, runner = self.setup, self.config, self.shard.runner
+        if setup.proposer_cls is None:
+            return None
+        proposer = setup.proposer_cls(ProposerInit(
+            config=dict(config.speculative_config), target_model_path=setup.model_path, vocab_size=self.vocab_size,
+            dtype=self.dtype, device=self.device, components=setup.components, platform=setup.platform,
+            block_size=config.block_size,
+        ))
+        runner.keep_hidden_states = bool(proposer.hidden_state_layers)
+        if PRE_HEAD_HIDDEN_STATES in tuple(proposer.hidden_state_layers):
+            if not type(self.model).provides_pre_head_hidden_states:
+                raise SelectionError(
+                    f"Proposer {setup.proposer_cls.name!r} reads the target's hidden states before its head, which "
+                    f"{setup.architecture} does not provide."
+                )
+            self.model.keep_pre_head_hidden_states = True
+            runner.keep_pre_head_hidden_states = True
+        logger.info("speculative decoding: proposer %s, up to %d drafts a step", setup.proposer_cls.name,
+                    config.num_speculative_tokens)
+        return SpecDecoder(proposer, config.num_speculative_tokens, config.max_num_batched_tokens,
+                           self.max_model_len, self.vocab_size, hidden_states=runner.last_hidden)
+
+    # what the rest of the engine reads
+
+    model = property(lambda self: self.shard.model)
+    kv_cache = property(lambda self: self.shard.kv_cache)
+    runner = property(lambda self: self.shard.runner)
+    device = property(lambda self: self.shard.device)
+    tp = property(lambda self: self.ranks.tp)
+    requests = property(lambda self: self.output_processor.requests)
+    request_groups = property(lambda self: self.output_processor.request_groups)
+    model_path = property(lambda self: self.setup.model_path)
+    hf_config = property(lambda self: self.setup.hf_config)
+    architecture = property(lambda self: self.setup.architecture)
+    platform = property(lambda self: self.setup.platform)
+    dtype_name = property(lambda self: self.setup.dtype_name)
+    dtype = property(lambda self: self.setup.dtype)
+    max_model_len = property(lambda self: self.setup.max_model_len)
+    vocab_size = property(lambda self: self.setup.vocab_size)
+    quantizer = property(lambda self: self.setup.quantizer)
+    dequantizer = property(lambda self: self.setup.dequantizer)
+
+    def check_ranks(self) -> None:
+        """Raise ``WorkerDiedError`` when a spawned rank has exited."""
+        self.ranks.check()
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the scheduler and the KV cache, for metrics."""
+        scheduler, kv = self.scheduler, self.kv_manager
+        return EngineStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks, prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits, num_preemptions=scheduler.num_preemptions,
+        )
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV tier (pending stores finish first), the
+        forward thread, and the other tensor-parallel ranks (told to stop, then joined)."""
+        if self.kv_tier is not None:
+            self.kv_tier.close()
+            self.kv_tier = None
+        if self.shard is not None:
+            self.shard.close()
+        self.ranks.stop()
+
+    # requests
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+        prompt: str | None = None, want_prompt_logits: bool = False,
+        parent_request_id: str | None = None, index: int = 0,
+    ) -> Request:
+        """Add one sequence (``params.n`` must be 1; ``add_request_group`` takes any n)."""
+        if params.n != 1:
+            raise ValueError(
+                f"SamplingParams(n={params.n}) asks for {params.n} sequences; add it with add_request_group."
+            )
+        if self.output_processor.in_use(request_id):
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        if not prompt_token_ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Prompt token ids must be in [0, {self.vocab_size}); got {bad[:5]}.")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                f"which leaves no room for output."
+            )
+        self._check_params(params)
+        request = Request(
+            request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
+            prompt=prompt, want_prompt_logits=want_prompt_logits, parent_request_id=parent_request_id, index=index,
+        )
+        self.output_processor.add(request)
+        if self.kv_tier is not None:
+            self.kv_tier.prefetch(request)
+        self.scheduler.add(request)
+        return request
+
+    def add_request_group(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+        prompt: str | None = None,
+    ) -> list[Request]:
+        """Add ``params.n`` independent samples of one prompt, as requests ``"{i}_{request_id}"``
+        (``parent_request_id=request_id``, ``index=i``, params ``params.for_sample(i)``: seed + i).
+        With n == 1 it is ``[add_request(request_id, ...)]``. ``abort(request_id)`` aborts them all."""
+        if params.n == 1:
+            return [self.add_request(request_id, prompt_token_ids, params, priority=priority, prompt=prompt)]
+        if self.output_processor.in_use(request_id):
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        samples: list[Request] = []
+        try:
+            for i in range(params.n):
+                samples.append(self.add_request(
+                    f"{i}_{request_id}", prompt_token_ids, params.for_sample(i), priority=priority, prompt=prompt,
+                    parent_request_id=request_id, index=i,
+                ))
+        except BaseException:
+            for request in samples:
+                self.abort(request.request_id)
+            raise
+        self.output_processor.add_group(request_id, samples)
+        return samples
+
+    def _check_params(self, params: SamplingParams) -> None:
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                f"Stop strings {params.stop!r} need a tokenizer and the model at {self.model_path} has none; "
+                f"use stop_token_ids or give tokenizer=PATH."
+            )
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}); got {bad[:5]}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise ValueError(f"{name}={value} exceeds the vocabulary size {self.vocab_size}.")
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request, or all samples of an n > 1 request by its own id."""
+        for request in self.request_groups.get(request_id, []):
+            self.abort(request.request_id)
+        request = self.requests.get(request_id)
+        if request is not None:
+            if not request.status.finished:
+                self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.forget(request)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block, so that later prompts are computed afresh (running
+        requests keep their blocks and contents; they just stop being shared)."""
+        self.kv_manager.reset_prefix_cache()
+
+    # the loop
+
+    def step(self) -> StepResult:
+        self.ranks.check()
+        started = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if self.kv_tier is not None:
+            self.kv_tier.offload_evicted()  # before this step's forward overwrites the evicted blocks
+        scheduled = time.perf_counter()
+        output = self._execute(batch)
+        executed = time.perf_counter()
+        finished = self.scheduler.update_from_output(batch, output, self.output_processor.check)
+        updated = time.perf_counter()
+        result = self.output_processor.process(output, finished)
+        timings = result.timings
+        timings.schedule, timings.update = scheduled - started, updated - executed
+        timings.process = time.perf_counter() - updated
+        return result
+
+    def _execute(self, batch):
+        try:
+            return self.shard.execute(batch).result()
+        except RuntimeError as exc:
+            self.ranks.step_failed(exc)  # raises WorkerDiedError if a lost rank caused it
+            raise

@@ -1,0 +1,116 @@
+"""A rank's part of the engine: its shard of the model, the KV cache, the runner, and the
+cache blocks in the tiers' canonical layout. Rank 0's ``LLMEngine`` holds one; every other
+tensor-parallel rank runs one (``engine.engine.workers``). Built by :func:`build_shard`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from engine.distributed.executor import ControlChannel
+from engine.distributed.parallel_state import SINGLE, TensorParallel, tensor_parallel
+from engine.engine.setup import EngineSetup
+from engine.interfaces.model import Model
+from engine.runtime.batch import ModelOutput, ScheduledBatch
+from engine.runtime.kv_cache import KVCache
+from engine.runtime.kv_tier_connector import CanonicalBlocks, tier_spec
+from engine.runtime.model_builder import build_kv_cache, construct_model, load_model
+from engine.runtime.model_runner import ModelRunner
+
+logger = logging.getLogger("engine")
+
+
+class StepHandle:
+    """The sampled tokens of a step that was started: :meth:`result` waits for them."""
+
+    def __init__(self, future: Future[ModelOutput]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> ModelOutput:
+        return self._future.result()
+
+
+@dataclass
+class ModelShard:
+    model: Model
+    kv_cache: KVCache
+    runner: ModelRunner
+    device: torch.device
+    tp: TensorParallel = SINGLE
+    channel: ControlChannel | None = None
+    kv_blocks: CanonicalBlocks | None = None  # a worker rank's side of rank 0's KV tier
+    executor: ThreadPoolExecutor | None = None  # async execution: the forward on its own thread
+
+    def execute(self, batch: ScheduledBatch) -> StepHandle:
+        """Start the step's forward and sampling; without async execution it has run when
+        this returns. The caller must not change the batch's requests until the result."""
+        if self.executor is not None:
+            return StepHandle(self.executor.submit(self.runner.execute, batch))
+        future: Future[ModelOutput] = Future()
+        try:
+            future.set_result(self.runner.execute(batch))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return StepHandle(future)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+            self.executor = None
+
+
+def local_device_index(platform, tp: TensorParallel) -> int:
+    """The device this rank uses: ``LOCAL_RANK`` under torchrun, else the rank."""
+    if not tp.is_parallel or platform.device_type == "cpu":
+        return 0
+    return int(os.environ.get("LOCAL_RANK", tp.rank))
+
+
+def build_shard(
+    setup: EngineSetup, *, tp: TensorParallel = SINGLE, channel: ControlChannel | None = None,
+    progress: bool = True, before_weights: Callable[[Model], None] | None = None,
+    async_execution: bool = False,
+) -> ModelShard:
+    """Construct the model (quantized), let ``before_weights`` check it (what needs its cache
+    layout: speculation, the KV tier), load the weights, then size and allocate the KV cache
+    (the same block count on every rank)."""
+    config, platform = setup.config, setup.platform
+    device = platform.device(local_device_index(platform, tp))
+    with tensor_parallel(tp):
+        model = construct_model(setup.model_cls, setup.hf_config, setup.dtype_name, device, quantizer=setup.quantizer)
+        if before_weights is not None:
+            before_weights(model)
+        load_model(model, setup.model_path, platform, setup.dtype_name, progress=progress and tp.rank == 0,
+                   dequantizer=setup.dequantizer)
+        if setup.dequantizer is not None:
+            logger.info("dequantized %d %s weights to %s while loading", setup.dequantizer.dequantized,
+                        setup.raw_config["quantization_config"]["quant_method"], setup.dtype_name)
+        if config.kv_cache_memory is not None:
+            memory = int(config.kv_cache_memory * 2**30)
+        elif config.kv_cache_memory_fraction is not None:
+            memory = int(platform.memory_info().free_bytes * config.kv_cache_memory_fraction)
+        else:
+            memory = platform.default_kv_cache_bytes()
+        kv_cache = build_kv_cache(
+            model, setup.components, platform, setup.dtype_name, device, config.block_size, memory,
+            max_model_len=setup.max_model_len, max_num_seqs=config.max_num_seqs,
+            attention_backend=config.attention_backend,
+            agree=channel.agree_on_min if channel is not None else None,
+        )
+    kv_blocks = None
+    if tp.rank != 0 and config.kv_tier is not None:  # rank 0 holds the tier; this rank gives and takes its heads
+        kv_blocks = CanonicalBlocks(kv_cache, tier_spec(kv_cache, setup.salt, setup.dtype), tp)
+    runner = ModelRunner(model, kv_cache, device, channel=channel)
+    executor = None
+    if async_execution:  # under OpenMP the intra-op thread count is per calling thread: keep this one's
+        executor = ThreadPoolExecutor(1, thread_name_prefix="engine-forward", initializer=torch.set_num_threads,
+                                      initargs=(torch.get_num_threads(),))
+    return ModelShard(model, kv_cache, runner, device, tp, channel, kv_blocks, executor)

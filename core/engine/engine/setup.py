@@ -1,0 +1,185 @@
+"""Every component of an engine resolved and checked from its ``EngineConfig`` before any
+weight is read: the checkpoint's config, platform, dtype, model class, quantizer (or the
+dequantizer of a checkpoint without kernels here), attention backend, proposer and KV
+tier. A mistake in any of them fails here, in well under a second."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import SelectionError
+from engine.interfaces.model import Model
+from engine.interfaces.platform import Platform
+from engine.interfaces.quantizer import Quantizer
+from engine.model_config import HFConfig
+from engine.model_loader.checkpoint import checkpoint_dtype, resolve_model_path
+from engine.model_loader.dequant import CheckpointDequantizer, dequantizable
+from engine.plugins.registry import ComponentError
+from engine.runtime.kv_cache_manager import cache_salt
+from engine.selection import resolve_dtype, select_platform
+
+logger = logging.getLogger("engine")
+
+# quantization methods whose plugin is ours to name in an error, by quant_method
+QUANTIZER_DISTRIBUTIONS = {"bitsandbytes": "engine-bitsandbytes", "mxfp8": "engine-xpu"}
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What an engine (and each of its ranks) is built from."""
+
+    config: EngineConfig
+    components: Any  # engine.plugins.components.Components
+    model_path: Path
+    raw_config: dict
+    hf_config: HFConfig
+    architecture: str
+    model_cls: type[Model]
+    platform: Platform
+    dtype_name: str
+    max_model_len: int
+    vocab_size: int
+    quantizer: Quantizer | None
+    dequantizer: CheckpointDequantizer | None  # a checkpoint dequantized at load
+    proposer_cls: type | None
+    kv_tier_cls: type | None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype_name)
+
+    @property
+    def salt(self) -> bytes:
+        """The root of the prefix-cache hash chains (and of a KV tier's digest)."""
+        return cache_salt(str(self.model_path.resolve()), self.architecture, self.dtype_name, self.config.block_size)
+
+
+def resolve_setup(config: EngineConfig, components: Any) -> EngineSetup:
+    """Resolve and check every component named by ``config``; reads config.json, no weight."""
+    model_path = resolve_model_path(config.model)
+    with open(model_path / "config.json", encoding="utf-8") as f:
+        raw_config = json.load(f)
+    architectures = raw_config.get("architectures") or []
+    if not architectures:
+        raise SelectionError(f"{model_path / 'config.json'} lists no 'architectures'.")
+    architecture = architectures[0]
+    model_cls = components.models.get(architecture)
+    platform = select_platform(components.platforms, config.device)
+    dtype_name = resolve_dtype(config.dtype, checkpoint_dtype(raw_config), platform)
+    # Kimi's configs name it model_max_length; multimodal ones keep the language model's under text_config
+    text_config = raw_config.get("text_config") or {}
+    max_positions = int(raw_config.get("max_position_embeddings") or raw_config.get("model_max_length")
+                        or text_config.get("max_position_embeddings") or text_config.get("model_max_length")
+                        or 2048)
+    max_model_len = config.max_model_len or max_positions
+    if max_model_len > max_positions:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_positions}.")
+    if config.attention_backend is not None:
+        components.attention_backends.get(config.attention_backend)  # an unknown name lists the known ones
+    quantizer, dequantizer = resolve_quantizer(config, components, raw_config, model_path, platform, dtype_name)
+    return EngineSetup(
+        config=config, components=components, model_path=model_path, raw_config=raw_config,
+        hf_config=HFConfig(raw_config), architecture=architecture, model_cls=model_cls, platform=platform,
+        dtype_name=dtype_name, max_model_len=max_model_len,
+        vocab_size=int(raw_config.get("vocab_size") or text_config.get("vocab_size") or 0),
+        quantizer=quantizer, dequantizer=dequantizer, proposer_cls=resolve_proposer(config, components),
+        kv_tier_cls=resolve_kv_tier(config, components),
+    )
+
+
+def resolve_quantizer(
+    config: EngineConfig, components: Any, raw_config: dict, model_path: Path, platform: Platform, dtype_name: str,
+) -> tuple[Quantizer | None, CheckpointDequantizer | None]:
+    """The checkpoint's own quantization method, else ``--quantization``'s, else none; or,
+    for a checkpoint format without kernels here, the dequantizer that makes it dense."""
+    checkpoint_config = raw_config.get("quantization_config")
+    if checkpoint_config is not None:
+        method = checkpoint_config.get("quant_method") if isinstance(checkpoint_config, dict) else None
+        if not isinstance(method, str):
+            raise SelectionError(f"{model_path / 'config.json'} has a quantization_config without a quant_method string.")
+        if config.quantization is not None and config.quantization != method:
+            raise SelectionError(
+                f"The checkpoint is already quantized with {method!r}; --quantization {config.quantization} "
+                f"applies to unquantized checkpoints only."
+            )
+        if config.quantization_config:
+            raise SelectionError(
+                "--quantization-config applies to on-the-fly quantization; this checkpoint's "
+                "quantization_config in config.json is used as it is."
+            )
+        if dequantizable(checkpoint_config) and method not in components.quantizers.names():
+            # no kernels for this format here: the weights become dense in the compute dtype
+            logger.info("the checkpoint is quantized with %r and no quantizer of that name is registered: "
+                        "its weights are dequantized to %s at load", method, dtype_name)
+            return None, CheckpointDequantizer(checkpoint_config, getattr(torch, dtype_name))
+        try:
+            quantizer_cls = components.quantizers.get(method)
+        except ComponentError:
+            install = QUANTIZER_DISTRIBUTIONS.get(method)
+            hint = f"install {install} (pip install {install})" if install else (
+                f"install a plugin that registers the quantization method {method!r}"
+            )
+            raise SelectionError(
+                f"The checkpoint at {model_path} is quantized with {method!r} "
+                f"(quantization_config.quant_method), and no quantizer of that name is registered "
+                f"(registered: {', '.join(components.quantizers.names()) or 'none'}): {hint}, "
+                f"and select it if you pass --plugins."
+            ) from None
+        settings, prequantized = checkpoint_config, True
+    elif config.quantization is not None:
+        quantizer_cls = components.quantizers.get(config.quantization)
+        settings, prequantized = config.quantization_config, False
+    else:
+        if config.quantization_config:
+            raise SelectionError("--quantization-config was given without --quantization: name the method.")
+        return None, None
+    name = quantizer_cls.name
+    platform.check_quantization(name)
+    if quantizer_cls.supported_platforms is not None and platform.name not in quantizer_cls.supported_platforms:
+        raise SelectionError(
+            f"Quantization {name!r} does not run on platform {platform.name!r}; it supports "
+            f"{', '.join(sorted(quantizer_cls.supported_platforms))}."
+        )
+    if dtype_name not in quantizer_cls.activation_dtypes:
+        raise SelectionError(
+            f"Quantization {name!r} computes in {', '.join(sorted(quantizer_cls.activation_dtypes))}, "
+            f"not {dtype_name}; pass --dtype with one of those."
+        )
+    return quantizer_cls.from_config(dict(settings), prequantized=prequantized), None
+
+
+def resolve_proposer(config: EngineConfig, components: Any) -> type | None:
+    """The speculative proposer's class, or None without speculation."""
+    if config.speculative_method is None:
+        if config.speculative_config:
+            raise SelectionError("--speculative-config was given without --speculative-method: name the proposer.")
+        return None
+    return components.spec_proposers.get(config.speculative_method)
+
+
+def resolve_kv_tier(config: EngineConfig, components: Any) -> type | None:
+    """The KV tier's class, or None without a tier (its settings are checked when it is made,
+    also before any weight is read: it needs the model's cache layout)."""
+    if config.kv_tier is None:
+        if config.kv_tier_config:
+            raise ValueError("kv_tier_config was given without kv_tier: name the tier (--kv-tier).")
+        return None
+    if not config.enable_prefix_caching:
+        raise ValueError("A KV tier holds prefix-cache blocks: it needs prefix caching on.")
+    return components.kv_tiers.get(config.kv_tier)
+
+
+def check_tensor_parallel(setup: EngineSetup) -> None:
+    """What more than one rank cannot run, refused on every rank before any joins."""
+    if not getattr(setup.model_cls, "supports_tensor_parallel", False):
+        raise SelectionError(f"{setup.architecture} does not support tensor parallelism (its plugin does not "
+                             f"shard it); run it with --tensor-parallel-size 1.")
+    if setup.config.speculative_method is not None:
+        raise SelectionError("Speculative decoding is not supported with --tensor-parallel-size > 1 yet.")

@@ -1,0 +1,70 @@
+"""What one step runs and what it produced: the scheduler's batch, the model's output for
+it, and the step's per-phase timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.runtime.request import Request
+
+# the phases of a step, in order; StepTimings holds seconds for each
+PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update", "process")
+
+
+@dataclass
+class ScheduledBatch:
+    """What runs this step: ``requests[i]`` computes ``num_tokens[i]`` new tokens, then
+    the speculative drafts ``drafts[i]`` (planned by the scheduler for decoding requests;
+    ``draft_probs[i]`` the proposer's probabilities of them, or None). ``sample_indices``
+    are the requests whose last scheduled token is their newest, so that they sample."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+    draft_probs: dict[int, object] = field(default_factory=dict)
+    sample_indices: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens) + sum(len(d) for d in self.drafts.values())
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.num_tokens)
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each phase of one step (``PHASES``): ``forward`` is the model's
+    forward pass, ``logits`` its LM head, ``sample`` sampling and verification; ``prepare``
+    building the step's tensors; ``schedule``, ``update`` and ``process`` the engine's
+    bookkeeping. ``forward_tokens`` is the forward's token count."""
+
+    schedule: float = 0.0
+    prepare: float = 0.0
+    forward: float = 0.0
+    logits: float = 0.0
+    sample: float = 0.0
+    update: float = 0.0
+    process: float = 0.0
+    forward_tokens: int = 0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, phase) for phase in PHASES)
+
+    def as_dict(self) -> dict[str, float]:
+        return {phase: getattr(self, phase) for phase in PHASES}
+
+
+@dataclass
+class ModelOutput:
+    """The tokens a step sampled: ``requests[k]`` (those of ``batch.sample_indices``) keeps
+    ``tokens[k]``, one token, or with drafts the accepted drafts and one more."""
+
+    requests: list[Request] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    timings: StepTimings = field(default_factory=StepTimings)

@@ -1,0 +1,122 @@
+"""Building a model and its paged KV cache the way the engine does (also used by
+proposers that load a model of their own: ``draft``, DeepSeek's ``mtp``)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.interfaces.attention import TOKEN_STATE
+from engine.interfaces.model import Model, ModelInit
+from engine.interfaces.platform import Platform
+from engine.interfaces.quantizer import Quantizer
+from engine.layers.linear import apply_linear_method, quantize_model
+from engine.layers.ops import REFERENCE_OPS
+from engine.model_config import HFConfig
+from engine.model_loader.checkpoint import safetensors_files
+from engine.model_loader.dequant import CheckpointDequantizer
+from engine.model_loader.weights import load_weights
+from engine.runtime.kv_cache import KVCache, KVCacheGroup, group_layers, num_blocks_for
+from engine.runtime.token_state import TokenStateCache
+from engine.selection import select_attention_backend
+
+logger = logging.getLogger("engine")
+
+
+def construct_model(
+    model_cls: type[Model], hf_config: HFConfig, dtype_name: str, device: torch.device, *,
+    quantizer: Quantizer | None = None,
+) -> Model:
+    """The model, its linear layers given the quantizer's methods, no weight read yet."""
+    model = model_cls(ModelInit(config=hf_config, dtype=getattr(torch, dtype_name), device=device))
+    model.eval()
+    if quantizer is not None:
+        quantized, declined = quantize_model(model, quantizer)
+        logger.info("quantization %s: %d linear layers quantized, %d left as they are (%s)",
+                    quantizer.name, len(quantized), len(declined), ", ".join(declined) or "none")
+    return model
+
+
+def load_model(
+    model: Model, model_path: Path, platform: Platform, dtype_name: str, *, progress: bool = True,
+    dequantizer: CheckpointDequantizer | None = None,
+) -> Model:
+    """Stream the checkpoint into ``model`` (dense from a quantized one with a
+    ``dequantizer``), then switch its unquantized layers to the platform's linear method."""
+    load_weights(model, safetensors_files(model_path), progress=progress, dequantizer=dequantizer)
+    linear_method = platform.linear_method(dtype_name)
+    if linear_method is not None:
+        apply_linear_method(model, linear_method)
+    return model
+
+
+def build_model(
+    model_cls: type[Model], hf_config: HFConfig, model_path, platform, dtype_name: str, device: torch.device, *,
+    quantizer: Quantizer | None = None, progress: bool = True, dequantizer: CheckpointDequantizer | None = None,
+) -> Model:
+    """Construct a model, give its linear layers the quantizer's methods, load its
+    checkpoint (dense from a quantized one with a ``dequantizer``), then switch its
+    unquantized layers to the platform's linear method."""
+    model = construct_model(model_cls, hf_config, dtype_name, device, quantizer=quantizer)
+    return load_model(model, model_path, platform, dtype_name, progress=progress, dequantizer=dequantizer)
+
+
+def build_kv_cache(
+    model: Model, components, platform, dtype_name: str, device: torch.device, block_size: int, memory_bytes: int,
+    *, max_model_len: int, max_num_seqs: int, attention_backend: str | None = None,
+    agree: Callable[[int], int] | None = None,
+) -> KVCache:
+    """The paged KV cache of ``model``: one group per distinct layer spec with the attention
+    backend selected for it, as many blocks as ``memory_bytes`` holds (no more than
+    ``max_num_seqs`` sequences of ``max_model_len`` can use)."""
+    dtype = getattr(torch, dtype_name)
+    specs = model.kv_cache_specs()
+    groups = []
+    # a requested backend serves the groups of the kinds it declares (a model may mix kinds: sparse
+    # MLA and its indexer); the rest take the platform's preferences. One it serves none of is refused.
+    requested_kinds = set()
+    if attention_backend is not None:
+        requested_kinds = set(components.attention_backends.get(attention_backend).capabilities.kinds)
+        if not requested_kinds & {spec.kind for spec in specs}:
+            requested_kinds = {spec.kind for spec in specs if spec.kind != TOKEN_STATE}  # validation says why not
+    for spec, layers in group_layers(specs):
+        if spec.kind == TOKEN_STATE:  # stored values, not attention: the core serves them everywhere
+            backend_cls = TokenStateCache
+        else:
+            backend_cls = select_attention_backend(
+                components.attention_backends, platform, spec, dtype=dtype_name, block_size=block_size,
+                requested=attention_backend if spec.kind in requested_kinds else None,
+            )
+        groups.append(KVCacheGroup(spec, backend_cls(spec, block_size, dtype, device), layers))
+        logger.info("attention kind %s: backend %s for %d layers", spec.kind, backend_cls.name, len(layers))
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    # recurrent layers hold one state per running request, taken from the memory first
+    num_state_slots = max_num_seqs if any(spec.is_recurrent for spec in specs) else 0
+    state_bytes = sum(
+        num_state_slots * spec.state_numel() * torch.empty(0, dtype=group.backend.cache_dtype(dtype)).element_size()
+        * len(group.layer_indices)
+        for group in groups for spec in [group.spec] if spec.is_recurrent
+    )
+    if state_bytes >= memory_bytes:
+        raise ValueError(
+            f"KV-cache memory of {memory_bytes / 2**30:.3f} GiB does not hold the recurrent states of "
+            f"{max_num_seqs} requests ({state_bytes / 2**30:.3f} GiB); raise --kv-cache-memory or lower --max-num-seqs."
+        )
+    memory_bytes -= state_bytes
+    blocks_per_seq = -(-max_model_len // block_size)
+    num_blocks = num_blocks_for(specs, block_size, element_size, memory_bytes,
+                                max_blocks_useful=max_num_seqs * blocks_per_seq)
+    if agree is not None:  # tensor-parallel ranks: the same block numbering everywhere
+        num_blocks = agree(num_blocks)
+    if num_blocks * block_size < max_model_len:
+        raise ValueError(
+            f"The KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks), fewer than "
+            f"max_model_len={max_model_len}: one long request could never run. Raise "
+            f"--kv-cache-memory or lower --max-model-len."
+        )
+    ops = platform.layer_ops(dtype_name) or REFERENCE_OPS
+    return KVCache(groups, len(specs), num_blocks, block_size, dtype, device, ops, allocate=platform.allocate_kv_cache,
+                   num_state_slots=num_state_slots)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.distributed.executor import Launch
-from engine.engine.model_shard import ModelShard, build_shard
+from engine.engine.model_shard import ModelShard, StepHandle, build_shard
 from engine.engine.output_processor import OutputProcessor, StepResult
 from engine.engine.ranks import Ranks
 from engine.engine.setup import EngineSetup, check_tensor_parallel, resolve_setup
@@ -18,6 +19,7 @@ from engine.interfaces.model import Model
 from engine.interfaces.spec_proposer import PRE_HEAD_HIDDEN_STATES, ProposerInit
 from engine.model_loader.checkpoint import eos_token_ids
 from engine.plugins.manager import EnginePluginManager, get_plugin_manager
+from engine.runtime.batch import ScheduledBatch
 from engine.runtime.kv_cache_manager import KVCacheManager
 from engine.runtime.kv_tier_connector import KVTierConnector, tier_spec_of
 from engine.runtime.request import Request, RequestStatus
@@ -52,6 +54,8 @@ class LLMEngine:
                 raise ValueError(f"Rank {launch.rank} runs engine.engine.workers.run_worker, not an LLMEngine.")
         self.setup.platform.configure_process()
         self.shard: ModelShard | None = None
+        self._in_flight: InFlightStep | None = None  # async scheduling: the step whose forward runs now
+        self._ready: list[StepResult] = []  # a step finished early (_drain), returned by the next step()
         self.kv_tier: KVTierConnector | None = None
         self._tier = None
         loaded = [info.name if info.source == "entry_point" else info.module
@@ -181,6 +185,7 @@ class LLMEngine:
     def close(self) -> None:
         """Release what outlives a step: the KV tier (pending stores finish first), the
         forward thread, and the other tensor-parallel ranks (told to stop, then joined)."""
+        self._drain()
         if self.kv_tier is not None:
             self.kv_tier.close()
             self.kv_tier = None
@@ -196,6 +201,7 @@ class LLMEngine:
         parent_request_id: str | None = None, index: int = 0,
     ) -> Request:
         """Add one sequence (``params.n`` must be 1; ``add_request_group`` takes any n)."""
+        self._drain()
         if params.n != 1:
             raise ValueError(
                 f"SamplingParams(n={params.n}) asks for {params.n} sequences; add it with add_request_group."
@@ -264,6 +270,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Abort a request, or all samples of an n > 1 request by its own id."""
+        self._drain()
         for request in self.request_groups.get(request_id, []):
             self.abort(request.request_id)
         request = self.requests.get(request_id)
@@ -273,35 +280,62 @@ class LLMEngine:
             self.output_processor.forget(request)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._ready) or self._in_flight is not None or self.scheduler.has_unfinished()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block, so that later prompts are computed afresh (running
         requests keep their blocks and contents; they just stop being shared)."""
+        self._drain()
         self.kv_manager.reset_prefix_cache()
 
     # the loop
 
     def step(self) -> StepResult:
+        """schedule → execute → update_from_output → process. With async scheduling the next
+        step's forward is started before this one returns, so that it runs while the caller
+        reads this step's result."""
         self.ranks.check()
-        started = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if self.kv_tier is not None:
-            self.kv_tier.offload_evicted()  # before this step's forward overwrites the evicted blocks
-        scheduled = time.perf_counter()
-        output = self._execute(batch)
-        executed = time.perf_counter()
-        finished = self.scheduler.update_from_output(batch, output, self.output_processor.check)
-        updated = time.perf_counter()
-        result = self.output_processor.process(output, finished)
-        timings = result.timings
-        timings.schedule, timings.update = scheduled - started, updated - executed
-        timings.process = time.perf_counter() - updated
+        result = self._ready.pop() if self._ready else self._finish(self._in_flight or self._start())
+        self._in_flight = None
+        if self.config.async_scheduling and self.scheduler.has_unfinished():
+            self._in_flight = self._start()
         return result
 
-    def _execute(self, batch):
+    def _start(self) -> InFlightStep:
+        started = time.perf_counter()
         try:
-            return self.shard.execute(batch).result()
+            batch = self.scheduler.schedule()
+            if self.kv_tier is not None:
+                self.kv_tier.offload_evicted()  # before this step's forward overwrites the evicted blocks
+        except Exception as exc:  # raised by the step that waits for it, as without async scheduling
+            return InFlightStep(ScheduledBatch(), StepHandle.failed(exc), 0.0)
+        return InFlightStep(batch, self.shard.execute(batch), time.perf_counter() - started)
+
+    def _finish(self, step: InFlightStep) -> StepResult:
+        try:
+            output = step.handle.result()
         except RuntimeError as exc:
             self.ranks.step_failed(exc)  # raises WorkerDiedError if a lost rank caused it
             raise
+        executed = time.perf_counter()
+        finished = self.scheduler.update_from_output(step.batch, output, self.output_processor.check)
+        updated = time.perf_counter()
+        result = self.output_processor.process(output, finished)
+        timings = result.timings
+        timings.schedule, timings.update, timings.process = step.schedule_seconds, updated - executed, (
+            time.perf_counter() - updated)
+        return result
+
+    def _drain(self) -> None:
+        """Finish the step in flight (async scheduling) before the requests or the cache change;
+        the next ``step()`` returns its result."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._ready.append(self._finish(step))
+
+
+@dataclass
+class InFlightStep:
+    batch: ScheduledBatch
+    handle: StepHandle
+    schedule_seconds: float

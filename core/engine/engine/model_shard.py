@@ -31,6 +31,12 @@ class StepHandle:
     def __init__(self, future: Future[ModelOutput]) -> None:
         self._future = future
 
+    @classmethod
+    def failed(cls, exc: BaseException) -> StepHandle:
+        future: Future[ModelOutput] = Future()
+        future.set_exception(exc)
+        return cls(future)
+
     def done(self) -> bool:
         return self._future.done()
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.runtime.batch import ModelOutput, StepTimings
 from engine.runtime.detokenizer import IncrementalDetokenizer, find_stop_string
+from engine.runtime.logprobs import record_sample_logprobs
 from engine.runtime.request import Request, RequestStatus
 
 
@@ -66,6 +67,8 @@ class OutputProcessor:
         return status
 
     def process(self, output: ModelOutput, finished: list[Request]) -> StepResult:
+        if output.sample_logprobs is not None:
+            record_sample_logprobs(*output.sample_logprobs)
         for request in finished:
             self.forget(request)
         return StepResult(updated=output.requests, finished=finished, timings=output.timings)

@@ -68,3 +68,5 @@ class ModelOutput:
     requests: list[Request] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
     timings: StepTimings = field(default_factory=StepTimings)
+    # (requests, LogprobsTensors) of the sampled requests without drafts, recorded by the output processor
+    sample_logprobs: tuple | None = None

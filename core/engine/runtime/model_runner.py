@@ -12,7 +12,7 @@ from engine.interfaces.attention import CommonAttentionMetadata
 from engine.interfaces.model import Model
 from engine.runtime.batch import ModelOutput, ScheduledBatch, StepTimings
 from engine.runtime.kv_cache import KVCache
-from engine.runtime.logprobs import record_prompt_logprobs, record_sample_logprobs
+from engine.runtime.logprobs import record_prompt_logprobs
 from engine.runtime.request import Request
 from engine.runtime.sampler import Sampler
 from engine.spec_decode.verify import verify
@@ -34,6 +34,7 @@ class ModelRunner:
         self.model = model
         self.synchronize = synchronize
         self._timings = StepTimings()
+        self._sample_logprobs = None
         self.channel = channel
         self.in_step = False
         self.kv_cache = kv_cache
@@ -132,14 +133,16 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         """Run one step: the forward pass over the batch, then sampling (and verification of
         drafts) for the requests of ``batch.sample_indices``. Reads request state, writes
-        none of it but logprobs and prompt logits (the scheduler advances requests)."""
+        none of it but prompt logprobs and logits (the scheduler advances requests; the output
+        processor records the sampled tokens' logprobs)."""
         self.in_step = True
         self._timings = timings = StepTimings()
+        self._sample_logprobs = None
         try:
             requests, tokens = self._execute(batch, timings)
         finally:
             self.in_step = False
-        return ModelOutput(requests, tokens, timings)
+        return ModelOutput(requests, tokens, timings, self._sample_logprobs)
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch, timings: StepTimings) -> tuple[list[Request], list[list[int]]]:
@@ -178,8 +181,8 @@ class ModelRunner:
         requests = [batch.requests[i] for i in indices]
         rows = [ends[i] - 1 for i in indices]
         sampled = self.sampler(self.logits(hidden, rows), requests)
-        if sampled.logprobs is not None:
-            record_sample_logprobs(requests, sampled.logprobs)
+        if sampled.logprobs is not None:  # recorded by the output processor, on the engine's thread
+            self._sample_logprobs = (requests, sampled.logprobs)
         self._keep_hidden(requests, hidden, rows)
         return [[t] for t in sampled.token_ids.tolist()]
 

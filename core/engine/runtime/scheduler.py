@@ -144,6 +144,8 @@ class Scheduler:
         finished: list[Request] = []
         rejected: list[Request] = []
         for i, request, tokens in zip(batch.sample_indices, output.requests, output.tokens):
+            if request.status.finished:  # aborted while the step ran (async execution)
+                continue
             drafts = batch.drafts.get(i)
             if drafts:  # accepted drafts were computed with the right context: their KV stays
                 accepted = self.spec.record(request, len(drafts), len(tokens) - 1)

@@ -17,7 +17,6 @@ from engine.bench.metrics import (
 )
 from engine.bench.report import Report, Section
 from engine.bench.roofline import weight_bytes
-from engine.bench.step_timer import CallTimer
 from engine.bench.workloads import (
     ALL_AT_ONCE, SEQUENTIAL, decode_workload, latency_workload, max_token_id, prefix_workload, scaled,
     throughput_workload, warmup_request,
@@ -133,7 +132,8 @@ def test_prefix_figures():
 
 
 def _step(seconds, forward, tokens, sampled, all_decode, **parts):
-    return StepRecord(seconds, {FORWARD: forward, **parts}, tokens, sampled, all_decode)
+    (forward_tokens,) = tokens  # one forward per step
+    return StepRecord(seconds, {FORWARD: forward, **parts}, forward_tokens, sampled, all_decode)
 
 
 def test_decode_breakdown_counts_only_all_decode_steps_of_the_batch_size():
@@ -168,26 +168,6 @@ def test_weight_bytes_skips_the_gathered_embedding_unless_tied():
 # -------------------------------------------------------------------------
 # timers and report
 # -------------------------------------------------------------------------
-
-
-def test_call_timer_times_instance_methods_and_restores_them():
-    class Model(torch.nn.Module):
-        def forward(self, x):
-            return x + 1
-
-    model = Model()
-    timer = CallTimer()
-    timer.add(model, "forward", "model", count_tokens=True)
-    with timer:
-        assert "forward" in vars(model)
-        assert model(torch.zeros(5)).tolist() == [1.0] * 5
-        model(torch.zeros(3))
-        seconds, tokens = timer.take()
-        assert seconds["model"] > 0 and tokens == {"model": [5, 3]}
-        assert timer.take() == ({}, {})
-    assert "forward" not in vars(model)
-    with pytest.raises(AttributeError, match="no method 'backward_pass'"):
-        timer.add(model, "backward_pass", "x")
 
 
 def test_report_ratios_are_engine_over_peer_and_missing_values_print_as_dashes():

@@ -16,7 +16,8 @@ from typing import Any, Callable, Mapping, Protocol, TypeVar
 import torch
 
 from engine.bench.engine_runner import (
-    ATTENTION, LOGITS, PREPARE, SCHEDULE, DecodeBreakdown, EngineRunner, StepRecord, decode_breakdown,
+    ATTENTION, LOGITS, PREPARE, PROCESS, SAMPLE, SCHEDULE, UPDATE, DecodeBreakdown, EngineRunner, StepRecord,
+    decode_breakdown,
 )
 from engine.bench.hf_peer import HFPeer
 from engine.bench.metrics import (
@@ -170,7 +171,7 @@ def run_latency(options: BenchOptions) -> Report:
     run = session.median_run("w1", ENGINE, lambda: engine.run(workload.requests, SEQUENTIAL), engine.reset_prefix_cache)
     timings: dict[str, RequestTiming] = {ENGINE: run.timings[0]}
     weights = {ENGINE: engine.weight_bytes()}
-    breakdown = decode_breakdown(run.steps, 1, engine.timer.labels())
+    breakdown = decode_breakdown(run.steps, 1, engine.timed_labels())
     engine.close()
     peer = session.hf()
     if peer is not None:
@@ -203,8 +204,8 @@ def run_latency(options: BenchOptions) -> Report:
                 "decode step time / memory-read time: 1.0 would be a step that only streams the weights.", ".2f")
     if breakdown is not None:
         section.add("model_ms", "model time per decode step", "ms", {ENGINE: breakdown.model_seconds * 1e3},
-                    f"mean time in model.forward + model.compute_logits over the {breakdown.num_steps} decode steps "
-                    "(timing wrappers on the model instance).", ".2f")
+                    f"mean forward + logits phase time (the model's forward pass and LM head, from the engine's step "
+                    f"timings) over the {breakdown.num_steps} decode steps.", ".2f")
         section.add("overhead_share", "engine overhead share of a decode step", "%", {ENGINE: breakdown.overhead_share},
                     "(step - model) / step over the same steps: scheduling, inputs, sampling, bookkeeping.")
     section.facts = {
@@ -238,7 +239,7 @@ def run_throughput(options: BenchOptions) -> Report:
     w2 = session.median_run("w2", ENGINE, lambda: engine.run(workload.requests, ALL_AT_ONCE), engine.reset_prefix_cache)
     w2_model_seconds = sum(s.model_seconds for s in w2.steps)
     decode_run = engine.run(decode.requests, ALL_AT_ONCE)
-    labels = engine.timer.labels()
+    labels = engine.timed_labels()
     breakdown = decode_breakdown(decode_run.steps, len(decode.requests), labels)
     engine.close()
     walls = {ENGINE: w2.wall}
@@ -259,7 +260,7 @@ def run_throughput(options: BenchOptions) -> Report:
                 f"{HF_BATCH_SIZE} in order, left-padded with an attention mask, each generating max(output_len) "
                 "of its members (tokens past a request's own length are computed but not counted).", ".2f")
     section.add("model_share", "model time share of wall", "%", {ENGINE: w2_model_seconds / w2.wall},
-                f"time in model.forward + compute_logits over all {len(w2.steps)} steps / wall.")
+                f"forward + logits phase time (the model's compute) over all {len(w2.steps)} steps / wall.")
     prefill_steps = [s for s in w2.steps if not s.all_decode]
     section.add("prefill_steps_s", "time in steps with prompt tokens", "s",
                 {ENGINE: sum(s.seconds for s in prefill_steps)},
@@ -270,6 +271,16 @@ def run_throughput(options: BenchOptions) -> Report:
     session.report.sections.append(section)
     session.report.sections.append(_overhead_section(decode.name, decode.description, breakdown, labels))
     return session.report
+
+
+# the step phases outside the model, in step order, and what each does
+_OVERHEAD_PHASES = (
+    (SCHEDULE, "scheduling (scheduler.schedule)"),
+    (PREPARE, "building inputs and attention metadata"),
+    (SAMPLE, "sampling (and draft verification)"),
+    (UPDATE, "appending tokens, stop checks (update_from_output)"),
+    (PROCESS, "output processing (logprobs, finished requests)"),
+)
 
 
 def _overhead_section(title: str, description: str, breakdown: DecodeBreakdown | None, labels: list[str]) -> Section:
@@ -283,20 +294,20 @@ def _overhead_section(title: str, description: str, breakdown: DecodeBreakdown |
     over = f"the {b.num_steps} steps that decoded all {b.num_seqs} sequences and nothing else"
     section.add("step_ms", "step time", "ms", {ENGINE: b.step_seconds * 1e3}, f"mean engine.step() wall time over {over}.")
     section.add("model_ms", "model time", "ms", {ENGINE: b.model_seconds * 1e3},
-                "mean time in model.forward + model.compute_logits (the model's compute) in those steps.")
+                "mean forward + logits phase time of the engine's step timings (the model's compute) in those steps.")
     if LOGITS in b.parts:
         section.add("logits_ms", "  of which compute_logits (LM head)", "ms", {ENGINE: b.parts[LOGITS] * 1e3},
-                    "mean time in model.compute_logits (inside the model time).")
+                    "mean logits phase time: model.compute_logits (inside the model time).")
     if ATTENTION in b.parts:
         section.add("attention_ms", "  of which attention layers", "ms", {ENGINE: b.parts[ATTENTION] * 1e3},
-                    "mean time in the Attention layers' forward (inside the model time).")
+                    "mean time in the Attention layers' forward, timed by forward hooks (inside the model time).")
     section.add("overhead_ms", "engine overhead", "ms", {ENGINE: b.overhead_seconds * 1e3},
                 "step - model: everything but the model's compute (scheduling, building inputs and attention "
                 "metadata, sampling, appending tokens, stop checks).")
-    for label, text in ((SCHEDULE, "scheduler.schedule"), (PREPARE, "runner.prepare_arrays + to_device (inputs, metadata)")):
+    for label, text in _OVERHEAD_PHASES:
         if label in b.parts:
             section.add(f"{label}_ms", f"  of which {text}", "ms", {ENGINE: b.parts[label] * 1e3},
-                        f"mean time in {text.split(' ')[0]} (inside the overhead).", ".2f")
+                        f"mean {label} phase time of the engine's step timings (inside the overhead).", ".2f")
     section.add("overhead_share", "overhead share", "%", {ENGINE: b.overhead_share}, "(step - model) / step.")
     section.facts = {"num_steps": b.num_steps, "num_seqs": b.num_seqs, "timed_labels": labels}
     return section
@@ -338,12 +349,11 @@ def run_prefix(options: BenchOptions) -> Report:
                 "first submit -> last request finished, requests one after another.", ".2f")
     section.add("first_prefill_model_ms", "request 1 prefill: model time", "ms",
                 {ENGINE: sum(s.model_seconds for s in first_prefill) * 1e3},
-                f"time in model.forward + compute_logits in the {len(first_prefill)} step(s) up to request 1's "
-                "first token.")
+                f"forward + logits phase time in the {len(first_prefill)} step(s) up to request 1's first token.")
     if any(ATTENTION in s.timed for s in first_prefill):
         section.add("first_prefill_attention_ms", "  of which attention layers", "ms",
                     {ENGINE: sum(s.timed.get(ATTENTION, 0.0) for s in first_prefill) * 1e3},
-                    "time in the Attention layers' forward in the same step(s).")
+                    "time in the Attention layers' forward (forward hooks) in the same step(s).")
     session.spec_note(section, engine)
     session.repeat_note(section)
     session.report.sections.append(section)

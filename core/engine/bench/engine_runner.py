@@ -1,35 +1,45 @@
 """Runs bench request lists on the engine's ``LLMEngine`` step by step, stamping
-each request's first and last token and timing the model inside every step."""
+each request's first and last token and recording every step's phase timings
+(``StepResult.timings``) and the time inside its attention layers."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from engine.bench.metrics import RequestTiming, mean, overhead_share
 from engine.bench.roofline import weight_bytes
-from engine.bench.step_timer import CallTimer
+from engine.bench.step_timer import ModuleTimer
 from engine.bench.workloads import ALL_AT_ONCE, SEQUENTIAL, BenchRequest
 
-# labels of the timed calls
-FORWARD = "forward"  # model.forward
-LOGITS = "logits"  # model.compute_logits (the LM head)
+if TYPE_CHECKING:
+    from engine.engine.llm_engine import StepResult
+
+# timed labels: the phases of a step, each the StepTimings field of that name
+SCHEDULE = "schedule"  # the scheduler choosing the step's batch, engine overhead
+PREPARE = "prepare"  # the runner building input tensors and attention metadata, engine overhead
+FORWARD = "forward"  # the model's forward pass
+LOGITS = "logits"  # the model's LM head (compute_logits)
+SAMPLE = "sample"  # sampling and draft verification, engine overhead
+UPDATE = "update"  # the scheduler appending tokens and checking stops (update_from_output), engine overhead
+PROCESS = "process"  # the output processor (logprobs, finished requests), engine overhead
+PHASE_LABELS = (SCHEDULE, PREPARE, FORWARD, LOGITS, SAMPLE, UPDATE, PROCESS)
 MODEL_LABELS = (FORWARD, LOGITS)  # the model's compute
-ATTENTION = "attention"  # the attention layers, inside FORWARD
-SCHEDULE = "schedule"  # scheduler.schedule, engine overhead
-PREPARE = "prepare"  # runner.prepare_arrays + to_device (input tensors, metadata), engine overhead
+# measured by the bench itself (forward hooks), inside FORWARD
+ATTENTION = "attention"  # the engine.layers.attention.Attention modules' forward
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One ``engine.step()``: its wall time, the time of each timed label inside it,
-    the token count of each model forward, and how many requests sampled."""
+    """One ``engine.step()``: its wall time, the seconds of each timed label inside it,
+    the token count of its model forward, and how many requests sampled."""
 
     seconds: float
     timed: dict[str, float]
-    forward_tokens: list[int]
+    forward_tokens: int
     num_sampled: int
     all_decode: bool  # one forward, one token per sampling request, each past its first token
 
@@ -49,58 +59,34 @@ class EngineRun:
 
 
 class EngineRunner:
-    """An ``LLMEngine`` built from bench options, plus the timers around it."""
+    """An ``LLMEngine`` built from ``EngineConfig`` settings, plus the attention timer around it."""
 
     name = "engine"
 
-    def __init__(
-        self, model: str, *, plugins: str | None, dtype: str, max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None, quantization: str | None = None,
-        quantization_config: str | None = None, speculative_method: str | None = None,
-        num_speculative_tokens: int = 4, speculative_config: str | None = None,
-    ) -> None:
+    def __init__(self, model: str, **settings: Any) -> None:
+        """``settings`` are ``EngineConfig`` fields (``dtype``, ``plugins``, ``max_num_seqs``, ...);
+        those not given keep EngineConfig's defaults, and EngineConfig rejects unknown names."""
         from engine.config import EngineConfig
         from engine.engine.llm_engine import LLMEngine
 
-        limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
-        self.config = EngineConfig(
-            model=model, plugins=plugins, dtype=dtype, quantization=quantization,
-            quantization_config=quantization_config, speculative_method=speculative_method,
-            num_speculative_tokens=num_speculative_tokens, speculative_config=speculative_config,
-            **{k: v for k, v in limits.items() if v is not None},
-        )
+        self.config = EngineConfig(model=model, **settings)
         self.engine = LLMEngine(self.config, progress=False)
         self._spec_stats = self.engine.spec.stats if self.engine.spec is not None else None
-        self.model = self._model_called_by_runner()
-        self.timer = self._make_timer()
+        self.model = self.engine.runner.model
+        self.attention = self._make_attention_timer()
+        self._labels = [*PHASE_LABELS, *([ATTENTION] if self.attention is not None else [])]
         self._ids = itertools.count()
 
-    def _model_called_by_runner(self) -> Any:
-        runner = getattr(self.engine, "runner", None)
-        model = getattr(runner, "model", None) or getattr(self.engine, "model", None)
-        if model is None:
-            raise RuntimeError(
-                "engine bench times the model through LLMEngine.runner.model or LLMEngine.model; "
-                "this engine has neither. Update engine/bench/engine_runner.py to the new layout."
-            )
-        return model
-
-    def _make_timer(self) -> CallTimer:
+    def _make_attention_timer(self) -> ModuleTimer | None:
+        """A timer of the model's Attention layers, or None for a model without any."""
         from engine.layers.attention import Attention
 
-        timer = CallTimer(self.engine.platform.synchronize)
-        timer.add(self.model, "forward", FORWARD, count_tokens=True)
-        timer.add(self.model, "compute_logits", LOGITS)
-        # best effort: the breakdown rows disappear if these move
-        for module in self.model.modules():
-            if isinstance(module, Attention):
-                timer.add(module, "forward", ATTENTION)
-        if callable(getattr(self.engine.scheduler, "schedule", None)):
-            timer.add(self.engine.scheduler, "schedule", SCHEDULE)
-        for method in ("prepare_arrays", "to_device"):
-            if callable(getattr(self.engine.runner, method, None)):
-                timer.add(self.engine.runner, method, PREPARE)
-        return timer
+        layers = [module for module in self.model.modules() if isinstance(module, Attention)]
+        return ModuleTimer(layers, self.engine.platform.synchronize) if layers else None
+
+    def timed_labels(self) -> list[str]:
+        """The labels every ``StepRecord.timed`` of this runner holds (kept after :meth:`close`)."""
+        return list(self._labels)
 
     # facts
 
@@ -122,7 +108,7 @@ class EngineRunner:
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
             "kv_cache_blocks": self.engine.kv_cache.num_blocks,
             "block_size": self.config.block_size,
-            "timed_labels": self.timer.labels(),
+            "timed_labels": self.timed_labels(),
         }
 
     def spec_stats(self) -> Any:
@@ -145,16 +131,34 @@ class EngineRunner:
             raise ValueError(f"Unknown submission {submission!r}; use {ALL_AT_ONCE!r} or {SEQUENTIAL!r}.")
         timings: list[RequestTiming] = []
         steps: list[StepRecord] = []
-        with self.timer:
-            self.timer.take()
-            start = time.perf_counter()
-            if submission == ALL_AT_ONCE:
-                timings = self._drive(requests, steps)
-            else:
-                for request in requests:
-                    timings.extend(self._drive([request], steps))
-            wall = time.perf_counter() - start
+        runner = self.engine.runner
+        unsynchronized = runner.synchronize
+        runner.synchronize = self.engine.platform.synchronize  # each phase clock waits for the device
+        try:
+            with self.attention or contextlib.nullcontext():
+                start = time.perf_counter()
+                if submission == ALL_AT_ONCE:
+                    timings = self._drive(requests, steps)
+                else:
+                    for request in requests:
+                        timings.extend(self._drive([request], steps))
+                wall = time.perf_counter() - start
+        finally:
+            runner.synchronize = unsynchronized
         return EngineRun(timings, wall, steps)
+
+    def _record(self, seconds: float, result: StepResult) -> StepRecord:
+        """The StepRecord of one step from its ``StepResult``."""
+        timings = result.timings
+        timed = {label: getattr(timings, label) for label in PHASE_LABELS}
+        if self.attention is not None:
+            timed[ATTENTION] = self.attention.take()
+        all_decode = (
+            bool(result.updated)
+            and timings.forward_tokens == len(result.updated)
+            and all(r.num_output_tokens >= 2 for r in result.updated)
+        )
+        return StepRecord(seconds, timed, timings.forward_tokens, len(result.updated), all_decode)
 
     def _drive(self, requests: Sequence[BenchRequest], steps: list[StepRecord]) -> list[RequestTiming]:
         from engine.sampling_params import SamplingParams
@@ -173,14 +177,7 @@ class EngineRunner:
                 start = time.perf_counter()
                 result = self.engine.step()
                 end = time.perf_counter()
-                timed, tokens = self.timer.take()
-                forward_tokens = tokens.get(FORWARD, [])
-                all_decode = (
-                    len(forward_tokens) == 1
-                    and forward_tokens[0] == len(result.updated)
-                    and all(r.num_output_tokens >= 2 for r in result.updated)
-                )
-                steps.append(StepRecord(end - start, timed, forward_tokens, len(result.updated), all_decode))
+                steps.append(self._record(end - start, result))
                 for request in result.updated:
                     i = index.get(request.request_id)
                     if i is not None and first[i] is None:
@@ -209,7 +206,7 @@ class EngineRunner:
         """Drop the engine (and its KV cache) before peers run in the same process."""
         self.engine = None  # type: ignore[assignment]
         self.model = None
-        self.timer = None  # type: ignore[assignment]
+        self.attention = None  # it holds the model's attention layers
 
 
 @dataclass(frozen=True)
@@ -219,8 +216,8 @@ class DecodeBreakdown:
     num_seqs: int
     num_steps: int
     step_seconds: float
-    model_seconds: float  # model.forward + model.compute_logits
-    parts: dict[str, float]  # other timed labels (logits, attention inside the model; schedule, prepare outside)
+    model_seconds: float  # the forward and logits phases
+    parts: dict[str, float]  # other timed labels (logits, attention inside the model; schedule, prepare, ... outside)
 
     @property
     def overhead_seconds(self) -> float:

@@ -1,77 +1,56 @@
-"""Time spent inside chosen methods during an engine step, measured from outside.
+"""Time spent inside chosen modules during engine steps, measured with torch's public
+forward hooks (``register_forward_pre_hook`` / ``register_forward_hook``).
 
-Each method is shadowed by an instance attribute that times the original bound
-method (the class and the engine's code stay untouched); leaving the ``with``
-block removes the attributes again. ``nn.Module.__call__`` looks ``forward`` up
-on the instance, so a model's forward is timed however the runner calls it.
+The engine's own step timings (``StepResult.timings``) give every phase of a step;
+this covers what lies inside one of them, such as the attention layers inside the
+forward. The hooks exist only inside the ``with`` block; leaving it removes them.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-_MISSING = object()
+import torch
 
 
-class CallTimer:
-    """Accumulates seconds per label over the wrapped calls since the last :meth:`take`.
+class ModuleTimer:
+    """Accumulates the seconds spent in the forward of ``modules`` since the last :meth:`take`.
 
-    ``add(obj, "forward", "model", count_tokens=True)`` also records
-    ``len(first argument)`` of every call (the number of tokens of a forward).
-    ``synchronize`` is called around each timed call so that asynchronous devices
-    are timed correctly; on the CPU it is a no-op.
-    """
+    ``synchronize`` is called before each clock reading so that asynchronous devices are
+    timed correctly; on the CPU it is a no-op. A module's forward that raises is not
+    counted (torch calls no forward hook then)."""
 
-    def __init__(self, synchronize: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, modules: Sequence[torch.nn.Module], synchronize: Callable[[], None] = lambda: None) -> None:
+        if not modules:
+            raise ValueError("ModuleTimer needs at least one module to time.")
+        self.modules = list(modules)
         self._synchronize = synchronize
-        self._targets: list[tuple[Any, str, str, bool]] = []
-        self._saved: list[tuple[Any, str, Any]] = []
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.tokens: dict[str, list[int]] = defaultdict(list)
+        self._handles: list[Any] = []
+        self._starts: dict[int, float] = {}  # id(module) -> clock at its forward's start
+        self.seconds = 0.0
 
-    def add(self, obj: Any, attr: str, label: str, *, count_tokens: bool = False) -> None:
-        if not callable(getattr(obj, attr, None)):
-            raise AttributeError(f"{type(obj).__name__} has no method {attr!r} to time.")
-        self._targets.append((obj, attr, label, count_tokens))
+    def take(self) -> float:
+        """Seconds since the last call; resets them."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
-    def labels(self) -> list[str]:
-        return list(dict.fromkeys(label for _, _, label, _ in self._targets))
-
-    def take(self) -> tuple[dict[str, float], dict[str, list[int]]]:
-        """Seconds and token counts per label since the last call; resets both."""
-        seconds, tokens = dict(self.seconds), {k: list(v) for k, v in self.tokens.items()}
-        self.seconds.clear()
-        self.tokens.clear()
-        return seconds, tokens
-
-    def __enter__(self) -> CallTimer:
-        for obj, attr, label, count_tokens in self._targets:
-            self._saved.append((obj, attr, vars(obj).get(attr, _MISSING)))
-            setattr(obj, attr, self._timed(getattr(obj, attr), label, count_tokens))
+    def __enter__(self) -> ModuleTimer:
+        self.seconds = 0.0
+        for module in self.modules:
+            self._handles.append(module.register_forward_pre_hook(self._started))
+            self._handles.append(module.register_forward_hook(self._ended))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        while self._saved:
-            obj, attr, previous = self._saved.pop()
-            if previous is _MISSING:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, previous)
+        while self._handles:
+            self._handles.pop().remove()
+        self._starts.clear()
 
-    def _timed(self, method: Callable[..., Any], label: str, count_tokens: bool) -> Callable[..., Any]:
-        seconds, tokens, synchronize = self.seconds, self.tokens, self._synchronize
-        clock = time.perf_counter
+    def _started(self, module: torch.nn.Module, args: Any) -> None:
+        self._synchronize()
+        self._starts[id(module)] = time.perf_counter()
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            synchronize()
-            start = clock()
-            result = method(*args, **kwargs)
-            synchronize()
-            seconds[label] += clock() - start
-            if count_tokens and args:
-                tokens[label].append(len(args[0]))
-            return result
-
-        return timed
+    def _ended(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self._synchronize()
+        self.seconds += time.perf_counter() - self._starts.pop(id(module))

@@ -309,7 +309,8 @@ class LLMEngine:
                 self.kv_tier.offload_evicted()  # before this step's forward overwrites the evicted blocks
         except Exception as exc:  # raised by the step that waits for it, as without async scheduling
             return InFlightStep(ScheduledBatch(), StepHandle.failed(exc), 0.0)
-        return InFlightStep(batch, self.shard.execute(batch), time.perf_counter() - started)
+        scheduled = time.perf_counter()
+        return InFlightStep(batch, self.shard.execute(batch), scheduled - started)
 
     def _finish(self, step: InFlightStep) -> StepResult:
         try:

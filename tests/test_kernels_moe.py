@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 
 from engine.kernels.moe import fused_moe, sort_by_expert  # noqa: E402
 from engine.layers.moe import Experts, clamped_swiglu  # noqa: E402
-from engine.runtime.forward_context import ForwardContext  # noqa: E402
+from engine.interfaces.forward_context import ForwardContext  # noqa: E402
 
 
 def test_sorting_groups_pairs_by_expert_in_whole_tiles():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.ops import LayerOps
+from engine.interfaces.ops import LayerOps
 from engine.runtime.request import Request
 from engine.runtime.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p, pad_token_ids
 from engine.sampling_params import SamplingParams

@@ -15,7 +15,7 @@ from engine.interfaces.spec_proposer import Drafts, SpecProposer
 from engine.selection import SelectionError
 from engine.spec_decode.budget import SpecBudget, StepCostTable
 from engine.spec_decode.ngram import lookup
-from engine.spec_decode.verify import accept_greedy, accept_sampled
+from engine.runtime.verify import accept_greedy, accept_sampled
 from engine.testing.oracles import chi_squared_p_value, equal_mass_bins
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.interfaces.attention import TOKEN_STATE, AttentionSpec
-from engine.runtime.forward_context import ForwardContext
+from engine.interfaces.forward_context import ForwardContext
 from engine.runtime.token_state import TokenStateCache
 from engine.testing.kit.attention import make_common_metadata, shuffled_block_tables
 

@@ -8,14 +8,13 @@ from typing import Any
 from engine.errors import SelectionError
 from engine.interfaces.attention import AttentionBackend, AttentionSpec
 from engine.interfaces.platform import Platform
-from engine.plugins.registry import Registry
 
 logger = logging.getLogger("engine")
 
 __all__ = ["SelectionError", "resolve_dtype", "select_attention_backend", "select_platform"]
 
 
-def select_platform(platforms: Registry[Any], device: str | None) -> Platform:
+def select_platform(platforms: Any, device: str | None) -> Platform:
     """``device`` by name; else the single available non-CPU platform; else CPU."""
     if device is not None:
         cls = platforms.get(device)
@@ -65,7 +64,7 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, platform: Platfo
 
 
 def select_attention_backend(
-    backends: Registry[Any], platform: Platform, spec: AttentionSpec, *, dtype: str, block_size: int,
+    backends: Any, platform: Platform, spec: AttentionSpec, *, dtype: str, block_size: int,
     requested: str | None = None,
 ) -> type[AttentionBackend]:
     """The requested backend if it validates, else the platform's first usable preference."""

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine.interfaces.quantizer import LinearMethod
-    from engine.layers.ops import LayerOps
+    from engine.interfaces.ops import LayerOps
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class Platform(ABC):
 
     def layer_ops(self, dtype: str) -> LayerOps | None:
         """Fused elementwise layer operations (RMSNorm with residual add, RoPE,
-        SiLU-and-mul) for ``dtype``, subclassing :class:`engine.layers.ops.LayerOps`
+        SiLU-and-mul) for ``dtype``, subclassing :class:`engine.interfaces.ops.LayerOps`
         and matching it up to the dtype's rounding; None keeps the torch reference."""
         return None
 

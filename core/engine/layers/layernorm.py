@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.ops import REFERENCE_OPS, LayerOps
+from engine.interfaces.ops import REFERENCE_OPS, LayerOps
 
 
 class RMSNorm(nn.Module):

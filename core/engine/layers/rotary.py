@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.layers.ops import REFERENCE_OPS, LayerOps
+from engine.interfaces.ops import REFERENCE_OPS, LayerOps
 from engine.model_config import HFConfig
 
 

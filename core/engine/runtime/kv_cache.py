@@ -10,8 +10,8 @@ from typing import Callable
 import torch
 
 from engine.interfaces.attention import AttentionBackend, AttentionSpec, CommonAttentionMetadata
-from engine.layers.ops import REFERENCE_OPS, LayerOps
-from engine.runtime.forward_context import ForwardContext
+from engine.interfaces.ops import REFERENCE_OPS, LayerOps
+from engine.interfaces.forward_context import ForwardContext
 
 logger = logging.getLogger("engine")
 

@@ -15,7 +15,7 @@ from engine.runtime.kv_cache import KVCache
 from engine.runtime.logprobs import record_prompt_logprobs
 from engine.runtime.request import Request
 from engine.runtime.sampler import Sampler
-from engine.spec_decode.verify import verify
+from engine.runtime.verify import verify
 
 
 def select_rows(hidden: torch.Tensor, rows: slice | list[int]) -> torch.Tensor:

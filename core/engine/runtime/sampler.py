@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.layers.ops import REFERENCE_OPS, LayerOps
+from engine.interfaces.ops import REFERENCE_OPS, LayerOps
 from engine.runtime.logprobs import LogprobsTensors, gather_logprobs
 from engine.runtime.request import Request
 from engine.sampling_params import SamplingParams

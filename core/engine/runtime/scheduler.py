@@ -8,20 +8,33 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.runtime.batch import ModelOutput, ScheduledBatch
 from engine.runtime.kv_cache_manager import KVCacheManager
 from engine.runtime.request import Request, RequestStatus
 
-if TYPE_CHECKING:
-    from engine.spec_decode.decoder import SpecDecoder
-
-__all__ = ["ScheduledBatch", "Scheduler", "StopCheck"]
+__all__ = ["DraftPlanner", "ScheduledBatch", "Scheduler", "StopCheck"]
 
 # (request, the status its newest token gives it, or None) -> the status it finishes with, or None;
 # the output processor's text checks (stop strings) run through it, token by token
 StopCheck = Callable[[Request, "RequestStatus | None"], "RequestStatus | None"]
+
+
+class DraftPlanner(Protocol):
+    """What the scheduler asks of speculative decoding (``engine.spec_decode.decoder.SpecDecoder``)."""
+
+    def propose(self, batch: ScheduledBatch) -> list[tuple[int, list[int], object | None]]:
+        """(index in the batch, drafts, their probabilities or None) for decoding requests."""
+
+    def record(self, request: Request, num_drafts: int, accepted: int) -> int:
+        """After verification: how many drafts were kept."""
+
+    def record_step(self, num_tokens: int, seconds: float, decode_only: bool) -> None:
+        """The step's size and duration."""
+
+    def remove(self, request_ids: list[str]) -> None:
+        """Forget finished requests."""
 
 
 def _no_text_check(request: Request, status: RequestStatus | None) -> RequestStatus | None:
@@ -30,7 +43,7 @@ def _no_text_check(request: Request, status: RequestStatus | None) -> RequestSta
 
 class Scheduler:
     def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 max_model_len: int = 2**62, spec: SpecDecoder | None = None) -> None:
+                 max_model_len: int = 2**62, spec: DraftPlanner | None = None) -> None:
         self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

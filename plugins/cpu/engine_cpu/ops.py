@@ -1,4 +1,4 @@
-"""engine-cpu's fused layer ops: the native kernels behind engine.layers.ops.LayerOps."""
+"""engine-cpu's fused layer ops: the native kernels behind engine.interfaces.ops.LayerOps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from types import ModuleType
 
 import torch
 
-from engine.layers.ops import LayerOps
+from engine.interfaces.ops import LayerOps
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -1,11 +1,11 @@
-"""engine-cpu's fused layer ops against the torch reference in engine.layers.ops."""
+"""engine-cpu's fused layer ops against the torch reference in engine.interfaces.ops."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.layers.ops import REFERENCE_OPS
+from engine.interfaces.ops import REFERENCE_OPS
 from engine_cpu import native
 from engine_cpu.ops import NativeLayerOps
 

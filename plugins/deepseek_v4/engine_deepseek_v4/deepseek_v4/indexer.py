@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from engine.layers.linear import Linear
-from engine.runtime.forward_context import ForwardContext
+from engine.interfaces.forward_context import ForwardContext
 from engine_deepseek_v4.deepseek_v4.compressor import Compressor
 from engine_deepseek_v4.deepseek_v4.config import V4Dims
 from engine_deepseek_v4.deepseek_v4.rope import Rope, rotate

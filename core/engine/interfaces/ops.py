@@ -1,0 +1,57 @@
+"""Elementwise layer operations (and greedy sampling's argmax) a platform may replace with fused kernels.
+
+:class:`LayerOps` is the reference: plain torch, with the same roundings as HF
+transformers' modules (each torch op on a bf16 tensor rounds its result to bf16).
+A platform's ``layer_ops(dtype)`` may return a subclass whose methods fuse the
+work; they must produce the same values up to the dtype's rounding. Models get
+the resolved object through ``ForwardContext.ops``, chosen once at start-up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class LayerOps:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * normalise(x): x [..., H]; fp32 statistics, one rounding, then the scale."""
+        return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual' = x + residual; returns (rms_norm(residual'), residual'). May reuse the inputs' memory."""
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate-half RoPE on the first ``cos.shape[-1]`` dims of every head.
+
+        q: [T, H, D]; k: [T, Hkv, D]; cos, sin: [T, rotary_dim] in q's dtype. May work in place.
+        """
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, 2d] holding gate then up -> silu(gate) * up: [T, d]."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [N, V] in any float dtype -> [N] int64, the first index of each row's
+        maximum (a NaN counts as the maximum), as ``torch.argmax``. Greedy sampling."""
+        return logits.argmax(dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    out = rot * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+REFERENCE_OPS = LayerOps()

@@ -23,7 +23,7 @@ BENCH_DTYPES = ("float32", "bfloat16", "float16")
 # the EngineConfig fields engine bench takes for its fixed workloads (what EngineRunner accepts)
 BENCH_ENGINE_FIELDS = (
     "model", "plugins", "dtype", "quantization", "quantization_config", "speculative_method",
-    "num_speculative_tokens", "speculative_config", "max_num_seqs", "max_num_batched_tokens",
+    "num_speculative_tokens", "speculative_config", "max_num_seqs", "max_num_batched_tokens", "async_scheduling",
 )
 
 

@@ -84,8 +84,9 @@ class EngineConfig(BaseModel):
         "started by torchrun across machines (WORLD_SIZE must equal it)."
     )
     async_scheduling: bool = Field(
-        False, description="Run each step's forward on a thread of its own, so that the engine schedules the next "
-        "step while the device computes this one; outputs are the same either way."
+        False, description="Start the next step's forward on a thread of its own before a step's result is handed "
+        "back, so that what the caller does with it (streaming, detokenized text) overlaps the forward; outputs "
+        "are the same either way."
     )
 
     @field_validator("kv_tier_config", "quantization_config", "speculative_config", mode="before")

@@ -2,9 +2,15 @@
 
 Tensor parallelism runs on ``torch.distributed``: gloo on the CPU, the platform's backend
 (``Platform.dist_backend``: nccl, which is RCCL on ROCm, or xccl) elsewhere. Every rank
-holds its shard of each layer; layers read :func:`get_tp` when they are built and call
-its collectives in ``forward``. With one rank (the default) every collective is the
-identity and no process group exists.
+holds its shard of each layer; a model receives its rank's :class:`TensorParallel` as
+``ModelInit.tp``, hands it to its layers (``tp=``) when it builds them, and they call its
+collectives in ``forward``. With one rank (:data:`SINGLE`, the default) every collective
+is the identity and no process group exists.
+
+:func:`get_tp`, :func:`set_tp` and :func:`tensor_parallel` are deprecated: a process-wide
+group kept for one minor version for plugins written against engine 0.1, whose layers were
+built without ``tp=`` (a layer given ``tp=None`` still reads it). The engine no longer
+relies on it.
 """
 
 from __future__ import annotations
@@ -78,25 +84,39 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+# deprecated: the process-wide group of engine 0.1, read only by layers given no ``tp``
 _current: TensorParallel = SINGLE
 
 
 def get_tp() -> TensorParallel:
-    """The tensor-parallel group of this process (size 1 unless set)."""
+    """Deprecated (kept for plugins written against engine 0.1): the process-wide group set by
+    :func:`set_tp` or :func:`tensor_parallel`, size 1 unless set. The engine no longer relies
+    on it; a model reads ``ModelInit.tp`` and passes it to its layers as ``tp=``."""
     return _current
 
 
 def set_tp(tp: TensorParallel) -> None:
+    """Deprecated (kept for plugins written against engine 0.1): make ``tp`` what
+    :func:`get_tp` answers."""
     global _current
     _current = tp
 
 
 @contextmanager
 def tensor_parallel(tp: TensorParallel) -> Iterator[TensorParallel]:
-    """``get_tp()`` answers ``tp`` inside the block (tests building shards in one process)."""
+    """Deprecated (kept for plugins written against engine 0.1): :func:`get_tp` answers ``tp``
+    inside the block, so layers built there without ``tp=`` take their part. The engine no
+    longer relies on it: it passes the group to models as ``ModelInit.tp``."""
     previous = get_tp()
     set_tp(tp)
     try:
         yield tp
     finally:
         set_tp(previous)
+
+
+def resolve_tp(tp: TensorParallel | None) -> TensorParallel:
+    """What a layer given ``tp`` shards over: ``tp``, or for ``None`` (a layer built by code
+    written against engine 0.1, which passed no group) the deprecated :func:`get_tp`."""
+    return get_tp() if tp is None else tp

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar, Iterable
 
 import torch
 
+from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.interfaces.attention import AttentionSpec
 from engine.model_config import HFConfig
 
@@ -18,11 +19,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ModelInit:
     """What a model's constructor receives: the parsed ``config.json``, the
-    compute dtype and the device its parameters live on."""
+    compute dtype, the device its parameters live on and ``tp``, this rank's
+    tensor-parallel group (:data:`SINGLE`, one rank, unless the model declares
+    ``supports_tensor_parallel``). The model passes ``tp`` to every layer it
+    builds that shards (``tp=init.tp``) and counts this rank's heads by it."""
 
     config: HFConfig
     dtype: torch.dtype
     device: torch.device
+    tp: TensorParallel = SINGLE
 
 
 class Model(torch.nn.Module, ABC):

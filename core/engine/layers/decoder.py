@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
+from engine.distributed.parallel_state import TensorParallel
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -35,14 +36,16 @@ def require_silu(config, model: nn.Module) -> None:
 
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one layer; under tensor
-    parallelism each rank holds a part of the intermediate size (gate/up by rows, down by
-    columns) and the ranks sum their outputs."""
+    parallelism (``tp``) each rank holds a part of the intermediate size (gate/up by rows,
+    down by columns) and the ranks sum their outputs."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype, *,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, dtype,
-                                                 what="intermediate_size")
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype, what="intermediate_size")
+                                                 what="intermediate_size", tp=tp)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype, what="intermediate_size",
+                                           tp=tp)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.down_proj(ctx.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -73,11 +76,12 @@ class PreNormDecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """``embed_tokens``, ``layers`` and the final ``norm``."""
+    """``embed_tokens`` (split over the vocabulary under ``tp``), ``layers`` and the final ``norm``."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, eps: float, layers: list[nn.Module], dtype: torch.dtype) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, eps: float, layers: list[nn.Module], dtype: torch.dtype,
+                 *, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(vocab_size, hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(vocab_size, hidden_size, dtype, tp=tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, eps, dtype)
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import SINGLE as SINGLE_RANK
-from engine.distributed.parallel_state import TensorParallel, get_tp
+from engine.distributed.parallel_state import TensorParallel, resolve_tp
 from engine.interfaces.quantizer import LinearMethod, Quantizer
 
 
@@ -42,6 +42,10 @@ class MergedLinear(nn.Module):
     length)`` input columns, and ``reduce`` sums the output over the ranks. Each checkpoint
     tensor is cut to this rank's part before the method sees it, so quantizers' methods
     apply per shard as they are.
+
+    Every layer here takes the rank's group as ``tp`` (a model passes ``ModelInit.tp``);
+    ``tp=None`` falls back to the deprecated :func:`~engine.distributed.parallel_state.get_tp`
+    for code written against engine 0.1.
     """
 
     def __init__(
@@ -59,7 +63,7 @@ class MergedLinear(nn.Module):
         self.full_output_sizes = list(full_output_sizes or output_sizes)
         self.in_slice = in_slice
         self.full_input_size = full_input_size or input_size
-        self.tp = tp or get_tp()
+        self.tp = resolve_tp(tp)
         self.reduce = in_slice is not None and self.tp.is_parallel
         self.set_method(method or UnquantizedLinearMethod())
 
@@ -143,25 +147,25 @@ def Linear(input_size: int, output_size: int, bias: bool, dtype: torch.dtype) ->
 
 
 def ColumnParallelLinear(input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
-                         what: str = "output size") -> MergedLinear:
-    """Each output shard split evenly over the ranks (rank ``r`` holds rows ``r·n/size ..``);
-    the output stays split (each rank computes its heads or its part of the MLP)."""
-    tp = get_tp()
+                         what: str = "output size", *, tp: TensorParallel | None = None) -> MergedLinear:
+    """Each output shard split evenly over the ranks of ``tp`` (rank ``r`` holds rows
+    ``r·n/size ..``); the output stays split (each rank computes its heads or its part of the MLP)."""
+    tp = resolve_tp(tp)
     if not tp.is_parallel:
-        return MergedLinear(input_size, output_sizes, bias, dtype)
+        return MergedLinear(input_size, output_sizes, bias, dtype, tp=tp)
     slices = [tp.split(size, what) for size in output_sizes]
     return MergedLinear(input_size, [length for _, length in slices], bias, dtype, out_slices=slices,
                         full_output_sizes=output_sizes, tp=tp)
 
 
 def QKVParallelLinear(input_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                      dtype: torch.dtype) -> MergedLinear:
+                      dtype: torch.dtype, *, tp: TensorParallel | None = None) -> MergedLinear:
     """Fused q, k, v projections of this rank's query heads and KV heads (KV heads replicated
     when there are fewer than ranks, see :meth:`TensorParallel.kv_heads`)."""
-    tp = get_tp()
+    tp = resolve_tp(tp)
     full = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     if not tp.is_parallel:
-        return MergedLinear(input_size, full, bias, dtype)
+        return MergedLinear(input_size, full, bias, dtype, tp=tp)
     q_start, q_count = tp.split(num_heads, "num_attention_heads")
     kv_start, kv_count = tp.kv_heads(num_kv_heads)
     kv = (kv_start * head_dim, kv_count * head_dim)
@@ -171,23 +175,24 @@ def QKVParallelLinear(input_size: int, num_heads: int, num_kv_heads: int, head_d
 
 
 def RowParallelLinear(input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
-                      what: str = "input size") -> MergedLinear:
-    """The input split evenly over the ranks (each holds the columns of its heads or its part
-    of the MLP), the partial outputs summed over them."""
-    tp = get_tp()
+                      what: str = "input size", *, tp: TensorParallel | None = None) -> MergedLinear:
+    """The input split evenly over the ranks of ``tp`` (each holds the columns of its heads or
+    its part of the MLP), the partial outputs summed over them."""
+    tp = resolve_tp(tp)
     if not tp.is_parallel:
-        return MergedLinear(input_size, [output_size], bias, dtype)
+        return MergedLinear(input_size, [output_size], bias, dtype, tp=tp)
     start, length = tp.split(input_size, what)
     return MergedLinear(length, [output_size], bias, dtype, in_slice=(start, length), full_input_size=input_size,
                         tp=tp)
 
 
-def ParallelLMHead(hidden_size: int, vocab_size: int, dtype: torch.dtype) -> MergedLinear:
+def ParallelLMHead(hidden_size: int, vocab_size: int, dtype: torch.dtype, *,
+                   tp: TensorParallel | None = None) -> MergedLinear:
     """The LM head split over the vocabulary as :class:`VocabEmbedding` splits it (so a tied
     head shares the embedding's part); :func:`gather_logits` puts the logits together."""
-    tp = get_tp()
+    tp = resolve_tp(tp)
     if not tp.is_parallel:
-        return MergedLinear(hidden_size, [vocab_size], False, dtype)
+        return MergedLinear(hidden_size, [vocab_size], False, dtype, tp=tp)
     start, length, padded = tp.padded_split(vocab_size)
     return MergedLinear(hidden_size, [padded], False, dtype, out_slices=[(start, length)],
                         full_output_sizes=[vocab_size], tp=tp)
@@ -298,9 +303,10 @@ class VocabEmbedding(nn.Module):
     Under tensor parallelism each rank holds ``ceil(vocab / size)`` rows (the last rank's
     zero-padded), embeds the tokens in its range and the ranks sum the results."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, *,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.tp = get_tp()
+        self.tp = resolve_tp(tp)
         self.vocab_size = vocab_size
         self.start, self.length, rows = self.tp.padded_split(vocab_size) if self.tp.is_parallel else (0, vocab_size,
                                                                                                       vocab_size)

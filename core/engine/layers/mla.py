@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.distributed.parallel_state import TensorParallel, resolve_tp
 from engine.interfaces.attention import AttentionSpec
 from engine.layers.attention import Attention
 from engine.layers.layernorm import RMSNorm
-from engine.distributed.parallel_state import get_tp
 from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, shard_parameter
 
 if TYPE_CHECKING:
@@ -71,28 +71,32 @@ class MLAttention(nn.Module):
     forward leaves the rope dims unrotated (Kimi's MLA has no positional encoding)."""
 
     def __init__(self, dims: MLADims, spec: AttentionSpec, layer_index: int, interleaved_rope: bool,
-                 dtype: torch.dtype, indexer: nn.Module | None = None, output_gate: bool = False) -> None:
+                 dtype: torch.dtype, indexer: nn.Module | None = None, output_gate: bool = False, *,
+                 tp: TensorParallel | None = None) -> None:
         """``output_gate`` (Kimi-K3's gated MLA): the heads' output times ``σ(g_proj(x))`` before
-        ``o_proj``."""
+        ``o_proj``. ``tp``: the ranks that split the heads."""
         super().__init__()
         d = dims
         bias = dims.attention_bias
         # under tensor parallelism each rank has its heads: q/g by rows, kv_b_proj's heads, o_proj by
         # columns; the latent (q_a, kv_a) is computed whole on every rank, as it is cached whole
-        first_head, num_heads = get_tp().split(d.num_heads, "num_attention_heads")
+        tp = resolve_tp(tp)
+        first_head, num_heads = tp.split(d.num_heads, "num_attention_heads")
         what = "num_attention_heads × head dim"
         if d.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(d.hidden_size, [d.num_heads * d.qk_head_dim], False, dtype, what)
+            self.q_proj = ColumnParallelLinear(d.hidden_size, [d.num_heads * d.qk_head_dim], False, dtype, what,
+                                               tp=tp)
         else:
             self.q_a_proj = Linear(d.hidden_size, d.q_lora_rank, bias, dtype)
             self.q_a_layernorm = RMSNorm(d.q_lora_rank, d.rms_norm_eps, dtype)
-            self.q_b_proj = ColumnParallelLinear(d.q_lora_rank, [d.num_heads * d.qk_head_dim], False, dtype, what)
+            self.q_b_proj = ColumnParallelLinear(d.q_lora_rank, [d.num_heads * d.qk_head_dim], False, dtype, what,
+                                                 tp=tp)
         self.kv_a_proj_with_mqa = Linear(d.hidden_size, d.kv_lora_rank + d.qk_rope_head_dim, bias, dtype)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, d.rms_norm_eps, dtype)
         self.dims = replace(dims, num_heads=num_heads)  # this rank's heads
         self.kv_b_proj = LatentUpProjection(self.dims, dtype, first_head, d.num_heads)
-        self.o_proj = RowParallelLinear(d.num_heads * d.v_head_dim, d.hidden_size, bias, dtype, what)
-        self.g_proj = (ColumnParallelLinear(d.hidden_size, [d.num_heads * d.v_head_dim], False, dtype, what)
+        self.o_proj = RowParallelLinear(d.num_heads * d.v_head_dim, d.hidden_size, bias, dtype, what, tp=tp)
+        self.g_proj = (ColumnParallelLinear(d.hidden_size, [d.num_heads * d.v_head_dim], False, dtype, what, tp=tp)
                        if output_gate else None)
         self.interleaved_rope = interleaved_rope
         self.attn = Attention(layer_index, spec)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed.parallel_state import get_tp
+from engine.distributed.parallel_state import TensorParallel, resolve_tp
 from engine.layers.decoder import GATE_UP_PARAMS, GatedMLP, load_tensor
 from engine.layers.linear import linear_layers
 
@@ -93,10 +93,12 @@ class Experts(nn.Module):
 
     def __init__(self, num_experts: int, intermediate_size: int, hidden_size: int, dtype: torch.dtype,
                  swiglu_limit: float | None = None,
-                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """``activation``: gate_up [n, 2I] -> [n, I] in place of SiLU-and-multiply (Kimi-K3's SiTU-GLU)."""
+                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
+                 tp: TensorParallel | None = None) -> None:
+        """``activation``: gate_up [n, 2I] -> [n, I] in place of SiLU-and-multiply (Kimi-K3's SiTU-GLU);
+        ``tp``: the ranks that split each expert."""
         super().__init__()
-        self.tp = get_tp()
+        self.tp = resolve_tp(tp)
         self.start, i = self.tp.split(intermediate_size, "moe_intermediate_size")  # this rank's part
         self.full_intermediate_size = intermediate_size
         e, h = num_experts, hidden_size
@@ -176,14 +178,15 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
 
 class MoE(nn.Module):
     """Routed experts (``gate``, ``experts``) plus shared experts (``num_shared_experts`` of
-    ``moe_intermediate_size`` fused into one gated MLP), as DeepSeek-V3 and Kimi name them."""
+    ``moe_intermediate_size`` fused into one gated MLP), as DeepSeek-V3 and Kimi name them;
+    both split over the ranks of ``tp``."""
 
-    def __init__(self, dims: MoEDims, dtype: torch.dtype) -> None:
+    def __init__(self, dims: MoEDims, dtype: torch.dtype, *, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.gate = Router(dims)
-        self.experts = Experts(dims.num_experts, dims.moe_intermediate_size, dims.hidden_size, dtype)
+        self.experts = Experts(dims.num_experts, dims.moe_intermediate_size, dims.hidden_size, dtype, tp=tp)
         self.shared_experts = (
-            GatedMLP(dims.hidden_size, dims.moe_intermediate_size * dims.num_shared_experts, False, dtype)
+            GatedMLP(dims.hidden_size, dims.moe_intermediate_size * dims.num_shared_experts, False, dtype, tp=tp)
             if dims.num_shared_experts else None
         )
 

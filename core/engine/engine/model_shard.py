@@ -91,7 +91,8 @@ def build_shard(
     config, platform = setup.config, setup.platform
     device = platform.device(local_device_index(platform, tp))
     with tensor_parallel(tp):
-        model = construct_model(setup.model_cls, setup.hf_config, setup.dtype_name, device, quantizer=setup.quantizer)
+        model = construct_model(setup.model_cls, setup.hf_config, setup.dtype_name, device, quantizer=setup.quantizer,
+                                tp=tp)
         if before_weights is not None:
             before_weights(model)
         load_model(model, setup.model_path, platform, setup.dtype_name, progress=progress and tp.rank == 0,

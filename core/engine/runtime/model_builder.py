@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.interfaces.attention import TOKEN_STATE
 from engine.interfaces.model import Model, ModelInit
 from engine.interfaces.platform import Platform
@@ -28,10 +29,11 @@ logger = logging.getLogger("engine")
 
 def construct_model(
     model_cls: type[Model], hf_config: HFConfig, dtype_name: str, device: torch.device, *,
-    quantizer: Quantizer | None = None,
+    quantizer: Quantizer | None = None, tp: TensorParallel = SINGLE,
 ) -> Model:
-    """The model, its linear layers given the quantizer's methods, no weight read yet."""
-    model = model_cls(ModelInit(config=hf_config, dtype=getattr(torch, dtype_name), device=device))
+    """The model (rank ``tp.rank``'s part of it), its linear layers given the quantizer's
+    methods, no weight read yet."""
+    model = model_cls(ModelInit(config=hf_config, dtype=getattr(torch, dtype_name), device=device, tp=tp))
     model.eval()
     if quantizer is not None:
         quantized, declined = quantize_model(model, quantizer)

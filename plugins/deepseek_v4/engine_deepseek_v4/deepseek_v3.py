@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import TensorParallel
 from engine.interfaces.attention import INDEXER, MLA, SPARSE_MLA, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.decoder import DecoderStack, GatedMLP, PreNormDecoderLayer, require_silu
-from engine.distributed import get_tp
 from engine.layers.linear import Linear, ParallelLMHead, gather_logits
 from engine.layers.mla import MLADims, MLAttention
 from engine.layers.moe import MoE, MoEDims, load_named_tensors
@@ -155,11 +155,11 @@ def indexer_spec(dims: Dims) -> AttentionSpec:
                          scale=dims.index_head_dim**-0.5, index_topk=dims.index_topk)
 
 
-def attention_spec(dims: Dims, rope: dict) -> AttentionSpec:
-    """The KV-cache spec of the MLA layers (sparse MLA when the dims have an indexer)."""
+def attention_spec(dims: Dims, rope: dict, *, tp: TensorParallel) -> AttentionSpec:
+    """The KV-cache spec of the MLA layers (sparse MLA when the dims have an indexer) on a rank of ``tp``."""
     return AttentionSpec(  # this rank's heads; every rank caches the whole latent
         kind=MLA if dims.index_topk is None else SPARSE_MLA,
-        num_heads=get_tp().split(dims.num_heads, "num_attention_heads")[1], num_kv_heads=1,
+        num_heads=tp.split(dims.num_heads, "num_attention_heads")[1], num_kv_heads=1,
         head_size=dims.kv_lora_rank + dims.qk_rope_head_dim, scale=softmax_scale(dims, rope),
         latent_size=dims.kv_lora_rank,
     )
@@ -171,23 +171,24 @@ class DeepseekV3ForCausalLM(Model):
 
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
-        config, dtype = init.config, init.dtype
+        config, dtype, tp = init.config, init.dtype, init.tp
         require_silu(config, self)
         d = Dims.from_config(config)
         self.dims = d = d.with_indexer(config) if self.sparse_attention else d
         rope = rope_parameters(config)
-        self.spec = attention_spec(d, rope)
+        self.spec = attention_spec(d, rope, tp=tp)
         self.num_mtp_layers = int(config.get("num_nextn_predict_layers", 0) or 0)
         interleaved = bool(config.get("rope_interleave", True))
         n = d.num_layers
         with torch.device(init.device):
             # the indexers' keys are KV-cache layers n .. 2n - 1
-            layers = [decoder_layer(d, self.spec, i, i, interleaved, dtype, n + i if self.sparse_attention else None)
+            layers = [decoder_layer(d, self.spec, i, i, interleaved, dtype, n + i if self.sparse_attention else None,
+                                    tp=tp)
                       for i in range(n)]
-            self.model = DecoderStack(d.vocab_size, d.hidden_size, d.rms_norm_eps, layers, dtype)
+            self.model = DecoderStack(d.vocab_size, d.hidden_size, d.rms_norm_eps, layers, dtype, tp=tp)
             self.rotary = RotaryEmbedding(d.qk_rope_head_dim, int(config.get("max_position_embeddings", 4096)), rope)
             self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-            self.lm_head = ParallelLMHead(d.hidden_size, d.vocab_size, dtype)
+            self.lm_head = ParallelLMHead(d.hidden_size, d.vocab_size, dtype, tp=tp)
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -231,12 +232,12 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
 
 
 def decoder_layer(dims: Dims, spec: AttentionSpec, layer_index: int, attention_index: int, interleaved_rope: bool,
-                  dtype: torch.dtype, index_layer: int | None = None) -> PreNormDecoderLayer:
+                  dtype: torch.dtype, index_layer: int | None = None, *, tp: TensorParallel) -> PreNormDecoderLayer:
     """Decoder layer ``layer_index`` of the network (a dense MLP or routed experts, see
     :meth:`Dims.is_moe`), its attention at ``attention_index`` of the KV-cache specs and, for
-    sparse MLA, its indexer's keys at ``index_layer``."""
-    mlp = MoE(dims, dtype) if dims.is_moe(layer_index) else GatedMLP(dims.hidden_size, dims.intermediate_size, False,
-                                                                     dtype)
+    sparse MLA, its indexer's keys at ``index_layer``; this rank's part of it under ``tp``."""
+    mlp = (MoE(dims, dtype, tp=tp) if dims.is_moe(layer_index)
+           else GatedMLP(dims.hidden_size, dims.intermediate_size, False, dtype, tp=tp))
     indexer = Indexer(dims, index_layer, dtype) if spec.kind == SPARSE_MLA else None
-    return PreNormDecoderLayer(MLAttention(dims, spec, attention_index, interleaved_rope, dtype, indexer), mlp,
+    return PreNormDecoderLayer(MLAttention(dims, spec, attention_index, interleaved_rope, dtype, indexer, tp=tp), mlp,
                                dims.hidden_size, dims.rms_norm_eps, dtype)

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from engine.distributed import SINGLE
 from engine.interfaces.model import Model
 from engine.interfaces.spec_proposer import (
     FINAL_HIDDEN_STATES,
@@ -62,7 +63,8 @@ class SharedHead(nn.Module):
 
 
 class MtpLayer(Model):
-    """One multi-token-prediction layer, named as in the checkpoint below its prefix."""
+    """One multi-token-prediction layer, named as in the checkpoint below its prefix; whole, as
+    the proposer runs on one rank (the engine refuses speculation with more than one)."""
 
     def __init__(self, config: HFConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -71,12 +73,12 @@ class MtpLayer(Model):
         self.sparse_attention = SPARSE_ARCHITECTURE in (config.get("architectures") or ())
         self.dims = d = d.with_indexer(config) if self.sparse_attention else d
         rope = rope_parameters(config)
-        self.spec = attention_spec(d, rope)
+        self.spec = attention_spec(d, rope, tp=SINGLE)
         # the MTP layer follows the main ones (dense or experts by the same rule); its attention is
         # the only one of its own cache
         self.layer = decoder_layer(d, self.spec, d.num_layers, 0, bool(config.get("rope_interleave", True)), dtype,
-                                   1 if self.sparse_attention else None)
-        self.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype)
+                                   1 if self.sparse_attention else None, tp=SINGLE)
+        self.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype, tp=SINGLE)
         self.enorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype)
         self.eh_proj = Linear(2 * d.hidden_size, d.hidden_size, False, dtype)

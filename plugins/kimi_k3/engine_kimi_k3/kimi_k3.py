@@ -41,6 +41,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from engine.distributed import TensorParallel
 from engine.interfaces.attention import LINEAR, MLA, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.layernorm import RMSNorm
@@ -96,9 +97,10 @@ def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Te
 
 
 class SituMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dims: K3Dims, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, dims: K3Dims, dtype: torch.dtype, *,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, False, dtype)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, False, dtype, tp=tp)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
         self.betas = (dims.situ_beta, dims.situ_linear_beta)
 
@@ -107,19 +109,20 @@ class SituMLP(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    def __init__(self, dims: K3Dims, dtype: torch.dtype) -> None:
+    def __init__(self, dims: K3Dims, dtype: torch.dtype, *, tp: TensorParallel) -> None:
         super().__init__()
         latent = dims.latent_size or dims.hidden_size
         self.gate = Router(dims)
         self.experts = Experts(dims.num_experts, dims.moe_intermediate_size, latent, dtype,
-                               activation=lambda gate_up: situ_glu(gate_up, dims.situ_beta, dims.situ_linear_beta))
+                               activation=lambda gate_up: situ_glu(gate_up, dims.situ_beta, dims.situ_linear_beta),
+                               tp=tp)
         self.latent = dims.latent_size is not None
         if self.latent:
             self.routed_expert_down_proj = Linear(dims.hidden_size, latent, False, dtype)
             self.routed_expert_norm = RMSNorm(latent, dims.norm_eps, dtype) if dims.latent_norm else None
             self.routed_expert_up_proj = Linear(latent, dims.hidden_size, False, dtype)
         self.shared_experts = (SituMLP(dims.hidden_size, dims.moe_intermediate_size * dims.num_shared_experts, dims,
-                                       dtype) if dims.num_shared_experts else None)
+                                       dtype, tp=tp) if dims.num_shared_experts else None)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         expert_ids, weights = self.gate(x)
@@ -137,8 +140,8 @@ class LatentMoE(nn.Module):
 class K3DeltaAttention(KimiDeltaAttention):
     """KDA with K3's lower-bounded forget gate and, when ``full_rank_gate``, ``g_proj``."""
 
-    def __init__(self, dims: K3Dims, layer_index: int, dtype: torch.dtype) -> None:
-        super().__init__(dims, layer_index, dtype)
+    def __init__(self, dims: K3Dims, layer_index: int, dtype: torch.dtype, *, tp: TensorParallel) -> None:
+        super().__init__(dims, layer_index, dtype, tp=tp)
         self.A_log = nn.Parameter(torch.empty(dims.linear_num_heads, dtype=torch.float32), requires_grad=False)
         self.lower_bound = dims.gate_lower_bound
         if dims.full_rank_gate:
@@ -174,14 +177,16 @@ class ResidualMix(nn.Module):
 
 
 class K3DecoderLayer(nn.Module):
-    def __init__(self, dims: K3Dims, index: int, specs: dict[str, AttentionSpec], dtype: torch.dtype) -> None:
+    def __init__(self, dims: K3Dims, index: int, specs: dict[str, AttentionSpec], dtype: torch.dtype, *,
+                 tp: TensorParallel) -> None:
         super().__init__()
         if dims.layer_types[index] == "full_attention":
-            self.self_attn = MLAttention(dims, specs["mla"], index, False, dtype, output_gate=dims.mla_output_gate)
+            self.self_attn = MLAttention(dims, specs["mla"], index, False, dtype, output_gate=dims.mla_output_gate,
+                                         tp=tp)
         else:
-            self.self_attn = K3DeltaAttention(dims, index, dtype)
-        self.mlp = (SituMLP(dims.hidden_size, dims.intermediate_size, dims, dtype)
-                    if dims.mlp_layer_types[index] == "dense" else LatentMoE(dims, dtype))
+            self.self_attn = K3DeltaAttention(dims, index, dtype, tp=tp)
+        self.mlp = (SituMLP(dims.hidden_size, dims.intermediate_size, dims, dtype, tp=tp)
+                    if dims.mlp_layer_types[index] == "dense" else LatentMoE(dims, dtype, tp=tp))
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, dtype)
         if dims.attn_res_block_size is not None:
@@ -192,7 +197,7 @@ class K3DecoderLayer(nn.Module):
 class KimiK3ForConditionalGeneration(Model):
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
-        dtype = init.dtype
+        dtype, tp = init.dtype, init.tp
         d = self.dims = K3Dims.from_config(init.config)
         self.specs = {
             "mla": AttentionSpec(MLA, d.num_heads, 1, d.kv_lora_rank + d.qk_rope_head_dim, d.qk_head_dim**-0.5,
@@ -202,8 +207,9 @@ class KimiK3ForConditionalGeneration(Model):
         }
         with torch.device(init.device):
             self.model = nn.Module()
-            self.model.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype)
-            self.model.layers = nn.ModuleList(K3DecoderLayer(d, i, self.specs, dtype) for i in range(d.num_layers))
+            self.model.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype, tp=tp)
+            self.model.layers = nn.ModuleList(K3DecoderLayer(d, i, self.specs, dtype, tp=tp)
+                                              for i in range(d.num_layers))
             self.model.norm = RMSNorm(d.hidden_size, d.norm_eps, dtype)
             if d.attn_res_block_size is not None:
                 self.model.output_attn_res = ResidualMix(d.hidden_size, d.norm_eps)

@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import TensorParallel
 from engine.interfaces.attention import LINEAR, MLA, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.decoder import GATE_UP_PARAMS, DecoderStack, GatedMLP, PreNormDecoderLayer, require_silu
-from engine.distributed import get_tp
 from engine.layers.linear import (
     ColumnParallelLinear,
     Linear,
@@ -148,30 +148,30 @@ class GatedHeadNorm(nn.Module):
 class KimiDeltaAttention(nn.Module):
     """Under tensor parallelism each rank runs its KDA heads: the per-head and per-channel
     projections, convolutions, decays and state are split by head, the low-rank gates' first
-    factors (``f_a``, ``g_a``) are whole on every rank, and ``o_proj`` sums over the ranks."""
+    factors (``f_a``, ``g_a``) are whole on every rank, and ``o_proj`` sums over the ranks of ``tp``."""
 
-    def __init__(self, dims: KimiDims, layer_index: int, dtype: torch.dtype) -> None:
+    def __init__(self, dims: KimiDims, layer_index: int, dtype: torch.dtype, *, tp: TensorParallel) -> None:
         super().__init__()
         all_heads, head_dim = dims.linear_num_heads, dims.linear_head_dim
-        first, heads = get_tp().split(all_heads, "linear_num_heads")  # this rank's heads
+        first, heads = tp.split(all_heads, "linear_num_heads")  # this rank's heads
         full_width, width, first_channel = all_heads * head_dim, heads * head_dim, first * head_dim
         what = "linear_num_heads × head_dim"
-        self.qkv_proj = ColumnParallelLinear(dims.hidden_size, [full_width] * 3, False, dtype, what)
+        self.qkv_proj = ColumnParallelLinear(dims.hidden_size, [full_width] * 3, False, dtype, what, tp=tp)
         self.q_conv1d = ShortConv(width, dims.conv_kernel, dtype, first_channel, full_width)
         self.k_conv1d = ShortConv(width, dims.conv_kernel, dtype, first_channel, full_width)
         self.v_conv1d = ShortConv(width, dims.conv_kernel, dtype, first_channel, full_width)
         # the forget gate: g = -exp(A_log_h) · softplus(f_b(f_a(x)) + dt_bias), per channel
         self.f_a_proj = Linear(dims.hidden_size, head_dim, False, dtype)
-        self.f_b_proj = ColumnParallelLinear(head_dim, [full_width], False, dtype, what)
+        self.f_b_proj = ColumnParallelLinear(head_dim, [full_width], False, dtype, what, tp=tp)
         self.dt_bias = shard_parameter(nn.Parameter(torch.empty(width, dtype=torch.float32), requires_grad=False),
                                        0, first_channel, full_width)
         self.A_log = shard_parameter(nn.Parameter(torch.empty(1, 1, heads, 1, dtype=torch.float32),
                                                   requires_grad=False), 2, first, all_heads)
-        self.b_proj = ColumnParallelLinear(dims.hidden_size, [all_heads], False, dtype, "linear_num_heads")
+        self.b_proj = ColumnParallelLinear(dims.hidden_size, [all_heads], False, dtype, "linear_num_heads", tp=tp)
         self.g_a_proj = Linear(dims.hidden_size, head_dim, False, dtype)
-        self.g_b_proj = ColumnParallelLinear(head_dim, [full_width], False, dtype, what)
+        self.g_b_proj = ColumnParallelLinear(head_dim, [full_width], False, dtype, what, tp=tp)
         self.o_norm = GatedHeadNorm(head_dim, dims.norm_eps)
-        self.o_proj = RowParallelLinear(full_width, dims.hidden_size, False, dtype, what)
+        self.o_proj = RowParallelLinear(full_width, dims.hidden_size, False, dtype, what, tp=tp)
         self.layer_index, self.heads, self.head_dim = layer_index, heads, head_dim
 
     def forget_gate(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,10 +197,10 @@ class KimiLinearForCausalLM(Model):
 
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
-        config, dtype = init.config, init.dtype
+        config, dtype, tp = init.config, init.dtype, init.tp
         require_silu(config, self)
         d = self.dims = KimiDims.from_config(config)
-        tp = get_tp()  # the specs count this rank's heads
+        # the specs count this rank's heads
         mla_heads, kda_heads = tp.split(d.num_heads, "num_attention_heads")[1], tp.split(d.linear_num_heads,
                                                                                           "linear_num_heads")[1]
         self.mla_spec = AttentionSpec(MLA, mla_heads, 1, d.kv_lora_rank + d.qk_rope_head_dim, d.qk_head_dim**-0.5,
@@ -211,13 +211,13 @@ class KimiLinearForCausalLM(Model):
         layers = []
         with torch.device(init.device):
             for i, layer_type in enumerate(d.layer_types):
-                attention = (MLAttention(d, self.mla_spec, i, False, dtype) if layer_type == "full_attention"
-                             else KimiDeltaAttention(d, i, dtype))
-                mlp = (GatedMLP(d.hidden_size, d.intermediate_size, False, dtype) if d.mlp_layer_types[i] == "dense"
-                       else MoE(d, dtype))
+                attention = (MLAttention(d, self.mla_spec, i, False, dtype, tp=tp) if layer_type == "full_attention"
+                             else KimiDeltaAttention(d, i, dtype, tp=tp))
+                mlp = (GatedMLP(d.hidden_size, d.intermediate_size, False, dtype, tp=tp)
+                       if d.mlp_layer_types[i] == "dense" else MoE(d, dtype, tp=tp))
                 layers.append(PreNormDecoderLayer(attention, mlp, d.hidden_size, d.norm_eps, dtype))
-            self.model = DecoderStack(d.vocab_size, d.hidden_size, d.norm_eps, layers, dtype)
-            self.lm_head = ParallelLMHead(d.hidden_size, d.vocab_size, dtype)
+            self.model = DecoderStack(d.vocab_size, d.hidden_size, d.norm_eps, layers, dtype, tp=tp)
+            self.lm_head = ParallelLMHead(d.hidden_size, d.vocab_size, dtype, tp=tp)
 
     def kv_cache_specs(self) -> list[AttentionSpec]:
         return [self.mla_spec if t == "full_attention" else self.kda_spec for t in self.dims.layer_types]

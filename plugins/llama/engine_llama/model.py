@@ -8,6 +8,7 @@ from typing import ClassVar, Iterable
 import torch
 from torch import nn
 
+from engine.distributed import TensorParallel
 from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.attention import Attention
@@ -20,7 +21,6 @@ from engine.layers.decoder import (
     load_tensor,
     require_silu,
 )
-from engine.distributed import get_tp
 from engine.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, gather_logits, linear_layers
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
@@ -68,14 +68,14 @@ class Dims:
 
 class LlamaAttentionBlock(nn.Module):
     def __init__(self, dims: Dims, spec: AttentionSpec, layer_index: int, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool, dtype: torch.dtype) -> None:
+                 qk_norm: bool, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
         # this rank's heads (all of them without tensor parallelism)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, dims.head_dim
         self.qkv_proj = QKVParallelLinear(dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim,
-                                          qkv_bias, dtype)
+                                          qkv_bias, dtype, tp=tp)
         self.o_proj = RowParallelLinear(dims.num_heads * dims.head_dim, dims.hidden_size, o_bias, dtype,
-                                        what="num_attention_heads × head_dim")
+                                        what="num_attention_heads × head_dim", tp=tp)
         if qk_norm:
             self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype)
@@ -102,34 +102,35 @@ class LlamaForCausalLM(Model):
 
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
-        config, dtype = init.config, init.dtype
+        config, dtype, tp = init.config, init.dtype, init.tp
         require_silu(config, self)
         self.dims = dims = Dims.from_config(config)
         variant = self.variant
         attention_bias = bool(config.get("attention_bias", False))
         qkv_bias = attention_bias if variant.qkv_bias is None else variant.qkv_bias
         o_bias = attention_bias if variant.o_bias is None else variant.o_bias
-        self.specs = self._attention_specs(config, dims)
+        self.specs = self._attention_specs(config, dims, tp)
         with torch.device(init.device):
             layers = [
                 PreNormDecoderLayer(
-                    LlamaAttentionBlock(dims, self.specs[i], i, qkv_bias, o_bias, variant.qk_norm, dtype),
-                    GatedMLP(dims.hidden_size, dims.intermediate_size, bool(config.get("mlp_bias", False)), dtype),
+                    LlamaAttentionBlock(dims, self.specs[i], i, qkv_bias, o_bias, variant.qk_norm, dtype, tp),
+                    GatedMLP(dims.hidden_size, dims.intermediate_size, bool(config.get("mlp_bias", False)), dtype,
+                             tp=tp),
                     dims.hidden_size, dims.rms_norm_eps, dtype,
                 )
                 for i in range(dims.num_layers)
             ]
-            self.model = DecoderStack(dims.vocab_size, dims.hidden_size, dims.rms_norm_eps, layers, dtype)
+            self.model = DecoderStack(dims.vocab_size, dims.hidden_size, dims.rms_norm_eps, layers, dtype, tp=tp)
             self.rotary = RotaryEmbedding(
                 dims.head_dim, int(config.get("max_position_embeddings", 2048)), rope_parameters(config),
                 rotary_dim=int(dims.head_dim * float(config.get("partial_rotary_factor", 1.0))),
             )
             self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-            self.lm_head = ParallelLMHead(dims.hidden_size, dims.vocab_size, dtype)
+            self.lm_head = ParallelLMHead(dims.hidden_size, dims.vocab_size, dtype, tp=tp)
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
-    def _attention_specs(self, config: HFConfig, dims: Dims) -> list[AttentionSpec]:
+    def _attention_specs(self, config: HFConfig, dims: Dims, tp: TensorParallel) -> list[AttentionSpec]:
         windows: list[int | None] = [None] * dims.num_layers
         window = config.get("sliding_window")
         if self.variant.sliding_window == "all" and window:
@@ -141,7 +142,7 @@ class LlamaForCausalLM(Model):
             ]
             windows = [int(window) if t == "sliding_attention" else None for t in layer_types]
         scale = dims.head_dim**-0.5
-        tp = get_tp()  # this rank's heads
+        # this rank's heads
         num_heads = tp.split(dims.num_heads, "num_attention_heads")[1]
         num_kv_heads = tp.kv_heads(dims.num_kv_heads)[1]
         return [

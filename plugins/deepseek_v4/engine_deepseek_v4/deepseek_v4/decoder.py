@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.distributed import TensorParallel
 from engine.layers.linear import VocabEmbedding
 from engine.runtime.forward_context import ForwardContext
 from engine_deepseek_v4.deepseek_v4.attention import CacheLayers, V4Attention
@@ -18,10 +19,11 @@ from engine_deepseek_v4.deepseek_v4.step import Step
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, dims: V4Dims, index: int, layers: CacheLayers, dtype: torch.dtype) -> None:
+    def __init__(self, dims: V4Dims, index: int, layers: CacheLayers, dtype: torch.dtype, *,
+                 tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = V4Attention(dims, dims.layer_types[index], layers, dtype)
-        self.mlp = V4MoE(dims, dims.mlp_layer_types[index] == "hash_moe", dtype)
+        self.mlp = V4MoE(dims, dims.mlp_layer_types[index] == "hash_moe", dtype, tp=tp)
         self.input_layernorm = Fp32RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.post_attention_layernorm = Fp32RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.attn_hc = HyperConnection(dims)
@@ -38,9 +40,10 @@ class V4DecoderLayer(nn.Module):
 class V4Stack(nn.Module):
     """``model.*`` of the checkpoint: embedding, layers, ``hc_head`` and the final norm."""
 
-    def __init__(self, dims: V4Dims, layers: list[V4DecoderLayer], dtype: torch.dtype) -> None:
+    def __init__(self, dims: V4Dims, layers: list[V4DecoderLayer], dtype: torch.dtype, *,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype, tp=tp)
         self.layers = nn.ModuleList(layers)
         self.hc_head = HyperHead(dims)
         self.norm = Fp32RMSNorm(dims.hidden_size, dims.rms_norm_eps)

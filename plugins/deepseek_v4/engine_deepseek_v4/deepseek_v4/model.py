@@ -58,8 +58,8 @@ class DeepseekV4ForCausalLM(Model):
                     parts.update(compressed=cache_layer(entry), state=cache_layer(token_state(4 * d.head_dim)),
                                  index_state=cache_layer(token_state(4 * d.index_head_dim)),
                                  index_keys=cache_layer(token_state(d.index_head_dim)))
-                layers.append(V4DecoderLayer(d, i, CacheLayers(**parts), dtype))
-            self.model = V4Stack(d, layers, dtype)
+                layers.append(V4DecoderLayer(d, i, CacheLayers(**parts), dtype, tp=init.tp))
+            self.model = V4Stack(d, layers, dtype, tp=init.tp)
             self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
         self.ropes = {"main": Rope(d.rope_dim, d.rope_main, d.max_positions),
                       "compress": Rope(d.rope_dim, d.rope_compress, d.max_positions)}

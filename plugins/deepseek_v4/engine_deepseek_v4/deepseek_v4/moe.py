@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import TensorParallel
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.moe import Experts, clamped_swiglu
 from engine.runtime.forward_context import ForwardContext
@@ -44,9 +45,10 @@ class V4Router(nn.Module):
 class ClampedMLP(nn.Module):
     """The shared expert: ``down(silu(min(gate, limit)) · clamp(up, ±limit))``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, dtype: torch.dtype, *,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, False, dtype)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, False, dtype, tp=tp)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
         self.limit = limit
 
@@ -55,12 +57,13 @@ class ClampedMLP(nn.Module):
 
 
 class V4MoE(nn.Module):
-    def __init__(self, dims: V4Dims, hashed: bool, dtype: torch.dtype) -> None:
+    def __init__(self, dims: V4Dims, hashed: bool, dtype: torch.dtype, *, tp: TensorParallel) -> None:
         super().__init__()
         self.gate = V4Router(dims, hashed)
         self.experts = Experts(dims.num_experts, dims.moe_intermediate_size, dims.hidden_size, dtype,
-                               swiglu_limit=dims.swiglu_limit)
-        self.shared_experts = ClampedMLP(dims.hidden_size, dims.moe_intermediate_size, dims.swiglu_limit, dtype)
+                               swiglu_limit=dims.swiglu_limit, tp=tp)
+        self.shared_experts = ClampedMLP(dims.hidden_size, dims.moe_intermediate_size, dims.swiglu_limit, dtype,
+                                         tp=tp)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         expert_ids, weights = self.gate(x, input_ids)

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import torch
 
+from engine.distributed import SINGLE
 from engine.interfaces.attention import SPARSE_MLA, AttentionSpec
 from engine.interfaces.model import Model
 from engine.layers.linear import Linear, VocabEmbedding
@@ -32,7 +33,8 @@ class MtpV4Layer(Model):
     the embedding ``e`` of the next token, the streams ``e_proj(enorm(e)) + h_proj(hnorm(h_k))``
     (every stream k) go through one decoder block (sliding-window attention, experts routed
     by score), its own ``hc_head`` and ``norm``, and the target's LM head. Drafting further
-    chains the block's output streams. The embedding and the head are the target's.
+    chains the block's output streams. The embedding and the head are the target's. Whole:
+    the proposer runs on one rank (the engine refuses speculation with more than one).
     """
 
     provides_pre_head_hidden_states = True
@@ -44,12 +46,12 @@ class MtpV4Layer(Model):
         d = V4Dims.from_config(config)
         self.dims = d = replace(d, layer_types=(SLIDING,), mlp_layer_types=("moe",))
         self.spec = AttentionSpec(SPARSE_MLA, d.num_heads, 1, d.head_dim, d.head_dim**-0.5, latent_size=d.head_dim)
-        self.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype, tp=SINGLE)
         self.enorm = Fp32RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.hnorm = Fp32RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.e_proj = Linear(d.hidden_size, d.hidden_size, False, dtype)
         self.h_proj = Linear(d.hidden_size, d.hidden_size, False, dtype)
-        self.block = V4DecoderLayer(d, 0, CacheLayers(window=0), dtype)
+        self.block = V4DecoderLayer(d, 0, CacheLayers(window=0), dtype, tp=SINGLE)
         self.hc_head = HyperHead(d)
         self.norm = Fp32RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)

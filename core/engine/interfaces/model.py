@@ -13,7 +13,7 @@ from engine.interfaces.attention import AttentionSpec
 from engine.model_config import HFConfig
 
 if TYPE_CHECKING:
-    from engine.runtime.forward_context import ForwardContext
+    from engine.interfaces.forward_context import ForwardContext
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from torch import nn
 from engine.interfaces.attention import AttentionSpec
 
 if TYPE_CHECKING:
-    from engine.runtime.forward_context import ForwardContext
+    from engine.interfaces.forward_context import ForwardContext
 
 
 class Attention(nn.Module):

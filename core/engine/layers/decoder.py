@@ -21,7 +21,7 @@ from engine.layers.linear import (
 )
 
 if TYPE_CHECKING:
-    from engine.runtime.forward_context import ForwardContext
+    from engine.interfaces.forward_context import ForwardContext
 
 # checkpoint module name -> (fused module name, shard index), for a gated MLP's projections
 GATE_UP_PARAMS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

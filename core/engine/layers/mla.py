@@ -23,7 +23,7 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear, shard_parameter
 
 if TYPE_CHECKING:
-    from engine.runtime.forward_context import ForwardContext
+    from engine.interfaces.forward_context import ForwardContext
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from engine.layers.decoder import GATE_UP_PARAMS, GatedMLP, load_tensor
 from engine.layers.linear import linear_layers
 
 if TYPE_CHECKING:
-    from engine.runtime.forward_context import ForwardContext
+    from engine.interfaces.forward_context import ForwardContext
 
 EXPERT_TENSOR = re.compile(r"(?P<moe>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 FUSED_EXPERT_TENSOR = re.compile(r"(?P<moe>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")

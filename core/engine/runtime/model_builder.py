@@ -15,7 +15,7 @@ from engine.interfaces.model import Model, ModelInit
 from engine.interfaces.platform import Platform
 from engine.interfaces.quantizer import Quantizer
 from engine.layers.linear import apply_linear_method, quantize_model
-from engine.layers.ops import REFERENCE_OPS
+from engine.interfaces.ops import REFERENCE_OPS
 from engine.model_config import HFConfig
 from engine.model_loader.checkpoint import safetensors_files
 from engine.model_loader.dequant import CheckpointDequantizer

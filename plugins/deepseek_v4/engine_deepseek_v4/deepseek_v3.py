@@ -35,7 +35,7 @@ from engine.layers.mla import MLADims, MLAttention
 from engine.layers.moe import MoE, MoEDims, load_named_tensors
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
 from engine.model_config import HFConfig
-from engine.runtime.forward_context import ForwardContext
+from engine.interfaces.forward_context import ForwardContext
 
 logger = logging.getLogger("engine.deepseek")
 

@@ -49,7 +49,7 @@ from engine.layers.linear import Linear, MergedLinear, VocabEmbedding
 from engine.layers.mla import MLAttention
 from engine.layers.moe import Experts, Router, load_named_tensors
 from engine.model_config import HFConfig
-from engine.runtime.forward_context import ForwardContext
+from engine.interfaces.forward_context import ForwardContext
 from engine_kimi_k3.kimi_linear import (
     EXPERT_PROJ,
     EXPERT_WEIGHT,

@@ -51,7 +51,7 @@ from engine.layers.linear import (
 from engine.layers.mla import MLADims, MLAttention
 from engine.layers.moe import MoE, MoEDims, load_named_tensors
 from engine.model_config import HFConfig
-from engine.runtime.forward_context import ForwardContext
+from engine.interfaces.forward_context import ForwardContext
 
 # KDA's q/k/v projections are one fused layer; the MLA layers' q_proj stays on its own
 STACKED = {**GATE_UP_PARAMS, "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}

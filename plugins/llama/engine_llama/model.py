@@ -24,7 +24,7 @@ from engine.layers.decoder import (
 from engine.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, gather_logits, linear_layers
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
-from engine.runtime.forward_context import ForwardContext
+from engine.interfaces.forward_context import ForwardContext
 
 # checkpoint module name -> (fused module name, shard index)
 STACKED_PARAMS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), **GATE_UP_PARAMS}

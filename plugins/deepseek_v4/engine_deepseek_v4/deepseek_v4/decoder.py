@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.layers.linear import VocabEmbedding
-from engine.runtime.forward_context import ForwardContext
+from engine.interfaces.forward_context import ForwardContext
 from engine_deepseek_v4.deepseek_v4.attention import CacheLayers, V4Attention
 from engine_deepseek_v4.deepseek_v4.config import V4Dims
 from engine_deepseek_v4.deepseek_v4.hyper_connections import HyperConnection, HyperHead, hyper_residual

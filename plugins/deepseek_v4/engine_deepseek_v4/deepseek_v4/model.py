@@ -15,7 +15,7 @@ from engine.interfaces.model import Model, ModelInit
 from engine.layers.decoder import require_silu
 from engine.layers.linear import Linear
 from engine.layers.moe import load_named_tensors
-from engine.runtime.forward_context import ForwardContext
+from engine.interfaces.forward_context import ForwardContext
 from engine_deepseek_v4.chat_v4 import encode_chat
 from engine_deepseek_v4.deepseek_v4.attention import CacheLayers
 from engine_deepseek_v4.deepseek_v4.checkpoint_names import transformers_name

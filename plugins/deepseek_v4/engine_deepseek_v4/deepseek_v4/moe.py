@@ -11,7 +11,7 @@ from torch import nn
 from engine.distributed import TensorParallel
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.moe import Experts, clamped_swiglu
-from engine.runtime.forward_context import ForwardContext
+from engine.interfaces.forward_context import ForwardContext
 from engine_deepseek_v4.deepseek_v4.config import SCORE_FUNCTIONS, V4Dims
 
 

@@ -30,13 +30,17 @@ import time
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-tier", default="disk")
-    parser.add_argument("--kv-tier-config", default=None,
-                        help="JSON; default for disk: a temporary directory, removed at the end")
+    parser.add_argument(
+        "--kv-tier-config", default=None, help="JSON; default for disk: a temporary directory, removed at the end"
+    )
     parser.add_argument("--prefix-tokens", type=int, default=2048)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--store-blocks", type=int, default=2048)
-    parser.add_argument("--cold", action="store_true",
-                        help="drop the page cache before each restore (root only), so blocks come from the disk")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="drop the page cache before each restore (root only), so blocks come from the disk",
+    )
     args = parser.parse_args()
 
     import torch
@@ -49,8 +53,12 @@ def main() -> None:
     own_directory = args.kv_tier == "disk" and "path" not in config  # removed at the end: GiBs of blocks
     if own_directory:
         config["path"] = tempfile.mkdtemp(prefix="engine-kv-bench-")
-    engine = LLMEngine(EngineConfig(model="llama58m", dtype="bfloat16", max_model_len=4096, kv_tier=args.kv_tier,
-                                    kv_tier_config=config), progress=False)
+    engine = LLMEngine(
+        EngineConfig(
+            model="llama58m", dtype="bfloat16", max_model_len=4096, kv_tier=args.kv_tier, kv_tier_config=config
+        ),
+        progress=False,
+    )
     connector = engine.kv_tier
     rng = random.Random(11)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -78,12 +86,15 @@ def main() -> None:
         loaded = connector.stats.prefetched_blocks - before
         assert loaded == args.prefix_tokens // engine.config.block_size, f"only {loaded} blocks came from the tier"
     spec = connector.spec
-    print(f"tier {args.kv_tier} {json.dumps(config)}; block {spec.block_bytes} bytes "
-          f"({engine.config.block_size} tokens)")
+    print(
+        f"tier {args.kv_tier} {json.dumps(config)}; block {spec.block_bytes} bytes ({engine.config.block_size} tokens)"
+    )
     r, c = statistics.median(restore), statistics.median(recompute)
-    print(f"{args.prefix_tokens}-token prefix: recompute {c * 1e3:.1f} ms, restore from tier {r * 1e3:.1f} ms "
-          f"-> {c / r:.1f}x (medians of {args.repeat}; runs recompute {[round(x * 1e3, 1) for x in recompute]}, "
-          f"restore {[round(x * 1e3, 1) for x in restore]})")
+    print(
+        f"{args.prefix_tokens}-token prefix: recompute {c * 1e3:.1f} ms, restore from tier {r * 1e3:.1f} ms "
+        f"-> {c / r:.1f}x (medians of {args.repeat}; runs recompute {[round(x * 1e3, 1) for x in recompute]}, "
+        f"restore {[round(x * 1e3, 1) for x in restore]})"
+    )
 
     # store throughput: the tier storing N fresh blocks, and dd writing the same bytes (medians of --repeat)
     n = args.store_blocks
@@ -107,18 +118,25 @@ def main() -> None:
             target = os.path.join(config["path"], "dd.bench")
             os.sync()
             start = time.perf_counter()
-            subprocess.run(["dd", f"if={source}", f"of={target}", f"bs={spec.block_bytes}", f"count={n}"],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["dd", f"if={source}", f"of={target}", f"bs={spec.block_bytes}", f"count={n}"],
+                check=True,
+                capture_output=True,
+            )
             dd_seconds.append(time.perf_counter() - start)
             os.remove(target)
             os.remove(source)
     t = statistics.median(tier_seconds)
-    print(f"store: {n} blocks, {nbytes / 2**20:.0f} MiB: {nbytes / t / 2**20:.0f} MiB/s "
-          f"(runs {[round(nbytes / x / 2**20) for x in tier_seconds]})")
+    print(
+        f"store: {n} blocks, {nbytes / 2**20:.0f} MiB: {nbytes / t / 2**20:.0f} MiB/s "
+        f"(runs {[round(nbytes / x / 2**20) for x in tier_seconds]})"
+    )
     if dd_seconds:
         d = statistics.median(dd_seconds)
-        print(f"dd: {nbytes / d / 2**20:.0f} MiB/s (runs {[round(nbytes / x / 2**20) for x in dd_seconds]}); "
-              f"tier/dd = {d / t:.2f}")
+        print(
+            f"dd: {nbytes / d / 2**20:.0f} MiB/s (runs {[round(nbytes / x / 2**20) for x in dd_seconds]}); "
+            f"tier/dd = {d / t:.2f}"
+        )
     engine.close()
     if own_directory:
         shutil.rmtree(config["path"])

@@ -55,7 +55,8 @@ def check_paged_attention(device) -> bool:
         keys = k_cache.view(-1, kv_heads, head_size)[slots].transpose(1, 2)  # [B, Hkv, L, D]
         values = v_cache.view(-1, kv_heads, head_size)[slots].transpose(1, 2)
         return torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, None], keys, values, scale=scale, enable_gqa=True)[:, :, 0]
+            q[:, :, None], keys, values, scale=scale, enable_gqa=True
+        )[:, :, 0]
 
     got, ms = timed(lambda: paged_attention(q, k_cache, v_cache, head_size, tables, token_seq, token_pos, scale, None))
     expected, ref_ms = timed(reference)
@@ -77,9 +78,11 @@ def check_kda(device) -> bool:
     lengths = torch.full((num_seqs,), rows, device=device)
     expected, ref_ms = timed(lambda: chunked(q, k, v, g, beta, state.clone())[0], repeat=5)
     ok = True
-    for name, kernel in (("KDA chunked prefill (4 x 512, 16 heads)", kda_chunked),
-                         ("KDA recurrent (4 x 512, 16 heads)", kda_recurrent)):
-        got, ms = timed(lambda: kernel(q, k, v, g, beta, state.clone(), lengths), repeat=5)
+    for name, kernel in (
+        ("KDA chunked prefill (4 x 512, 16 heads)", kda_chunked),
+        ("KDA recurrent (4 x 512, 16 heads)", kda_recurrent),
+    ):
+        got, ms = timed(lambda kernel=kernel: kernel(q, k, v, g, beta, state.clone(), lengths), repeat=5)
         ok &= report(name, got, expected, ms, ref_ms)
     return ok
 
@@ -106,8 +109,10 @@ def check_moe(device) -> bool:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("no CUDA or ROCm GPU visible: this script runs the kernels natively (the test suite checks them "
-              "on the CPU under TRITON_INTERPRET=1)")
+        print(
+            "no CUDA or ROCm GPU visible: this script runs the kernels natively (the test suite checks them "
+            "on the CPU under TRITON_INTERPRET=1)"
+        )
         return 2
     device = torch.device("cuda", 0)
     runtime = f"HIP {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"

@@ -58,8 +58,9 @@ class PluginFactory:
         importlib.invalidate_caches()
         return name
 
-    def distribution(self, dist: str, entry_points: dict[str, str], version: str = "1.0",
-                     requires: tuple[str, ...] = ()) -> None:
+    def distribution(
+        self, dist: str, entry_points: dict[str, str], version: str = "1.0", requires: tuple[str, ...] = ()
+    ) -> None:
         """Write ``<dist>-<version>.dist-info`` with these ``engine.plugins`` entry points
         (and ``Requires-Dist`` lines)."""
         info = self.root / f"{dist.replace('-', '_')}-{version}.dist-info"
@@ -70,8 +71,9 @@ class PluginFactory:
         (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
         importlib.invalidate_caches()
 
-    def plugin(self, base: str, source: str, *, dist: str | None = None, version: str = "1.0",
-               requires: tuple[str, ...] = ()) -> str:
+    def plugin(
+        self, base: str, source: str, *, dist: str | None = None, version: str = "1.0", requires: tuple[str, ...] = ()
+    ) -> str:
         """An installed plugin: module ``<base>_<suffix>`` under entry point of the same name.
 
         Returns the entry-point name (which is also the module name).

@@ -46,8 +46,9 @@ def mixed_params(n: int, sampled: bool = True) -> list[SamplingParams]:
     params = []
     for i in range(n):
         if not sampled:
-            params.append(SamplingParams(temperature=0.0, max_tokens=40 + i, ignore_eos=True,
-                                         stop=["e"] if i % 4 == 1 else []))
+            params.append(
+                SamplingParams(temperature=0.0, max_tokens=40 + i, ignore_eos=True, stop=["e"] if i % 4 == 1 else [])
+            )
         elif i % 3 == 0:
             params.append(SamplingParams(temperature=0.0, max_tokens=24 + i, ignore_eos=True))
         elif i % 3 == 1:

@@ -12,14 +12,28 @@ import torch
 
 from engine.bench.engine_runner import FORWARD, LOGITS, StepRecord, decode_breakdown
 from engine.bench.metrics import (
-    RequestTiming, bandwidth_gb_per_s, decode_step_seconds, decode_tokens_per_s, overhead_share, prefix_figures,
-    ratio, tokens_per_s, weight_read_seconds,
+    RequestTiming,
+    bandwidth_gb_per_s,
+    decode_step_seconds,
+    decode_tokens_per_s,
+    overhead_share,
+    prefix_figures,
+    ratio,
+    tokens_per_s,
+    weight_read_seconds,
 )
 from engine.bench.report import Report, Section
 from engine.bench.roofline import weight_bytes
 from engine.bench.workloads import (
-    ALL_AT_ONCE, SEQUENTIAL, decode_workload, latency_workload, max_token_id, prefix_workload, scaled,
-    throughput_workload, warmup_request,
+    ALL_AT_ONCE,
+    SEQUENTIAL,
+    decode_workload,
+    latency_workload,
+    max_token_id,
+    prefix_workload,
+    scaled,
+    throughput_workload,
+    warmup_request,
 )
 from engine.cli import main
 
@@ -53,7 +67,9 @@ def test_w2_draws_all_lengths_first_then_ids_from_random_0():
 
 def test_w2_lengths_do_not_depend_on_the_vocabulary_and_ids_fit_it():
     big, small = throughput_workload(32000), throughput_workload(320)
-    assert [(r.prompt_len, r.output_len) for r in big.requests] == [(r.prompt_len, r.output_len) for r in small.requests]
+    assert [(r.prompt_len, r.output_len) for r in big.requests] == [
+        (r.prompt_len, r.output_len) for r in small.requests
+    ]
     assert max(max(r.prompt_token_ids) for r in small.requests) <= 319
     assert max(max(r.prompt_token_ids) for r in big.requests) > 319
 
@@ -79,8 +95,10 @@ def test_decode_workload_is_64_sequences_of_32_plus_64():
 
 def test_lists_do_not_share_a_prefix_with_each_other_or_the_warm_up():
     firsts = {
-        latency_workload().requests[0].prompt_token_ids[:8], prefix_workload().requests[0].prompt_token_ids[:8],
-        decode_workload().requests[0].prompt_token_ids[:8], warmup_request().prompt_token_ids,
+        latency_workload().requests[0].prompt_token_ids[:8],
+        prefix_workload().requests[0].prompt_token_ids[:8],
+        decode_workload().requests[0].prompt_token_ids[:8],
+        warmup_request().prompt_token_ids,
     }
     assert len(firsts) == 4
 
@@ -202,8 +220,17 @@ def run_bench_json(capsys, *args: str) -> dict:
 
 
 EXPECTED_FIGURES = {
-    "latency": {"w1": ["ttft_ms", "decode_tok_s", "decode_step_ms", "weight_read_ms", "step_over_weight_read",
-                        "weight_stream_ms", "step_over_weight_stream"]},
+    "latency": {
+        "w1": [
+            "ttft_ms",
+            "decode_tok_s",
+            "decode_step_ms",
+            "weight_read_ms",
+            "step_over_weight_read",
+            "weight_stream_ms",
+            "step_over_weight_stream",
+        ]
+    },
     "throughput": {"w2": ["output_tok_s", "total_tok_s", "wall_s"]},
     "prefix": {"w3": ["ttft_first_ms", "ttft_rest_ms", "ttft_ratio", "wall_s"]},
 }
@@ -243,8 +270,23 @@ def test_prefix_breaks_down_the_first_prefill(capsys, tiny_llama):
 
 
 def test_latency_table_names_each_method(capsys, tiny_llama):
-    assert main(["bench", "latency", "--model", tiny_llama, "--scale", "0.05", "--dtype", "float32",
-                 "--plugins", "cpu,llama"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "latency",
+                "--model",
+                tiny_llama,
+                "--scale",
+                "0.05",
+                "--dtype",
+                "float32",
+                "--plugins",
+                "cpu,llama",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "W1 latency" in out and "decode tokens/s" in out and "our overhead" in out
     assert "[1] engine: add_request" in out and "NOT the WORKLOADS.md workloads" in out
@@ -259,9 +301,13 @@ def test_repeat_reports_the_median_run_and_lists_every_wall(capsys, tiny_llama):
     report = run_bench_json(capsys, "prefix", "--model", tiny_llama, "--peers", "hf", "--repeat", "3")
     section = report["sections"]["w3"]
     note = next(n for n in section["notes"] if n.startswith("--repeat 3"))
-    walls = {runner: [float(w) for w in text.split(" ", 1)[1].removesuffix(" s").split(", ")]
-             for runner, text in (("engine", note.split("walls: ")[1].split("; ")[0]),
-                                  ("hf", note.split("walls: ")[1].split("; ")[1].removesuffix(".")))}
+    walls = {
+        runner: [float(w) for w in text.split(" ", 1)[1].removesuffix(" s").split(", ")]
+        for runner, text in (
+            ("engine", note.split("walls: ")[1].split("; ")[0]),
+            ("hf", note.split("walls: ")[1].split("; ")[1].removesuffix(".")),
+        )
+    }
     for runner, values in walls.items():
         assert len(values) == 3
         assert section["figures"]["wall_s"]["values"][runner] == pytest.approx(sorted(values)[1], abs=0.006)

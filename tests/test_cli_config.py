@@ -28,7 +28,7 @@ def help_entries(capsys, monkeypatch, command: str) -> dict[str, str]:
         if not re.match(r"^  \S", line):
             continue
         text = line
-        for more in lines[i + 1:]:
+        for more in lines[i + 1 :]:
             if not re.match(r"^ {3,}\S", more):
                 break
             text += " " + more.strip()
@@ -74,7 +74,9 @@ def test_bench_help_derives_its_engine_options(capsys, monkeypatch):
 
 def test_prefix_caching_keeps_its_short_spelling(capsys, monkeypatch):
     entry = help_entries(capsys, monkeypatch, "serve")["--no-prefix-caching"]
-    assert entry.startswith("--enable-prefix-caching, --no-enable-prefix-caching, --prefix-caching, --no-prefix-caching")
+    assert entry.startswith(
+        "--enable-prefix-caching, --no-enable-prefix-caching, --prefix-caching, --no-prefix-caching"
+    )
 
 
 # -------------------------------------------------------------------------
@@ -96,26 +98,61 @@ def test_unset_options_keep_the_config_defaults(command):
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_flags_of_each_type_reach_the_engine_config(command):
     config = engine_config(
-        command, "./ckpt", "--block-size", "8", "--max-num-seqs", "3",  # int
-        "--kv-cache-memory", "0.25", "--kv-cache-memory-fraction", "0.5",  # float | None
-        "--max-model-len", "96", "--tokenizer", "./tok",  # int | None, str | None
-        "--dtype", "float16",  # Literal
+        command,
+        "./ckpt",
+        "--block-size",
+        "8",
+        "--max-num-seqs",
+        "3",  # int
+        "--kv-cache-memory",
+        "0.25",
+        "--kv-cache-memory-fraction",
+        "0.5",  # float | None
+        "--max-model-len",
+        "96",
+        "--tokenizer",
+        "./tok",  # int | None, str | None
+        "--dtype",
+        "float16",  # Literal
         "--no-prefix-caching",  # bool
-        "--kv-tier", "cpu", "--kv-tier-config", '{"capacity_gb": 2}',  # dict as JSON
-        "--plugins", "cpu, llama",  # list[str] as a comma-separated string
-        "--seed", "7", "--tensor-parallel-size", "2",
+        "--kv-tier",
+        "cpu",
+        "--kv-tier-config",
+        '{"capacity_gb": 2}',  # dict as JSON
+        "--plugins",
+        "cpu, llama",  # list[str] as a comma-separated string
+        "--seed",
+        "7",
+        "--tensor-parallel-size",
+        "2",
     )
     assert config == EngineConfig(
-        model="./ckpt", block_size=8, max_num_seqs=3, kv_cache_memory=0.25, kv_cache_memory_fraction=0.5,
-        max_model_len=96, tokenizer="./tok", dtype="float16", enable_prefix_caching=False, kv_tier="cpu",
-        kv_tier_config={"capacity_gb": 2}, plugins=["cpu", "llama"], seed=7, tensor_parallel_size=2,
+        model="./ckpt",
+        block_size=8,
+        max_num_seqs=3,
+        kv_cache_memory=0.25,
+        kv_cache_memory_fraction=0.5,
+        max_model_len=96,
+        tokenizer="./tok",
+        dtype="float16",
+        enable_prefix_caching=False,
+        kv_tier="cpu",
+        kv_tier_config={"capacity_gb": 2},
+        plugins=["cpu", "llama"],
+        seed=7,
+        tensor_parallel_size=2,
     )
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--no-prefix-caching"], False), (["--no-enable-prefix-caching"], False),
-    (["--prefix-caching"], True), (["--no-prefix-caching", "--enable-prefix-caching"], True),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--no-prefix-caching"], False),
+        (["--no-enable-prefix-caching"], False),
+        (["--prefix-caching"], True),
+        (["--no-prefix-caching", "--enable-prefix-caching"], True),
+    ],
+)
 def test_prefix_caching_spellings(argv, expected):
     assert engine_config("generate", *argv).enable_prefix_caching is expected
 
@@ -126,15 +163,19 @@ def test_empty_plugins_loads_none():
 
 def test_serve_flags_reach_the_server_config():
     args = build_parser().parse_args(["serve", "--port", "0", "--metrics-public", "--max-request-bytes", "4096"])
-    assert config_from_namespace(ServerConfig, args) == ServerConfig(port=0, metrics_public=True, max_request_bytes=4096)
+    assert config_from_namespace(ServerConfig, args) == ServerConfig(
+        port=0, metrics_public=True, max_request_bytes=4096
+    )
     assert config_from_namespace(EngineConfig, args) == EngineConfig(model=SERVE_MODEL)
 
 
 def test_bad_values_name_the_options():
     with pytest.raises(ValueError) as exc_info:
         engine_config("generate", "--max-num-seqs", "0", "--kv-cache-memory-fraction", "2")
-    assert str(exc_info.value) == ("--max-num-seqs: Input should be greater than or equal to 1; "
-                                   "--kv-cache-memory-fraction: Input should be less than or equal to 1")
+    assert str(exc_info.value) == (
+        "--max-num-seqs: Input should be greater than or equal to 1; "
+        "--kv-cache-memory-fraction: Input should be less than or equal to 1"
+    )
     with pytest.raises(ValueError, match="^--speculative-config: Value error, speculative_config is not valid JSON"):
         engine_config("serve", "--speculative-config", "{nope")
 
@@ -147,8 +188,20 @@ def test_generate_reports_bad_options_in_one_line(capsys):
 
 
 def test_bench_passes_only_the_engine_settings_given():
-    args = build_parser().parse_args(["bench", "throughput", "--max-num-seqs", "32", "--plugins", "cpu",
-                                      "--quantization-config", '{"bits": 4}', "--peers", "hf"])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "throughput",
+            "--max-num-seqs",
+            "32",
+            "--plugins",
+            "cpu",
+            "--quantization-config",
+            '{"bits": 4}',
+            "--peers",
+            "hf",
+        ]
+    )
     options = bench_options(args)
     assert (options.model, options.dtype, options.peers) == (DEFAULT_MODEL, "bfloat16", ("hf",))
     assert dict(options.engine_settings) == {"max_num_seqs": 32, "plugins": "cpu", "quantization_config": '{"bits": 4}'}
@@ -178,7 +231,11 @@ def test_a_new_field_gets_a_flag_with_its_type_default_and_help():
     assert actions["count"].help == "How many. (default: 3)"
     assert parser.format_help().count("A share, 100% at most. (default: None)") == 1
     assert set(actions["enable_async_scheduling"].option_strings) == {
-        "--enable-async-scheduling", "--no-enable-async-scheduling", "--async-scheduling", "--no-async-scheduling"}
+        "--enable-async-scheduling",
+        "--no-enable-async-scheduling",
+        "--async-scheduling",
+        "--no-async-scheduling",
+    }
     args = parser.parse_args(["--count", "5", "--mode", "fast", "--async-scheduling"])
     assert vars(args) == {"count": 5, "mode": "fast", "enable_async_scheduling": True}
     with pytest.raises(SystemExit):

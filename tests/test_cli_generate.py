@@ -20,8 +20,24 @@ def checkpoint(tmp_path_factory):
 
 def test_generate_json_matches_hf_greedy(checkpoint, capsys):
     path, hf_model = checkpoint
-    args = ["generate", str(path), "--plugins", "cpu,llama", "--dtype", "float32", "--kv-cache-memory", "0.05",
-            "--prompt-ids", "5,6,7,8,9", "--prompt", "The quick brown fox", "--max-tokens", "6", "--ignore-eos", "--json"]
+    args = [
+        "generate",
+        str(path),
+        "--plugins",
+        "cpu,llama",
+        "--dtype",
+        "float32",
+        "--kv-cache-memory",
+        "0.05",
+        "--prompt-ids",
+        "5,6,7,8,9",
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "6",
+        "--ignore-eos",
+        "--json",
+    ]
     assert main(args) == 0
     outputs = json.loads(capsys.readouterr().out)
     # text prompts come first, then token-id prompts
@@ -29,8 +45,9 @@ def test_generate_json_matches_hf_greedy(checkpoint, capsys):
     for output in outputs:
         prompt_ids = output["prompt_token_ids"]
         with torch.no_grad():
-            expected = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False,
-                                         min_new_tokens=6)[0, len(prompt_ids):].tolist()
+            expected = hf_model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=6, do_sample=False, min_new_tokens=6
+            )[0, len(prompt_ids) :].tolist()
         assert output["token_ids"] == expected
         assert output["finish_reason"] == "length"
     assert outputs[1]["prompt_token_ids"] == [5, 6, 7, 8, 9]

@@ -110,7 +110,10 @@ def test_plugins_json_lists_the_installed_plugins_and_their_components(capsys):
 
     cpu, llama = plugins["cpu"], plugins["llama"]
     assert cpu["hooks"] == ["register_attention_backends", "register_platforms"]
-    assert cpu["components"] == {"platforms": ["cpu"], "attention_backends": ["cpu_indexer", "cpu_kda", "cpu_mla", "cpu_paged"]}
+    assert cpu["components"] == {
+        "platforms": ["cpu"],
+        "attention_backends": ["cpu_indexer", "cpu_kda", "cpu_mla", "cpu_paged"],
+    }
     assert llama["hooks"] == ["register_models"]
     assert llama["components"] == {"models": LLAMA_ARCHITECTURES}
 
@@ -154,7 +157,9 @@ def test_plugins_probe_reports_the_cpu_platform_available(capsys):
 
 
 def test_plugins_probe_reports_unavailable_and_failing_platforms(factory, capsys):
-    module = factory.module(factory.name("probeplat"), """
+    module = factory.module(
+        factory.name("probeplat"),
+        """
         from engine.interfaces.platform import Availability, MemoryInfo, Platform
 
         class Base(Platform):
@@ -178,11 +183,17 @@ def test_plugins_probe_reports_unavailable_and_failing_platforms(factory, capsys
             @classmethod
             def is_available(cls):
                 raise RuntimeError("driver exploded")
-    """)
-    plugin = factory.plugin("probeplug", hooks_source(register_platforms=f"""
+    """,
+    )
+    plugin = factory.plugin(
+        "probeplug",
+        hooks_source(
+            register_platforms=f"""
         register("absent", "{module}:Absent")
         register("crashing", "{module}:Crashing")
-    """))
+    """
+        ),
+    )
 
     rc, out, _ = run_engine_plugins(capsys, "--plugins", plugin, "--probe")
 
@@ -229,11 +240,14 @@ def test_plugins_with_an_empty_selection_loads_none(capsys, monkeypatch, how):
     assert report["plugins"] == []
     # only what the engine itself provides: the Triton backends, the cpu KV tier, the ngram and draft proposers
     assert {kind: [e["name"] for e in entries] for kind, entries in report["components"].items() if entries} == {
-        "attention_backends": ["triton_kda", "triton_mla", "triton_paged"], "kv_tiers": ["cpu"], "spec_proposers": ["draft", "ngram"]
+        "attention_backends": ["triton_kda", "triton_mla", "triton_paged"],
+        "kv_tiers": ["cpu"],
+        "spec_proposers": ["draft", "ngram"],
     }
     assert report["components"]["kv_tiers"][0]["plugin"] == "engine"
 
     rc, out, _ = run_engine_plugins(capsys, "--plugins", "")
-    assert out == ("No plugins loaded.\nbuilt into the engine:\n  attention_backends: triton_kda, triton_mla, triton_paged\n"
-                   "  spec_proposers: draft, ngram\n  kv_tiers: cpu\n")
-
+    assert out == (
+        "No plugins loaded.\nbuilt into the engine:\n  attention_backends: triton_kda, triton_mla, triton_paged\n"
+        "  spec_proposers: draft, ngram\n  kv_tiers: cpu\n"
+    )

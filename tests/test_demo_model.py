@@ -30,14 +30,18 @@ def test_demo_greedy_chat_equals_transformers(demo_llm):
     from transformers import AutoModelForCausalLM
 
     tokenizer = demo_llm.get_tokenizer()
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "What does json.dumps do?"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What does json.dumps do?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer.encode(text, add_special_tokens=False)
-    output = demo_llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=40),
-                               use_tqdm=False)[0].outputs[0]
+    output = demo_llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False
+    )[0].outputs[0]
     hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
     with torch.no_grad():
-        generated = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, repetition_penalty=1.0)[0, len(ids):].tolist()
+        generated = hf.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, repetition_penalty=1.0)[
+            0, len(ids) :
+        ].tolist()
     assert output.token_ids == generated
     assert output.finish_reason == "stop"  # it ends its answer with <|end|>
     assert len(output.text.split()) >= 3

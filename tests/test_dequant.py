@@ -61,8 +61,9 @@ def test_e8m0_scales_a_scalar_scale_and_the_output_dtype():
     assert dense.dtype == torch.bfloat16
     torch.testing.assert_close(dense.float(), reference_fp8(quantized, scales, (4, 8)).bfloat16().float())
     scalar = torch.tensor(0.25)
-    assert torch.equal(CheckpointDequantizer(FP8, torch.float32).dequantize("w", quantized, scalar),
-                       quantized.float() * 0.25)
+    assert torch.equal(
+        CheckpointDequantizer(FP8, torch.float32).dequantize("w", quantized, scalar), quantized.float() * 0.25
+    )
 
 
 def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
@@ -76,8 +77,12 @@ def test_mxfp4_experts_unpack_low_nibble_first_and_scale_per_32_values():
     exponents = torch.randint(120, 134, (3, 2), generator=gen).to(torch.uint8)
     scales = exponents.view(torch.float8_e8m0fnu)
     dense = CheckpointDequantizer(FP8, torch.float32).dequantize("experts.0.w1.weight", pack_fp4(codes), scales)
-    expected = torch.tensor([[E2M1_VALUES[int(codes[r, c])] * 2.0 ** (int(exponents[r, c // 32]) - 127)
-                              for c in range(64)] for r in range(3)])
+    expected = torch.tensor(
+        [
+            [E2M1_VALUES[int(codes[r, c])] * 2.0 ** (int(exponents[r, c // 32]) - 127) for c in range(64)]
+            for r in range(3)
+        ]
+    )
     assert torch.equal(dense, expected)
     with pytest.raises(ValueError, match="one scale per 32"):
         CheckpointDequantizer(FP8, torch.float32).dequantize("x.weight", pack_fp4(codes), scales[:, :1])
@@ -89,8 +94,14 @@ def test_the_stream_pairs_weights_and_scales_in_either_order_and_passes_the_rest
     qa, sa = fp8_block_quantize(a, (4, 8))
     qb, sb = fp8_block_quantize(b, (4, 8))
     norm, hc_scale = torch.ones(8), torch.tensor([1.0, 2.0, 3.0])
-    stream = [("x.a.weight", qa), ("x.norm.weight", norm), ("x.b.scale", sb), ("x.a.weight_scale_inv", sa),
-              ("x.attn_hc.scale", hc_scale), ("x.b.weight", qb)]
+    stream = [
+        ("x.a.weight", qa),
+        ("x.norm.weight", norm),
+        ("x.b.scale", sb),
+        ("x.a.weight_scale_inv", sa),
+        ("x.attn_hc.scale", hc_scale),
+        ("x.b.weight", qb),
+    ]
     dequantizer = CheckpointDequantizer(FP8, torch.float32)
     out = dict(dequantize_stream(iter(stream), dequantizer))
     assert set(out) == {"x.a.weight", "x.b.weight", "x.norm.weight", "x.attn_hc.scale"}
@@ -117,16 +128,25 @@ def test_compressed_tensors_mxfp4_pairs_weight_packed_with_uint8_scales():
     from engine.model_loader.dequant import dequantizable
 
     config = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"format": "mxfp4-pack-quantized"}}}
-    assert dequantizable(config) and not dequantizable({"quant_method": "compressed-tensors", "format": "int-quantized"})
+    assert dequantizable(config) and not dequantizable(
+        {"quant_method": "compressed-tensors", "format": "int-quantized"}
+    )
     gen = torch.Generator().manual_seed(4)
     codes = torch.randint(0, 16, (2, 64), generator=gen)
     exponents = torch.randint(120, 134, (2, 2), generator=gen).to(torch.uint8)
     plain = torch.randn(3, 3, generator=gen)
-    stream = [("e.w1.weight_scale", exponents), ("e.w1.weight_packed", pack_fp4(codes).view(torch.uint8)),
-              ("norm.weight", plain)]
+    stream = [
+        ("e.w1.weight_scale", exponents),
+        ("e.w1.weight_packed", pack_fp4(codes).view(torch.uint8)),
+        ("norm.weight", plain),
+    ]
     dequantizer = CheckpointDequantizer(config, torch.float32)
     out = dict(dequantize_stream(iter(stream), dequantizer))
-    expected = torch.tensor([[E2M1_VALUES[int(codes[r, c])] * 2.0 ** (int(exponents[r, c // 32]) - 127)
-                              for c in range(64)] for r in range(2)])
+    expected = torch.tensor(
+        [
+            [E2M1_VALUES[int(codes[r, c])] * 2.0 ** (int(exponents[r, c // 32]) - 127) for c in range(64)]
+            for r in range(2)
+        ]
+    )
     assert set(out) == {"e.w1.weight", "norm.weight"} and torch.equal(out["e.w1.weight"], expected)
     assert out["norm.weight"] is plain

@@ -44,7 +44,12 @@ def test_random_token_sequences_decode_to_the_full_decode(tokenizer, token_ids, 
 
 
 @settings_fast
-@given(text=st.text(alphabet=st.sampled_from(list("abc xyz.!é€ß中文😀🚀ñ\n")) | st.characters(exclude_categories=("Cs",)), max_size=30))
+@given(
+    text=st.text(
+        alphabet=st.sampled_from(list("abc xyz.!é€ß中文😀🚀ñ\n")) | st.characters(exclude_categories=("Cs",)),
+        max_size=30,
+    )
+)
 def test_text_round_trips_and_never_emits_a_partial_character(tokenizer, text):
     token_ids = tokenizer.encode(text)
     detokenizer, deltas = stream(tokenizer, token_ids, skip_special_tokens=True)

@@ -63,8 +63,11 @@ MISTAKES = {
     "bad tier config": ({"kv_tier": "cpu", "kv_tier_config": {"capacity_gb": 1e-9}}, ValueError, "holds no block"),
     "unknown tier setting": ({"kv_tier": "cpu", "kv_tier_config": {"capacity": 1}}, ValueError, "capacity"),
     "unknown proposer": ({"speculative_method": "ngarm"}, ComponentError, "ngarm"),
-    "quantizer refusing the platform": ({"quantization": f"{__name__}:CudaOnlyQuantizer"}, SelectionError,
-                                        "does not run on platform 'cpu'"),
+    "quantizer refusing the platform": (
+        {"quantization": f"{__name__}:CudaOnlyQuantizer"},
+        SelectionError,
+        "does not run on platform 'cpu'",
+    ),
     "unknown attention backend": ({"attention_backend": "flash"}, ComponentError, "flash"),
 }
 
@@ -99,8 +102,9 @@ def test_two_ranks_from_a_script_on_stdin_give_the_output_of_one(checkpoint):
     )
     results = []
     for tp in (1, 2):
-        run = subprocess.run([sys.executable, "-"], input=script.replace("TP", str(tp)), text=True,
-                             capture_output=True, timeout=300)
+        run = subprocess.run(
+            [sys.executable, "-"], input=script.replace("TP", str(tp)), text=True, capture_output=True, timeout=300
+        )
         assert run.returncode == 0, run.stderr[-2000:]
         results.append(run.stdout.strip().splitlines()[-1])
     assert results[0] == results[1] and results[0].startswith("[[")

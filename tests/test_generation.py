@@ -74,8 +74,9 @@ def test_stop_token_ids_end_the_request(checkpoint):
     free = llm.generate([p], greedy(20), use_tqdm=False)[0].outputs[0].token_ids
     stop = free[5]
     first = free.index(stop)
-    out = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.token_ids == free[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop
 
@@ -157,7 +158,9 @@ def test_unknown_architecture_lists_the_registered_ones(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["architectures"] = ["FancyForCausalLM"]
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ComponentError, match="Unknown model architecture 'FancyForCausalLM'. Available: LlamaForCausalLM"):
+    with pytest.raises(
+        ComponentError, match="Unknown model architecture 'FancyForCausalLM'. Available: LlamaForCausalLM"
+    ):
         make_llm(tmp_path)
 
 

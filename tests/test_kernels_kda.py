@@ -73,8 +73,9 @@ def test_the_chunked_kernel_survives_strong_decays():
 class InterpretedTritonKda(TritonKdaAttention):
     """triton_kda on the CPU, through the Triton interpreter."""
 
-    capabilities = dataclasses.replace(TritonKdaAttention.capabilities, platforms=frozenset({"cpu"}),
-                                       dtypes=frozenset({"float32"}))
+    capabilities = dataclasses.replace(
+        TritonKdaAttention.capabilities, platforms=frozenset({"cpu"}), dtypes=frozenset({"float32"})
+    )
 
 
 class TestTritonKdaKit(AttentionBackendTests):

@@ -12,9 +12,9 @@ import torch  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
+from engine.interfaces.forward_context import ForwardContext  # noqa: E402
 from engine.kernels.moe import fused_moe, sort_by_expert  # noqa: E402
 from engine.layers.moe import Experts, clamped_swiglu  # noqa: E402
-from engine.interfaces.forward_context import ForwardContext  # noqa: E402
 
 
 def test_sorting_groups_pairs_by_expert_in_whole_tiles():
@@ -24,8 +24,9 @@ def test_sorting_groups_pairs_by_expert_in_whole_tiles():
     assert pairs.tolist() == [1, 4, -1, -1, 3, -1, -1, -1, 0, 2, 5, -1]
 
 
-@pytest.mark.parametrize("tokens, experts, top_k, hidden, inter", [(1, 4, 2, 32, 16), (13, 8, 2, 48, 40),
-                                                                   (37, 5, 3, 64, 24)])
+@pytest.mark.parametrize(
+    "tokens, experts, top_k, hidden, inter", [(1, 4, 2, 32, 16), (13, 8, 2, 48, 40), (37, 5, 3, 64, 24)]
+)
 @pytest.mark.parametrize("limit", [None, 1.0])
 def test_fused_moe_matches_the_per_expert_torch_experts(tokens, experts, top_k, hidden, inter, limit):
     """Ragged loads (some experts unused), hidden and intermediate sizes off the tile sizes, the

@@ -23,10 +23,15 @@ from engine.testing.kit.attention import BATCHES, MLA, MLA_SIZES  # noqa: E402
 
 def on_the_cpu(cls):
     """The backend on the CPU, through the Triton interpreter (float32)."""
-    return type(f"Interpreted{cls.__name__}", (cls,), {
-        "capabilities": dataclasses.replace(cls.capabilities, platforms=frozenset({"cpu"}),
-                                            dtypes=frozenset({"float32"})),
-    })
+    return type(
+        f"Interpreted{cls.__name__}",
+        (cls,),
+        {
+            "capabilities": dataclasses.replace(
+                cls.capabilities, platforms=frozenset({"cpu"}), dtypes=frozenset({"float32"})
+            ),
+        },
+    )
 
 
 class TestTritonPagedKit(AttentionBackendTests):
@@ -85,7 +90,7 @@ def paged_case(lengths, block_size, num_kv_heads, head_size, generator):
     v_cache = torch.zeros_like(k_cache)
     tables, keys, values, token_seq, token_pos, start = [], [], [], [], [], 0
     for i, ((context, new), width) in enumerate(zip(lengths, widths)):
-        table = order[start:start + width]
+        table = order[start : start + width]
         start += width
         k = torch.randn(context + new, num_kv_heads, head_size, generator=generator)
         v = torch.randn(context + new, num_kv_heads, head_size, generator=generator)
@@ -113,14 +118,15 @@ def test_the_kernel_matches_naive_attention(block_size, num_heads, num_kv_heads,
     generator = torch.Generator().manual_seed(block_size * 100 + num_heads * 10 + head_size)
     lengths = [(9, 1), (5, 7), (0, 13)]
     k_cache, v_cache, tables, token_seq, token_pos, keys, values = paged_case(
-        lengths, block_size, num_kv_heads, head_size, generator)
+        lengths, block_size, num_kv_heads, head_size, generator
+    )
     q = torch.randn(token_seq.numel(), num_heads, head_size, generator=generator)
-    scale = head_size ** -0.5
+    scale = head_size**-0.5
     out = paged_attention(q, k_cache, v_cache, head_size, tables, token_seq, token_pos, scale, window, block_n=8)
     start = 0
     for i, (context, new) in enumerate(lengths):
-        expected = naive_attention(q[start:start + new], keys[i], values[i], context, scale, window)
-        torch.testing.assert_close(out[start:start + new], expected, atol=1e-3, rtol=0)
+        expected = naive_attention(q[start : start + new], keys[i], values[i], context, scale, window)
+        torch.testing.assert_close(out[start : start + new], expected, atol=1e-3, rtol=0)
         start += new
 
 
@@ -140,6 +146,8 @@ def test_the_kernel_reads_latent_entries(block_size, num_heads, latent_size, rop
     out = paged_attention(q, cache, cache, latent_size, tables, token_seq, token_pos, 0.1, None, block_n=4)
     start = 0
     for i, (context, new) in enumerate(lengths):
-        expected = naive_attention(q[start:start + new], entries[i], entries[i][..., :latent_size], context, 0.1, None)
-        torch.testing.assert_close(out[start:start + new], expected, atol=1e-3, rtol=0)
+        expected = naive_attention(
+            q[start : start + new], entries[i], entries[i][..., :latent_size], context, 0.1, None
+        )
+        torch.testing.assert_close(out[start : start + new], expected, atol=1e-3, rtol=0)
         start += new

@@ -392,14 +392,23 @@ INDEXER_CHECKS = {"test_indexer", "test_kv_cache_write"}
 VARIANTS = {
     "kit_ref": ("none: the correct reference", set(), ATTENTION_CHECKS | OTHER_CHECKS),
     "kit_bug_scale": ("softmax scale 1/head_size instead of spec.scale", ATTENTION_CHECKS, OTHER_CHECKS),
-    "kit_bug_default_scale": ("head_size ** -0.5 instead of spec.scale", {"test_mha", "test_sliding_window"},
-                              OTHER_CHECKS),
+    "kit_bug_default_scale": (
+        "head_size ** -0.5 instead of spec.scale",
+        {"test_mha", "test_sliding_window"},
+        OTHER_CHECKS,
+    ),
     "kit_bug_cpu_scale": ("cpu_paged subclass, scale 1/head_size", ATTENTION_CHECKS, OTHER_CHECKS),
-    "kit_bug_causal_next": ("causal mask lets a query see the next key", {"test_mha", "test_sliding_window"},
-                            OTHER_CHECKS),
+    "kit_bug_causal_next": (
+        "causal mask lets a query see the next key",
+        {"test_mha", "test_sliding_window"},
+        OTHER_CHECKS,
+    ),
     "kit_bug_causal_diagonal": ("causal mask drops the diagonal (own key)", ATTENTION_CHECKS, OTHER_CHECKS),
-    "kit_bug_window": ("ignores the sliding window", {"test_sliding_window"},
-                       {"test_mha", "test_kv_cache_write"} | OTHER_CHECKS),
+    "kit_bug_window": (
+        "ignores the sliding window",
+        {"test_sliding_window"},
+        {"test_mha", "test_kv_cache_write"} | OTHER_CHECKS,
+    ),
     "kit_bug_no_write": ("does not write the new K/V into the cache", ATTENTION_CHECKS, OTHER_CHECKS),
     "kit_mla_ref": ("none: the correct MLA reference", set(), MLA_CHECKS | OTHER_CHECKS),
     "kit_bug_mla_value_tail": ("MLA values are the entries' last latent_size dims", MLA_CHECKS, OTHER_CHECKS),
@@ -409,20 +418,32 @@ VARIANTS = {
     "kit_bug_mla_causal_next": ("MLA causal mask lets a query see the next key", {"test_mla"}, OTHER_CHECKS),
     "kit_bug_mla_no_write": ("MLA: does not write the new entries into the cache", MLA_CHECKS, OTHER_CHECKS),
     "kit_bug_cpu_mla_scale": ("cpu_mla subclass, scale 1/head_size", MLA_CHECKS, OTHER_CHECKS),
-    "kit_bug_sparse_all": ("sparse MLA attends to every causal position, not the selected ones",
-                           {"test_sparse_mla"}, MLA_CHECKS | OTHER_CHECKS),
-    "kit_bug_sparse_padding": ("sparse MLA reads -1 padding as position 0", {"test_sparse_mla"},
-                               MLA_CHECKS | OTHER_CHECKS),
+    "kit_bug_sparse_all": (
+        "sparse MLA attends to every causal position, not the selected ones",
+        {"test_sparse_mla"},
+        MLA_CHECKS | OTHER_CHECKS,
+    ),
+    "kit_bug_sparse_padding": (
+        "sparse MLA reads -1 padding as position 0",
+        {"test_sparse_mla"},
+        MLA_CHECKS | OTHER_CHECKS,
+    ),
     "kit_bug_sparse_no_lse": ("sparse MLA leaves lse unwritten", {"test_sparse_mla"}, MLA_CHECKS | OTHER_CHECKS),
     "kit_indexer_ref": ("none: the correct indexer reference", set(), INDEXER_CHECKS | OTHER_CHECKS),
     "kit_bug_indexer_next": ("the indexer may select the next position", {"test_indexer"}, OTHER_CHECKS),
     "kit_bug_indexer_no_write": ("the indexer does not write its keys", INDEXER_CHECKS, OTHER_CHECKS),
     "kit_bug_indexer_weights": ("cpu_indexer subclass ignoring the head weights", {"test_indexer"}, OTHER_CHECKS),
-    "kit_bug_indexer_none": ("cpu_indexer subclass answering 'every position' for long sequences",
-                             {"test_indexer"}, OTHER_CHECKS),
+    "kit_bug_indexer_none": (
+        "cpu_indexer subclass answering 'every position' for long sequences",
+        {"test_indexer"},
+        OTHER_CHECKS,
+    ),
     "kit_kda_ref": ("none: the real cpu_kda", set(), {"test_linear"} | OTHER_CHECKS),
-    "kit_bug_kda_stale_state": ("KDA continues a slot's stale state for a fresh sequence", {"test_linear"},
-                                OTHER_CHECKS),
+    "kit_bug_kda_stale_state": (
+        "KDA continues a slot's stale state for a fresh sequence",
+        {"test_linear"},
+        OTHER_CHECKS,
+    ),
     "kit_bug_kda_no_state": ("KDA never writes its state back", {"test_linear"}, OTHER_CHECKS),
     "kit_bug_kda_no_conv": ("KDA's short convolution sees only the current token", {"test_linear"}, OTHER_CHECKS),
 }
@@ -448,9 +469,25 @@ def kit_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
     env.setdefault("OMP_NUM_THREADS", "1")  # tiny shapes: threads only add overhead
     xml = folder / "report.xml"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=line", f"--junitxml={xml}",
-         "--rootdir", str(folder), "test_generated_kit.py"],
-        check=False, cwd=folder, env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--tb=line",
+            f"--junitxml={xml}",
+            "--rootdir",
+            str(folder),
+            "test_generated_kit.py",
+        ],
+        check=False,
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert xml.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     outcomes: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(list, how=set())))
@@ -474,8 +511,11 @@ def test_kit_catches_bug(kit_outcomes, backend: str, record_property) -> None:
     outcomes = kit_outcomes[backend]
     assert outcomes, f"no kit results for {backend}"
     failing = {name for name, by in outcomes.items() if by["failed"]}
-    caught = {name: f"{len(by['failed'])}/{len(by['failed']) + len(by['passed'])} cases: {sorted(by['how'])}"
-              for name, by in sorted(outcomes.items()) if by["failed"]}
+    caught = {
+        name: f"{len(by['failed'])}/{len(by['failed']) + len(by['passed'])} cases: {sorted(by['how'])}"
+        for name, by in sorted(outcomes.items())
+        if by["failed"]
+    }
     print(f"\n{backend} ({bug}): caught by {caught or 'nothing'}")
     record_property("caught_by", caught)
     assert must_fail <= failing, f"{backend} ({bug}) slipped through {sorted(must_fail - failing)}: {caught}"

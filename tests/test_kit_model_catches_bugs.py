@@ -146,7 +146,12 @@ def kit_outcomes(tmp_path_factory) -> tuple[dict[str, dict[str, str]], str]:
     report = root / "report.xml"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", "test_model_kit.py"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600, check=False,  # rc 1: checks fail
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,  # rc 1: checks fail
     )
     assert report.is_file(), proc.stdout + proc.stderr
     outcomes: dict[str, dict[str, str]] = {variant: {} for variant in CAUGHT_BY}

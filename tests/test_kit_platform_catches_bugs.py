@@ -6,14 +6,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 from plugin_helpers import run_kit_in_subprocess  # noqa: E402
 
 pytest_plugins = ["pytester"]
 
-PLUGIN = '''
+PLUGIN = """
 import dataclasses
 
 import engine
@@ -69,9 +68,9 @@ def register_platforms(register):
 @engine.hookimpl
 def register_attention_backends(register):
     register(Backend)
-'''
+"""
 
-TESTS = '''
+TESTS = """
 from engine.testing.kit import PlatformTests
 
 class TestGood(PlatformTests):
@@ -93,7 +92,7 @@ class TestGhostPref(PlatformTests):
 class TestDirtyCache(PlatformTests):
     plugin = "broken_platforms"
     platform_name = "dirty_cache"
-'''
+"""
 
 # broken variant -> the kit check that must fail for it
 CAUGHT_BY = {

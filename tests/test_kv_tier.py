@@ -68,12 +68,15 @@ def test_cpu_tier_refuses_a_block_of_another_shape_and_is_closed_for_good():
         tier.lookup([b"x" * 16])
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"capacity_gb": -1}, "'capacity_gb' must be a number above 0, got -1"),
-    ({"capacity_gb": "lots"}, "'capacity_gb' must be a number above 0, got 'lots'"),
-    ({"capacity_gb": 1e-9}, "holds no block of 1024 bytes"),
-    ({"path": "/tmp"}, "unknown config key(s) 'path'; it takes 'capacity_gb'"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"capacity_gb": -1}, "'capacity_gb' must be a number above 0, got -1"),
+        ({"capacity_gb": "lots"}, "'capacity_gb' must be a number above 0, got 'lots'"),
+        ({"capacity_gb": 1e-9}, "holds no block of 1024 bytes"),
+        ({"path": "/tmp"}, "unknown config key(s) 'path'; it takes 'capacity_gb'"),
+    ],
+)
 def test_cpu_tier_bad_config_is_a_clear_error(config, message):
     with pytest.raises(ValueError) as info:
         CpuKVTier(SPEC, config)
@@ -104,8 +107,16 @@ def prompts(n: int = 6, length: int = 70) -> list[list[int]]:
 
 def make_llm(checkpoint: str, **kwargs) -> LLM:
     # 24 blocks of 4 tokens: the prompts evict each other's prefixes
-    return LLM(checkpoint, plugins=["cpu", "llama"], dtype="float32", progress=False, block_size=4,
-               max_model_len=96, kv_cache_memory=24 * kwargs.pop("bytes_per_block", 0) / 2**30 or None, **kwargs)
+    return LLM(
+        checkpoint,
+        plugins=["cpu", "llama"],
+        dtype="float32",
+        progress=False,
+        block_size=4,
+        max_model_len=96,
+        kv_cache_memory=24 * kwargs.pop("bytes_per_block", 0) / 2**30 or None,
+        **kwargs,
+    )
 
 
 def tokens(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
@@ -188,9 +199,8 @@ def test_the_cpu_tier_needs_no_plugin(checkpoint):
 
 
 def test_default_gather_and_scatter_serve_slot_major_layouts():
-    from engine_example_plugins.attention import TorchPagedAttention
-
     from engine.interfaces.attention import MHA, AttentionSpec
+    from engine_example_plugins.attention import TorchPagedAttention
 
     spec = AttentionSpec(kind=MHA, num_heads=4, num_kv_heads=2, head_size=8, scale=0.3)
     backend = TorchPagedAttention(spec, 4, torch.float32, torch.device("cpu"))

@@ -23,23 +23,51 @@ def test_rms_norm_equals_hf(dtype):
         assert torch.equal(ours(x.view(257, 1, 96)), theirs(x.view(257, 1, 96)))
 
 
-@pytest.mark.parametrize("parameters", [
-    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-     "beta_fast": 32, "beta_slow": 1, "original_max_position_embeddings": 64},
-    {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "original_max_position_embeddings": 128},
-    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 128,
-     "truncate": False},
-    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64},
-], ids=["yarn-mscale", "yarn-plain", "yarn-untruncated", "llama3"])
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 64,
+        },
+        {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "original_max_position_embeddings": 128,
+            "truncate": False,
+        },
+        {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ],
+    ids=["yarn-mscale", "yarn-plain", "yarn-untruncated", "llama3"],
+)
 def test_rope_frequencies_equal_transformers(parameters):
     from transformers import DeepseekV3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from engine.layers.rotary import inverse_frequencies
 
-    config = DeepseekV3Config(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=16, max_position_embeddings=512,
-                              rope_parameters=dict(parameters))
+    config = DeepseekV3Config(
+        hidden_size=64,
+        num_attention_heads=4,
+        qk_rope_head_dim=16,
+        max_position_embeddings=512,
+        rope_parameters=dict(parameters),
+    )
     expected, expected_scaling = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](config, "cpu")
     ours, scaling = inverse_frequencies(16, dict(config.rope_parameters), 512)
     assert torch.allclose(ours, expected, rtol=1e-6, atol=0) and scaling == pytest.approx(expected_scaling)

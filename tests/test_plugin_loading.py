@@ -113,7 +113,11 @@ def test_empty_selection_loads_no_plugin(factory, monkeypatch, form):
 
     assert pm.plugin_infos == []
     components = pm.components()
-    built_in = {"kv_tiers": ["cpu"], "spec_proposers": ["draft", "ngram"], "attention_backends": ["triton_kda", "triton_mla", "triton_paged"]}
+    built_in = {
+        "kv_tiers": ["cpu"],
+        "spec_proposers": ["draft", "ngram"],
+        "attention_backends": ["triton_kda", "triton_mla", "triton_paged"],
+    }
     for kind in KINDS:  # only what the engine ships itself
         assert components.registry(kind.attr).names() == built_in.get(kind.attr, []), kind.attr
 
@@ -318,8 +322,9 @@ def test_plugin_for_another_engine_range_loads_with_a_clear_warning(factory):
     from engine.plugins.manager import PluginVersionWarning
     from engine.version import __version__
 
-    plugin = factory.plugin("future", "x = 1\n", dist="engine-future", version="3.0",
-                            requires=("torch>=2", "engine>=9,<10"))
+    plugin = factory.plugin(
+        "future", "x = 1\n", dist="engine-future", version="3.0", requires=("torch>=2", "engine>=9,<10")
+    )
     with pytest.warns(PluginVersionWarning) as record:
         pm = get_plugin_manager(plugins=plugin)
     message = str(record[0].message)

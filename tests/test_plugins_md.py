@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def hook_functions() -> list:
     return [
-        fn for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+        fn
+        for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
         if name.startswith("register_") and hasattr(fn, "engine_spec")
     ]
 

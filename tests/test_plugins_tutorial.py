@@ -56,8 +56,10 @@ def tutorial() -> tuple[dict[str, str], str]:
 def test_the_tutorial_names_every_file_it_shows():
     files, commands = tutorial()
     assert set(files) == {
-        "engine-mybackend/pyproject.toml", "engine-mybackend/engine_mybackend/__init__.py",
-        "engine-mybackend/engine_mybackend/plugin.py", "engine-mybackend/engine_mybackend/attention.py",
+        "engine-mybackend/pyproject.toml",
+        "engine-mybackend/engine_mybackend/__init__.py",
+        "engine-mybackend/engine_mybackend/plugin.py",
+        "engine-mybackend/engine_mybackend/attention.py",
         "engine-mybackend/tests/test_kit.py",
     }
     assert "pip install -e ./engine-mybackend" in commands
@@ -77,17 +79,27 @@ def test_following_the_tutorial_verbatim_gives_a_working_plugin(tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     Path(purelib, "parent_env.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "-e", str(ROOT)], check=True, capture_output=True
+    )
 
-    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
-           "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
+        "VIRTUAL_ENV": str(venv),
+        "HF_HUB_OFFLINE": "1",
+    }
     env.pop("ENGINE_PLUGINS", None)
-    result = subprocess.run(["bash", "-euo", "pipefail", "-c", commands], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", commands], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "mybackend  (engine-mybackend 0.1.0, entry_point) loaded" in output

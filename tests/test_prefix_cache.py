@@ -106,8 +106,15 @@ def test_greedy_outputs_unchanged_by_prefix_cache_hits(checkpoint):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
     def make(enable: bool) -> LLM:
-        return LLM(str(path), plugins=["cpu", "llama"], dtype="float32", progress=False, kv_cache_memory=0.05,
-                   block_size=4, enable_prefix_caching=enable)
+        return LLM(
+            str(path),
+            plugins=["cpu", "llama"],
+            dtype="float32",
+            progress=False,
+            kv_cache_memory=0.05,
+            block_size=4,
+            enable_prefix_caching=enable,
+        )
 
     reference = [o.outputs[0].token_ids for o in make(False).generate(prompts, params, use_tqdm=False)]
     llm = make(True)

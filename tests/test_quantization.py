@@ -67,13 +67,18 @@ def prequantize(source, target) -> None:
 
 
 def test_route_linear_tensor_finds_the_layer_shard_and_tensor_name():
-    layers = {name: MergedLinear(4, [4], False, torch.float32) for name in
-              ("model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj", "lm_head")}
+    layers = {
+        name: MergedLinear(4, [4], False, torch.float32)
+        for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.0.self_attn.o_proj", "lm_head")
+    }
     stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
     route = lambda name: route_linear_tensor(layers, name, stacked)  # noqa: E731
     assert route("model.layers.0.self_attn.k_proj.weight") == ("model.layers.0.self_attn.qkv_proj", 1, "weight")
     assert route("model.layers.0.self_attn.v_proj.weight.quant_state.bitsandbytes__nf4") == (
-        "model.layers.0.self_attn.qkv_proj", 2, "weight.quant_state.bitsandbytes__nf4")
+        "model.layers.0.self_attn.qkv_proj",
+        2,
+        "weight.quant_state.bitsandbytes__nf4",
+    )
     assert route("model.layers.0.self_attn.o_proj.SCB") == ("model.layers.0.self_attn.o_proj", 0, "SCB")
     assert route("lm_head.weight") == ("lm_head", 0, "weight")
     assert route("model.layers.0.input_layernorm.weight") is None
@@ -88,8 +93,9 @@ def test_prequantized_checkpoint_gives_the_logits_of_quantizing_while_loading(ti
     unquantized = make_llm(path)
     qkv = loaded.engine.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.int8 and loaded.engine.model.lm_head.weight.dtype == torch.float32
-    for a, b, c in zip(loaded.prompt_logits(PROMPTS), on_the_fly.prompt_logits(PROMPTS),
-                       unquantized.prompt_logits(PROMPTS)):
+    for a, b, c in zip(
+        loaded.prompt_logits(PROMPTS), on_the_fly.prompt_logits(PROMPTS), unquantized.prompt_logits(PROMPTS)
+    ):
         assert torch.equal(a, b)
         assert not torch.equal(a, c) and (a - c).abs().max() < 0.05 * c.abs().max()
 
@@ -114,11 +120,14 @@ def test_missing_prequantized_tensor_is_named(tiny_checkpoint, tmp_path):
         make_llm(tmp_path / "int8")
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"quantization": "example_int8"}, None),
-    ({"quantization": "bitsandbytes"}, "already quantized with 'example_int8'"),
-    ({"quantization_config": {"x": 1}}, "applies to on-the-fly quantization"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"quantization": "example_int8"}, None),
+        ({"quantization": "bitsandbytes"}, "already quantized with 'example_int8'"),
+        ({"quantization_config": {"x": 1}}, "applies to on-the-fly quantization"),
+    ],
+)
 def test_options_against_a_prequantized_checkpoint(tiny_checkpoint, tmp_path, options, message):
     path, _ = tiny_checkpoint("LlamaForCausalLM")
     prequantize(path, tmp_path / "int8")
@@ -129,13 +138,28 @@ def test_options_against_a_prequantized_checkpoint(tiny_checkpoint, tmp_path, op
             make_llm(tmp_path / "int8", **options)
 
 
-@pytest.mark.parametrize(("options", "error", "message"), [
-    ({"quantization_config": {"bits": 4}}, SelectionError, "without --quantization"),
-    ({"quantization": f"{__name__}:RocmOnly"}, SelectionError, "does not run on platform 'cpu'; it supports rocm"),
-    ({"quantization": f"{__name__}:Float32Only", "dtype": "bfloat16"}, SelectionError, "computes in float32, not bfloat16"),
-    ({"quantization": "example_int8", "quantization_config": {"bits": 4}}, ValueError, "takes no settings; got bits"),
-    ({"quantization": f"{__name__}:QuantizesEverything"}, ValueError, "lm_head, whose weight is tied to model.embed_tokens"),
-])
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"quantization_config": {"bits": 4}}, SelectionError, "without --quantization"),
+        ({"quantization": f"{__name__}:RocmOnly"}, SelectionError, "does not run on platform 'cpu'; it supports rocm"),
+        (
+            {"quantization": f"{__name__}:Float32Only", "dtype": "bfloat16"},
+            SelectionError,
+            "computes in float32, not bfloat16",
+        ),
+        (
+            {"quantization": "example_int8", "quantization_config": {"bits": 4}},
+            ValueError,
+            "takes no settings; got bits",
+        ),
+        (
+            {"quantization": f"{__name__}:QuantizesEverything"},
+            ValueError,
+            "lm_head, whose weight is tied to model.embed_tokens",
+        ),
+    ],
+)
 def test_bad_quantization_options_are_refused_clearly(tiny_checkpoint, options, error, message):
     path, _ = tiny_checkpoint("Qwen2ForCausalLM")  # tied embeddings
     with pytest.raises(error, match=message):
@@ -147,6 +171,7 @@ def test_quantize_model_reports_what_it_quantized_and_declined(tiny_checkpoint):
     quantized, declined = quantize_model(llm.engine.model, Int8Quantizer.from_config({}, prequantized=False))
     assert declined == ["lm_head"]
     assert sorted(quantized) == sorted(
-        f"model.layers.{i}.{name}" for i in range(2)
+        f"model.layers.{i}.{name}"
+        for i in range(2)
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     )

@@ -23,8 +23,11 @@ if str(Path(__file__).parent) not in sys.path:
 from plugin_helpers import PluginFactory, hooks_source  # noqa: E402
 
 KV_TIER = "engine.interfaces.kv_tier:KVTier"
-BUILT_INS = {"kv_tiers": ["cpu"], "spec_proposers": ["draft", "ngram"],  # what the engine registers itself, with no plugin
-             "attention_backends": ["triton_kda", "triton_mla", "triton_paged"]}
+BUILT_INS = {
+    "kv_tiers": ["cpu"],
+    "spec_proposers": ["draft", "ngram"],  # what the engine registers itself, with no plugin
+    "attention_backends": ["triton_kda", "triton_mla", "triton_paged"],
+}
 
 
 TIER_MODULE = """
@@ -161,8 +164,12 @@ def test_every_hookspec_has_a_registry():
 
 # every hook by name, so that a new hook without a test here is noticed (tests/test_plugins_md.py)
 HOOKS = [
-    "register_platforms", "register_models", "register_attention_backends", "register_quantizers",
-    "register_spec_proposers", "register_kv_tiers",
+    "register_platforms",
+    "register_models",
+    "register_attention_backends",
+    "register_quantizers",
+    "register_spec_proposers",
+    "register_kv_tiers",
 ]
 
 
@@ -201,11 +208,16 @@ def test_each_hook_registers_a_component_that_resolves_by_name(factory, hook):
 
 
 def test_single_argument_register_needs_a_class_with_a_name(factory):
-    plugin = factory.plugin("nameless", hooks_source(register_kv_tiers="""
+    plugin = factory.plugin(
+        "nameless",
+        hooks_source(
+            register_kv_tiers="""
         class Nameless:
             pass
         register(Nameless)
-    """))
+    """
+        ),
+    )
     pm = get_plugin_manager(plugins=plugin)
 
     with pytest.raises(ComponentError) as excinfo:
@@ -277,17 +289,20 @@ def test_unknown_name_lists_available_names_and_the_qualname_hint():
     with pytest.raises(ComponentError) as excinfo:
         registry.get("dsk")
     assert str(excinfo.value) == (
-        "Unknown KV tier 'dsk'. Available: cpu, disk. "
-        "Install a plugin that provides it or pass module.path:ClassName."
+        "Unknown KV tier 'dsk'. Available: cpu, disk. Install a plugin that provides it or pass module.path:ClassName."
     )
     assert isinstance(excinfo.value, LookupError)
 
 
 def test_unknown_name_in_the_real_registries(factory):
-    tiers = factory.plugin("tiers", hooks_source(register_kv_tiers='register("disk", "x.y:D")\nregister("cpu", "x.y:C")'))
+    tiers = factory.plugin(
+        "tiers", hooks_source(register_kv_tiers='register("disk", "x.y:D")\nregister("cpu", "x.y:C")')
+    )
     components = get_plugin_manager(plugins=["cpu", tiers]).components()
 
-    with pytest.raises(ComponentError, match=r"^Unknown KV tier 'dsk'\. Available: cpu, disk\. .*module\.path:ClassName"):
+    with pytest.raises(
+        ComponentError, match=r"^Unknown KV tier 'dsk'\. Available: cpu, disk\. .*module\.path:ClassName"
+    ):
         components.kv_tiers.get("dsk")
     with pytest.raises(ComponentError, match=r"^Unknown platform 'cuda'\. Available: cpu\. "):
         components.platforms.get("cuda")
@@ -450,7 +465,9 @@ def test_no_available_platform_is_an_error():
 
 
 def test_a_plugin_accelerator_wins_over_the_real_cpu_platform(factory):
-    module = factory.module(factory.name("accel"), """
+    module = factory.module(
+        factory.name("accel"),
+        """
         from engine.interfaces.platform import Availability, MemoryInfo, Platform
 
         class Accel(Platform):
@@ -466,7 +483,8 @@ def test_a_plugin_accelerator_wins_over_the_real_cpu_platform(factory):
 
             def memory_info(self):
                 return MemoryInfo(1, 1)
-    """)
+    """,
+    )
     plugin = factory.plugin("accelplug", hooks_source(register_platforms=f'register("accel", "{module}:Accel")'))
     registry = get_plugin_manager(plugins=["cpu", plugin]).components().platforms
 
@@ -567,9 +585,13 @@ def test_nothing_usable_lists_each_rejected_backend_and_why():
 
 
 def test_platform_without_a_backend_for_the_kind():
-    sliding = AttentionSpec(kind=SLIDING_WINDOW, num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, sliding_window=4)
+    sliding = AttentionSpec(
+        kind=SLIDING_WINDOW, num_heads=8, num_kv_heads=2, head_size=64, scale=0.125, sliding_window=4
+    )
     with pytest.raises(SelectionError, match="the platform lists no backend for it"):
-        select_attention_backend(backends(fake_backend("good")), platform_preferring("good"), sliding, dtype="float32", block_size=16)
+        select_attention_backend(
+            backends(fake_backend("good")), platform_preferring("good"), sliding, dtype="float32", block_size=16
+        )
 
 
 def test_real_cpu_platform_selects_its_paged_backend():

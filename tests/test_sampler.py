@@ -140,8 +140,9 @@ def with_history(i: int, prompt: list[int], output: list[int], **params) -> Requ
     return request
 
 
-def reference_penalties(row: list[float], prompt: list[int], output: list[int], rep: float, pres: float,
-                        freq: float) -> list[float]:
+def reference_penalties(
+    row: list[float], prompt: list[int], output: list[int], rep: float, pres: float, freq: float
+) -> list[float]:
     """The formulas as written: HF/vLLM repetition over prompt + output, OpenAI presence/frequency over output."""
     out = []
     for token, logit in enumerate(row):
@@ -157,8 +158,12 @@ def test_penalties_hand_computed():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
     # token 0 in the prompt, token 1 twice and token 3 once in the output, token 2 unseen
     out = apply_penalties(
-        logits, torch.tensor([[0, 4]]), torch.tensor([[1, 1, 3]]),
-        torch.tensor([2.0]), torch.tensor([0.5]), torch.tensor([0.25]),
+        logits,
+        torch.tensor([[0, 4]]),
+        torch.tensor([[1, 1, 3]]),
+        torch.tensor([2.0]),
+        torch.tensor([0.5]),
+        torch.tensor([0.25]),
     )
     # 2/2; -1*2 - 0.5 - 2*0.25; 0.5; 3/2 - 0.5 - 0.25
     assert out.tolist() == [[1.0, -3.0, 0.5, 0.75]]
@@ -172,20 +177,26 @@ def test_penalties_match_the_reference_formula():
     for _ in range(rows):
         prompt = torch.randint(0, vocab, (int(torch.randint(1, 10, (1,), generator=gen)),), generator=gen).tolist()
         output = torch.randint(0, vocab, (int(torch.randint(0, 15, (1,), generator=gen)),), generator=gen).tolist()
-        rep, pres, freq = (torch.rand(3, generator=gen) * torch.tensor([2.0, 4.0, 4.0]) + torch.tensor([0.1, -2, -2])).tolist()
+        rep, pres, freq = (
+            torch.rand(3, generator=gen) * torch.tensor([2.0, 4.0, 4.0]) + torch.tensor([0.1, -2, -2])
+        ).tolist()
         histories.append((prompt, output, rep, pres, freq))
     expected = torch.tensor([reference_penalties(logits[i].tolist(), *h) for i, h in enumerate(histories)])
     pad = lambda lists: pad_token_ids(lists, vocab, torch.device("cpu"))  # noqa: E731
     out = apply_penalties(
-        logits, pad([h[0] for h in histories]), pad([h[1] for h in histories]),
-        torch.tensor([h[2] for h in histories]), torch.tensor([h[3] for h in histories]),
+        logits,
+        pad([h[0] for h in histories]),
+        pad([h[1] for h in histories]),
+        torch.tensor([h[2] for h in histories]),
+        torch.tensor([h[3] for h in histories]),
         torch.tensor([h[4] for h in histories]),
     )
     assert torch.allclose(out, expected, atol=1e-5)
     # through the sampler: greedy picks the argmax of the penalised logits; rows without penalties are untouched
     requests = [
         with_history(i, p, o, temperature=0.0, repetition_penalty=r, presence_penalty=pr, frequency_penalty=f)
-        if i % 3 else with_history(i, p, o, temperature=0.0)
+        if i % 3
+        else with_history(i, p, o, temperature=0.0)
         for i, (p, o, r, pr, f) in enumerate(histories)
     ]
     tokens = Sampler(torch.device("cpu"))(logits, requests).token_ids
@@ -232,8 +243,9 @@ def test_logprobs_are_of_the_raw_distribution_with_ranks_and_top_n():
     logits = torch.randn(6, 50, generator=gen) * 2
     original = logits.clone()
     requests = [
-        with_history(0, [1, 2], [3, 3], temperature=0.7, top_k=5, repetition_penalty=1.5, presence_penalty=1.0,
-                     logprobs=3),
+        with_history(
+            0, [1, 2], [3, 3], temperature=0.7, top_k=5, repetition_penalty=1.5, presence_penalty=1.0, logprobs=3
+        ),
         with_history(1, [4], [], temperature=0.0, logprobs=0),
         with_history(2, [4], [], temperature=1.0, min_p=0.2, seed=3, logprobs=5),
         with_history(3, [4], [], temperature=1.0),
@@ -262,8 +274,15 @@ def test_seeded_requests_with_penalties_and_min_p_do_not_depend_on_the_batch():
     vocab = 64
     gen = torch.Generator().manual_seed(8)
     step_logits = [torch.randn(vocab, generator=gen) * 2 for _ in range(12)]
-    seeded_params = dict(temperature=0.8, seed=7, min_p=0.05, top_k=30, repetition_penalty=1.3,
-                         presence_penalty=0.5, frequency_penalty=0.3)
+    seeded_params = dict(
+        temperature=0.8,
+        seed=7,
+        min_p=0.05,
+        top_k=30,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+    )
 
     def run(num_others: int, position: int) -> list[int]:
         sampler = Sampler(torch.device("cpu"))

@@ -61,8 +61,9 @@ def test_logprobs_and_prompt_logprobs_match_hf(checkpoint, llm):
     ps = prompts(3, seed=10)
     params = [
         SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=5, prompt_logprobs=4),
-        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0,
-                       repetition_penalty=1.5),
+        SamplingParams(
+            temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0, repetition_penalty=1.5
+        ),
         SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=8, ignore_eos=True),  # no logprobs asked
     ]
     outputs = llm.generate(ps, params, use_tqdm=False)
@@ -108,8 +109,9 @@ def test_preemption_changes_no_logprobs_or_text(checkpoint):
     reference = make_llm(path).generate(ps, params, use_tqdm=False)
     # 24 blocks of 4 tokens: the four requests cannot all stay; recomputed prompts must not be recorded twice
     bytes_per_block = 4 * 2 * 2 * 2 * 16 * 4  # tokens * layers * (K, V) * kv heads * head dim * fp32
-    small = make_llm(path, block_size=4, max_model_len=64, max_num_batched_tokens=16,
-                     kv_cache_memory=24 * bytes_per_block / 2**30)
+    small = make_llm(
+        path, block_size=4, max_model_len=64, max_num_batched_tokens=16, kv_cache_memory=24 * bytes_per_block / 2**30
+    )
     outputs = small.generate(ps, params, use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     for a, b in zip(reference, outputs):
@@ -159,12 +161,16 @@ def test_stop_string_spanning_two_tokens_is_honoured_and_excluded(llm, stop_case
     base = dict(temperature=0.0, max_tokens=16, ignore_eos=True)
     out, kept, late = (
         o.outputs[0]
-        for o in llm.generate([prompt] * 3, [
-            SamplingParams(**base, stop=[stop, "\x00never"]),
-            SamplingParams(**base, stop=stop, include_stop_str_in_output=True),
-            # before min_tokens outputs exist the stop string is not honoured
-            SamplingParams(**base, stop=stop, min_tokens=k + 1),
-        ], use_tqdm=False)
+        for o in llm.generate(
+            [prompt] * 3,
+            [
+                SamplingParams(**base, stop=[stop, "\x00never"]),
+                SamplingParams(**base, stop=stop, include_stop_str_in_output=True),
+                # before min_tokens outputs exist the stop string is not honoured
+                SamplingParams(**base, stop=stop, min_tokens=k + 1),
+            ],
+            use_tqdm=False,
+        )
     )
     assert out.text == free.text[:index]
     assert out.finish_reason == "stop" and out.stop_reason == stop
@@ -178,8 +184,11 @@ def test_streamed_deltas_add_up_and_never_show_the_stop_string(llm, stop_case):
     prompt, free, stop, k, index = stop_case
     engine = llm.engine
     tokenizer = llm.get_tokenizer()
-    request = engine.add_request("stream-1", tokenizer.encode(prompt),
-                                 SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop]))
+    request = engine.add_request(
+        "stream-1",
+        tokenizer.encode(prompt),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop]),
+    )
     deltas = []
     while not request.status.finished:
         engine.step()
@@ -193,8 +202,10 @@ def test_stop_token_text_is_left_out_unless_asked(llm, stop_case):
     stop_token = free.token_ids[4]
     first = free.token_ids.index(stop_token)
     tokenizer = llm.get_tokenizer()
-    params = [SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token],
-                             include_stop_str_in_output=include) for include in (False, True)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_token], include_stop_str_in_output=include)
+        for include in (False, True)
+    ]
     for include, out in zip((False, True), llm.generate([prompt] * 2, params, use_tqdm=False)):
         completion = out.outputs[0]
         assert completion.token_ids == free.token_ids[: first + 1] and completion.stop_reason == stop_token
@@ -209,18 +220,28 @@ def test_min_tokens_defers_eos(checkpoint, llm, tmp_path):
 
     _, hf_model = checkpoint
     [p] = prompts(1, seed=4)
-    free = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                                   use_tqdm=False)[0].outputs[0].token_ids
+    free = (
+        llm.generate([p], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     eos = free[3]
     first_eos = free.index(eos)
     eos_path = tmp_path / "with-eos"
     make_tiny_checkpoint("LlamaForCausalLM", eos_path, eos_token_id=eos)  # same weights, this eos
     eos_llm = make_llm(eos_path)
     min_tokens = first_eos + 3
-    stopped, deferred = (o.outputs[0] for o in eos_llm.generate([p, p], [
-        SamplingParams(temperature=0.0, max_tokens=12),
-        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=min_tokens),
-    ], use_tqdm=False))
+    stopped, deferred = (
+        o.outputs[0]
+        for o in eos_llm.generate(
+            [p, p],
+            [
+                SamplingParams(temperature=0.0, max_tokens=12),
+                SamplingParams(temperature=0.0, max_tokens=12, min_tokens=min_tokens),
+            ],
+            use_tqdm=False,
+        )
+    )
     assert stopped.token_ids == free[: first_eos + 1] and stopped.finish_reason == "stop"
     assert eos not in deferred.token_ids[:min_tokens]
     assert deferred.token_ids[:first_eos] == free[:first_eos]
@@ -247,8 +268,9 @@ def test_n_samples_are_reproducible_and_are_the_seeded_children(llm):
     assert first.outputs[0].token_ids != first.outputs[1].token_ids
     # again, beside another prompt: the same two samples; and sample i is the single request with seed + i
     singles = [SamplingParams(temperature=1.0, seed=21 + i, max_tokens=12, ignore_eos=True) for i in range(2)]
-    _, again, *alone = llm.generate([prompts(1, seed=13)[0], p, p, p], [SamplingParams(temperature=1.0), params, *singles],
-                                    use_tqdm=False)
+    _, again, *alone = llm.generate(
+        [prompts(1, seed=13)[0], p, p, p], [SamplingParams(temperature=1.0), params, *singles], use_tqdm=False
+    )
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in first.outputs]
     assert [o.outputs[0].token_ids for o in alone] == [c.token_ids for c in first.outputs]
     assert first.request_id.startswith("offline-") and first.prompt_token_ids == p
@@ -257,8 +279,9 @@ def test_n_samples_are_reproducible_and_are_the_seeded_children(llm):
 def test_n_greedy_gives_identical_completions(llm):
     [p] = prompts(1, seed=14)
     [one] = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    [three] = llm.generate([p], SamplingParams(n=3, temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1),
-                           use_tqdm=False)
+    [three] = llm.generate(
+        [p], SamplingParams(n=3, temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1), use_tqdm=False
+    )
     assert len(three.outputs) == 3
     assert all(c.token_ids == one.outputs[0].token_ids and c.text == one.outputs[0].text for c in three.outputs)
     assert len({c.cumulative_logprob for c in three.outputs}) == 1
@@ -266,8 +289,9 @@ def test_n_greedy_gives_identical_completions(llm):
 
 def test_aborting_an_n_request_aborts_every_sample(llm):
     engine = llm.engine
-    samples = engine.add_request_group("group-1", prompts(1, seed=15)[0],
-                                       SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True))
+    samples = engine.add_request_group(
+        "group-1", prompts(1, seed=15)[0], SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True)
+    )
     assert [r.request_id for r in samples] == ["0_group-1", "1_group-1", "2_group-1"]
     assert [r.sampling_params.seed for r in samples] == [None, None, None]
     engine.step()
@@ -289,13 +313,22 @@ def test_repetition_penalty_matches_hf_greedy(checkpoint, llm):
         out = output.outputs[0]
         with torch.no_grad():
             hf = hf_model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, repetition_penalty=1.8)
-        assert out.token_ids == hf[0, len(p):].tolist()
+        assert out.token_ids == hf[0, len(p) :].tolist()
 
 
 def test_seeded_sampling_with_penalties_and_min_p_does_not_depend_on_the_batch(llm):
     ps = prompts(4, seed=17)
-    seeded = SamplingParams(temperature=0.9, seed=99, min_p=0.02, top_p=0.95, repetition_penalty=1.2,
-                            presence_penalty=0.4, frequency_penalty=0.3, max_tokens=14, ignore_eos=True)
+    seeded = SamplingParams(
+        temperature=0.9,
+        seed=99,
+        min_p=0.02,
+        top_p=0.95,
+        repetition_penalty=1.2,
+        presence_penalty=0.4,
+        frequency_penalty=0.3,
+        max_tokens=14,
+        ignore_eos=True,
+    )
     other = SamplingParams(temperature=1.0, presence_penalty=1.0, max_tokens=10, ignore_eos=True)
     alone = llm.generate([ps[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     assert len(alone) == 14

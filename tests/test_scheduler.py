@@ -36,7 +36,9 @@ def test_manager_allocates_ceil_blocks_and_frees():
 
 
 def test_chunked_prefill_under_the_token_budget_and_decode_first():
-    scheduler = Scheduler(KVCacheManager(100, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=10)
+    scheduler = Scheduler(
+        KVCacheManager(100, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=10
+    )
     a, b = req("a", 6), req("b", 15)
     scheduler.add(a)
     scheduler.add(b)
@@ -51,7 +53,9 @@ def test_chunked_prefill_under_the_token_budget_and_decode_first():
 
 
 def test_priority_orders_admission():
-    scheduler = Scheduler(KVCacheManager(100, 4, enable_prefix_caching=False), max_num_seqs=1, max_num_batched_tokens=100)
+    scheduler = Scheduler(
+        KVCacheManager(100, 4, enable_prefix_caching=False), max_num_seqs=1, max_num_batched_tokens=100
+    )
     scheduler.add(req("late-low", 4, priority=5))
     scheduler.add(req("urgent", 4, priority=-1))
     scheduler.add(req("normal", 4, priority=0))

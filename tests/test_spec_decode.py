@@ -12,10 +12,10 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.interfaces.spec_proposer import Drafts, SpecProposer
+from engine.runtime.verify import accept_greedy, accept_sampled
 from engine.selection import SelectionError
 from engine.spec_decode.budget import SpecBudget, StepCostTable
 from engine.spec_decode.ngram import lookup
-from engine.runtime.verify import accept_greedy, accept_sampled
 from engine.testing.oracles import chi_squared_p_value, equal_mass_bins
 
 
@@ -38,8 +38,10 @@ class RandomWithProbs(RandomProposer):
     name = "random_with_probs"
 
     def propose(self, requests, num_tokens, hidden_states=None):
-        probs = [torch.distributions.Dirichlet(torch.full((self.init.vocab_size,), 0.05)).sample((num_tokens,))
-                 for _ in requests]
+        probs = [
+            torch.distributions.Dirichlet(torch.full((self.init.vocab_size,), 0.05)).sample((num_tokens,))
+            for _ in requests
+        ]
         tokens = [torch.multinomial(p, 1).squeeze(1).tolist() for p in probs]
         return Drafts(tokens, probs)
 
@@ -70,8 +72,10 @@ class LayerThreeProposer(RandomProposer):
 
 
 def make_llm(path, **kwargs) -> LLM:
-    return LLM(str(path), **{"plugins": ["cpu", "llama"], "dtype": "float32", "progress": False,
-                             "kv_cache_memory": 0.02, **kwargs})
+    return LLM(
+        str(path),
+        **{"plugins": ["cpu", "llama"], "dtype": "float32", "progress": False, "kv_cache_memory": 0.02, **kwargs},
+    )
 
 
 def mixed_prompts(seed: int = 0) -> list[list[int]]:
@@ -93,24 +97,35 @@ def checkpoints(tmp_path_factory):
     return root / "target", root / "draft"
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft-self", "draft-other", "random", "random_with_probs",
-                                    "final_hidden"])
+@pytest.mark.parametrize(
+    "method", ["ngram", "draft-self", "draft-other", "random", "random_with_probs", "final_hidden"]
+)
 def test_greedy_outputs_are_identical_with_preemption_and_prefix_caching(checkpoints, method):
     target, draft = checkpoints
     speculative = {
-        "ngram": ("ngram", {}), "draft-self": ("draft", {"model": str(target)}),
-        "draft-other": ("draft", {"model": str(draft)}), "random": (f"{__name__}:RandomProposer", {}),
-        "random_with_probs": (f"{__name__}:RandomWithProbs", {}), "final_hidden": (f"{__name__}:FinalHiddenProposer", {}),
+        "ngram": ("ngram", {}),
+        "draft-self": ("draft", {"model": str(target)}),
+        "draft-other": ("draft", {"model": str(draft)}),
+        "random": (f"{__name__}:RandomProposer", {}),
+        "random_with_probs": (f"{__name__}:RandomWithProbs", {}),
+        "final_hidden": (f"{__name__}:FinalHiddenProposer", {}),
     }[method]
     prompts = mixed_prompts()
-    params = [SamplingParams(temperature=0.0, max_tokens=random.Random(i).randint(20, 60), ignore_eos=True)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=random.Random(i).randint(20, 60), ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     # 24 blocks of 16 tokens (2 layers x K,V x 2 kv heads x 16 dims x 4 bytes a token) for 11
     # requests of 455 prompt tokens and up to 60 outputs each: the scheduler must preempt
     options = {"kv_cache_memory": 24 * 16 * (2 * 2 * 2 * 16 * 4) / 2**30, "max_model_len": 256}
     expected = [o.outputs[0].token_ids for o in make_llm(target, **options).generate(prompts, params, use_tqdm=False)]
-    llm = make_llm(target, speculative_method=speculative[0], speculative_config=speculative[1],
-                   num_speculative_tokens=3, **options)
+    llm = make_llm(
+        target,
+        speculative_method=speculative[0],
+        speculative_config=speculative[1],
+        num_speculative_tokens=3,
+        **options,
+    )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv_manager.stats.hits > 0
@@ -149,20 +164,28 @@ def test_sampled_tokens_follow_the_target_distribution(checkpoints):
     at each position, for 3000 samples."""
     target, _ = checkpoints
     prompt = [17, 42, 99, 5]
-    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     exact = make_llm(target)
     (logits,) = exact.prompt_logits([prompt])
     p1 = logits[-1].softmax(-1).double()
     continuations = [prompt + [t] for t in range(p1.numel())]
-    p2_given = torch.stack([l[-1].softmax(-1).double() for l in exact.prompt_logits(continuations)])
+    p2_given = torch.stack([row[-1].softmax(-1).double() for row in exact.prompt_logits(continuations)])
     p2 = p1 @ p2_given
     samples = 3000
     for method in (f"{__name__}:RandomWithProbs", "draft"):
         config = {"model": str(target)} if method == "draft" else {}
-        llm = make_llm(target, speculative_method=method, speculative_config=config, num_speculative_tokens=2,
-                       max_num_seqs=256, kv_cache_memory=0.05)
-        outputs = llm.generate([prompt] * samples, [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True,
-                                                                   seed=i) for i in range(samples)], use_tqdm=False)
+        llm = make_llm(
+            target,
+            speculative_method=method,
+            speculative_config=config,
+            num_speculative_tokens=2,
+            max_num_seqs=256,
+            kv_cache_memory=0.05,
+        )
+        outputs = llm.generate(
+            [prompt] * samples,
+            [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i) for i in range(samples)],
+            use_tqdm=False,
+        )
         tokens = [o.outputs[0].token_ids for o in outputs]
         for position, expected in ((0, p1), (1, p2)):
             observed, probabilities = equal_mass_bins([t[position] for t in tokens], expected, 10)

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+
 from engine.distributed.executor import free_local_address
 from engine.distributed.parallel_state import TensorParallel, tensor_parallel
 from engine.llm import LLM
@@ -38,8 +39,14 @@ CASES = {
 
 def greedy(path: Path, plugin: str, tp: int, prompts: list[list[int]] = PROMPTS, n: int = 12) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    with LLM(str(path), plugins=["cpu", plugin], dtype="float32", tensor_parallel_size=tp, kv_cache_memory=0.05,
-             progress=False) as llm:
+    with LLM(
+        str(path),
+        plugins=["cpu", plugin],
+        dtype="float32",
+        tensor_parallel_size=tp,
+        kv_cache_memory=0.05,
+        progress=False,
+    ) as llm:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -89,7 +96,7 @@ def test_column_and_row_parallel_parts_make_the_whole_layer():
         row.load_checkpoint_tensor("weight", 0, down)
         row.load_checkpoint_tensor("bias", 0, bias)
         part = column.method.apply(column, x)  # this rank's 4 gate then 4 up columns
-        assert torch.equal(part[:, :4], x @ gate[4 * rank: 4 * rank + 4].T)
+        assert torch.equal(part[:, :4], x @ gate[4 * rank : 4 * rank + 4].T)
         total += row.method.apply(row, torch.nn.functional.silu(part[:, :4]) * part[:, 4:])
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
 
@@ -100,7 +107,7 @@ def test_column_and_row_parallel_parts_make_the_whole_layer():
             qkv = QKVParallelLinear(12, 4, 1, 3, False, torch.float32)
         for shard, w in enumerate(weights):
             qkv.load_checkpoint_tensor("weight", shard, w)
-        assert torch.equal(qkv.weight, torch.cat([weights[0][6 * rank: 6 * rank + 6], weights[1], weights[2]]))
+        assert torch.equal(qkv.weight, torch.cat([weights[0][6 * rank : 6 * rank + 6], weights[1], weights[2]]))
 
 
 def test_vocab_parallel_embedding_and_head_cover_an_uneven_vocabulary():
@@ -192,8 +199,7 @@ def test_a_worker_rank_refuses_what_rank_0_refuses_before_joining(checkpoints, t
     with pytest.raises(ValueError, match="rank 1 of 3, but --tensor-parallel-size is 2"):
         LLMEngine(config, progress=False, launch=Launch(1, 3, "env://"))
     make_tiny_checkpoint("DeepseekV32ForCausalLM", tmp_path)
-    config = EngineConfig(model=str(tmp_path), plugins=["cpu", "deepseek_v4"], dtype="float32",
-                          tensor_parallel_size=2)
+    config = EngineConfig(model=str(tmp_path), plugins=["cpu", "deepseek_v4"], dtype="float32", tensor_parallel_size=2)
     with pytest.raises(SelectionError, match="does not support tensor parallelism"):
         LLMEngine(config, progress=False, launch=Launch(1, 2, "env://"))
 
@@ -239,9 +245,24 @@ def tensor_parallel_server(path: Path, plugin: str) -> Iterator[tuple[subprocess
 def start_server(path: Path, plugin: str, port: int) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     server = subprocess.Popen(
-        engine_command("serve", str(path), "--plugins", f"cpu,{plugin}", "--dtype", "float32", "--port", str(port),
-                       "--tensor-parallel-size", "2", "--kv-cache-memory", "0.05"),
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        engine_command(
+            "serve",
+            str(path),
+            "--plugins",
+            f"cpu,{plugin}",
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+            "--tensor-parallel-size",
+            "2",
+            "--kv-cache-memory",
+            "0.05",
+        ),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -273,10 +294,18 @@ def test_engine_serve_on_two_ranks_answers_as_one_rank_does(checkpoints, case):
     with tensor_parallel_server(path, plugin) as (server, port):
         assert len(worker_pids(server)) == 1
         answers = [
-            httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
-                "model": str(path), "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-                "return_token_ids": True,
-            }).json()
+            httpx.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                timeout=60,
+                json={
+                    "model": str(path),
+                    "prompt": prompt,
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            ).json()
             for prompt in PROMPTS
         ]
         server.send_signal(signal.SIGINT)
@@ -288,10 +317,19 @@ def test_a_killed_worker_fails_the_requests_in_flight_and_the_server_exits(check
     path, plugin = checkpoints["llama-gqa"]
     with tensor_parallel_server(path, plugin) as (server, port):
         (worker,) = worker_pids(server)
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
-            "model": str(path), "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-            "stream": True,
-        }) as response:
+        with httpx.stream(
+            "POST",
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={
+                "model": str(path),
+                "prompt": PROMPTS[2],
+                "max_tokens": 400,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as response:
             assert response.status_code == 200
             events = []
             for line in response.iter_lines():
@@ -323,12 +361,42 @@ def test_two_torchrun_launches_on_loopback_act_as_two_nodes(checkpoints):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     launches = [
         subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-             "-m", "engine", "generate", str(path), "--plugins", f"cpu,{plugin}", "--dtype", "float32",
-             "--tensor-parallel-size", "2", "--kv-cache-memory", "0.05", "--max-tokens", "12", "--ignore-eos",
-             "--json", *[arg for prompt in PROMPTS for arg in ("--prompt-ids", ",".join(map(str, prompt)))]],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                "-m",
+                "engine",
+                "generate",
+                str(path),
+                "--plugins",
+                f"cpu,{plugin}",
+                "--dtype",
+                "float32",
+                "--tensor-parallel-size",
+                "2",
+                "--kv-cache-memory",
+                "0.05",
+                "--max-tokens",
+                "12",
+                "--ignore-eos",
+                "--json",
+                *[arg for prompt in PROMPTS for arg in ("--prompt-ids", ",".join(map(str, prompt)))],
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for node in (0, 1)
     ]
@@ -349,9 +417,17 @@ def test_kv_tier_blocks_stored_under_one_rank_count_restore_under_the_other(chec
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
     def run(tp: int) -> tuple[list[list[int]], int]:
-        llm = LLM(str(path), plugins=["cpu", plugin, "kv_tier_disk"], dtype="float32", tensor_parallel_size=tp,
-                  kv_cache_memory=0.01, block_size=4, progress=False, kv_tier="disk",
-                  kv_tier_config={"path": str(tmp_path), "capacity_gb": 0.1})
+        llm = LLM(
+            str(path),
+            plugins=["cpu", plugin, "kv_tier_disk"],
+            dtype="float32",
+            tensor_parallel_size=tp,
+            kv_cache_memory=0.01,
+            block_size=4,
+            progress=False,
+            kv_tier="disk",
+            kv_tier_config={"path": str(tmp_path), "capacity_gb": 0.1},
+        )
         with llm:
             outputs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             return outputs, llm.engine.kv_tier.stats.prefetched_blocks
@@ -368,16 +444,21 @@ def test_checkpoint_tensors_are_views_of_the_mapped_file(tmp_path):
     """What the loader yields equals what safetensors reads, for every dtype, without a
     private copy per tensor (a view of the copy-on-write mapping, so a rank copying its
     part reads only that part); writing to one leaves the file as it was."""
-    from engine.model_loader.weights import mapped_tensors
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from engine.model_loader.weights import mapped_tensors
+
     g = torch.Generator().manual_seed(3)
     tensors = {
-        "f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).bfloat16(),
-        "f16": torch.randn(2, 2, generator=g).half(), "i64": torch.arange(10).view(2, 5),
-        "u8": torch.arange(5, dtype=torch.uint8), "f8": torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn),
-        "bool": torch.tensor([True, False, True]), "empty": torch.zeros(0, 4),
+        "f32": torch.randn(3, 5, generator=g),
+        "bf16": torch.randn(7, generator=g).bfloat16(),
+        "f16": torch.randn(2, 2, generator=g).half(),
+        "i64": torch.arange(10).view(2, 5),
+        "u8": torch.arange(5, dtype=torch.uint8),
+        "f8": torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn),
+        "bool": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 4),
     }
     save_file(tensors, tmp_path / "w.safetensors")
     got = dict(mapped_tensors(tmp_path / "w.safetensors"))
@@ -388,8 +469,10 @@ def test_checkpoint_tensors_are_views_of_the_mapped_file(tmp_path):
     raw = (tmp_path / "w.safetensors").read_bytes()
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     for name in ("bf16", "i64", "u8"):
-        assert (got[name].data_ptr() - got["f32"].data_ptr()
-                == header[name]["data_offsets"][0] - header["f32"]["data_offsets"][0])
+        assert (
+            got[name].data_ptr() - got["f32"].data_ptr()
+            == header[name]["data_offsets"][0] - header["f32"]["data_offsets"][0]
+        )
     big = got["f32"]
     big.add_(1)
     with safe_open(str(tmp_path / "w.safetensors"), "pt") as handle:
@@ -406,11 +489,21 @@ def test_a_quantizer_applies_to_each_rank_s_part(tmp_path):
     make_tiny_checkpoint("LlamaForCausalLM", path, head_dim=32, intermediate_size=256, num_key_value_heads=2)
 
     def logits(tp: int, quantization: str | None) -> torch.Tensor:
-        with LLM(str(path), plugins=["cpu", plugin, "bitsandbytes"], dtype="float32", tensor_parallel_size=tp,
-                 kv_cache_memory=0.05, progress=False, quantization=quantization) as llm:
+        with LLM(
+            str(path),
+            plugins=["cpu", plugin, "bitsandbytes"],
+            dtype="float32",
+            tensor_parallel_size=tp,
+            kv_cache_memory=0.05,
+            progress=False,
+            quantization=quantization,
+        ) as llm:
             if quantization:
-                methods = {type(m.method).__name__ for n, m in llm.engine.model.named_modules()
-                           if hasattr(m, "method") and n != "lm_head"}
+                methods = {
+                    type(m.method).__name__
+                    for n, m in llm.engine.model.named_modules()
+                    if hasattr(m, "method") and n != "lm_head"
+                }
                 assert methods == {"BnB4bitLinearMethod"}
             return torch.cat(llm.prompt_logits(PROMPTS))
 
@@ -426,11 +519,7 @@ def test_a_worker_that_dies_before_joining_is_an_error_at_once(checkpoints, tmp_
     from engine.distributed.executor import WorkerDiedError
 
     module = f"dies_in_workers_{os.getpid()}"
-    (tmp_path / f"{module}.py").write_text(
-        "import os\n"
-        "if os.environ.get('ENGINE_WORKER_RANK'):\n"
-        "    os._exit(3)\n"
-    )
+    (tmp_path / f"{module}.py").write_text("import os\nif os.environ.get('ENGINE_WORKER_RANK'):\n    os._exit(3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     path, plugin = checkpoints["llama-gqa"]
     started = time.monotonic()

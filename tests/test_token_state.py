@@ -38,10 +38,17 @@ def test_values_come_back_by_position_across_steps_and_blocks():
     # step 2: two new tokens each, the batch reversed; each reads all of its sequence's positions
     order = [2, 1, 0]
     width = max(lens) + 2
-    positions = torch.cat([torch.tensor([[j if j < lens[b] + 2 else -1 for j in range(width)]] * 2)
-                           for b in order])
-    got = step(backend, cache, [tables[b] for b in order], [lens[b] for b in order], [2, 2, 2],
-               [values[b] for b in order], positions, block_size)
+    positions = torch.cat([torch.tensor([[j if j < lens[b] + 2 else -1 for j in range(width)]] * 2) for b in order])
+    got = step(
+        backend,
+        cache,
+        [tables[b] for b in order],
+        [lens[b] for b in order],
+        [2, 2, 2],
+        [values[b] for b in order],
+        positions,
+        block_size,
+    )
     for i, b in enumerate(order):
         n = lens[b] + 2
         expected = torch.cat([values[b], torch.zeros(width - n, 6)])
@@ -50,5 +57,4 @@ def test_values_come_back_by_position_across_steps_and_blocks():
 
 def test_the_engine_serves_token_state_on_any_platform():
     assert TokenStateCache.validate(SPEC, platform="anything", dtype="float16", block_size=7) == []
-    assert TokenStateCache.validate(AttentionSpec("mha", 4, 4, 8, 1.0), platform="cpu", dtype="float32",
-                                    block_size=16)
+    assert TokenStateCache.validate(AttentionSpec("mha", 4, 4, 8, 1.0), platform="cpu", dtype="float32", block_size=16)

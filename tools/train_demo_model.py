@@ -88,13 +88,57 @@ SYSTEM_PROMPTS = [
 ]
 # Well-known installed packages whose docstrings join the corpus (best effort: missing ones are skipped).
 PACKAGES = [
-    "torch", "transformers", "numpy", "pydantic", "jinja2", "tqdm", "click", "rich", "pygments",
-    "sympy", "networkx", "mpmath", "hypothesis", "_pytest", "pluggy", "packaging", "httpx", "httpcore",
-    "anyio", "starlette", "fastapi", "uvicorn", "huggingface_hub", "yaml", "setuptools", "pip",
-    "safetensors", "tokenizers", "filelock", "fsspec", "markdown_it", "typer", "openai", "idna",
-    "sortedcontainers", "markupsafe", "regex", "prometheus_client", "typing_extensions",
+    "torch",
+    "transformers",
+    "numpy",
+    "pydantic",
+    "jinja2",
+    "tqdm",
+    "click",
+    "rich",
+    "pygments",
+    "sympy",
+    "networkx",
+    "mpmath",
+    "hypothesis",
+    "_pytest",
+    "pluggy",
+    "packaging",
+    "httpx",
+    "httpcore",
+    "anyio",
+    "starlette",
+    "fastapi",
+    "uvicorn",
+    "huggingface_hub",
+    "yaml",
+    "setuptools",
+    "pip",
+    "safetensors",
+    "tokenizers",
+    "filelock",
+    "fsspec",
+    "markdown_it",
+    "typer",
+    "openai",
+    "idna",
+    "sortedcontainers",
+    "markupsafe",
+    "regex",
+    "prometheus_client",
+    "typing_extensions",
 ]
-SKIP_DIRS = {"test", "tests", "testing", "site-packages", "dist-packages", "__pycache__", "idle_test", "_vendor", "vendor"}
+SKIP_DIRS = {
+    "test",
+    "tests",
+    "testing",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "idle_test",
+    "_vendor",
+    "vendor",
+}
 PER_PACKAGE_CHARS = 1_500_000  # so that no single package dominates the plain-text half
 
 MODEL_CONFIG = {
@@ -129,6 +173,7 @@ _BULLET = re.compile(r"^\s*([-*+•]|\d+[.)]|[A-Za-z_][\w.]*\s*(\([^)]*\))?\s*:|
 
 
 DEMO_SAMPLING = dict(temperature=0.5, top_k=20, top_p=0.9, repetition_penalty=1.1)
+
 
 def clean_docstring(raw: str) -> str | None:
     """Clean one docstring; None when it is too short or mostly code."""
@@ -267,19 +312,32 @@ def _is_public(name: str) -> bool:
 
 QUESTIONS = {
     "module": [
-        "Tell me about the {n} module.", "What is the {n} module?", "What does the {n} module do?",
-        "Explain the {n} module.", "What is {n} for?",
+        "Tell me about the {n} module.",
+        "What is the {n} module?",
+        "What does the {n} module do?",
+        "Explain the {n} module.",
+        "What is {n} for?",
     ],
     "class": [
-        "What is {n}?", "Explain the {n} class.", "Tell me about {n}.", "What is the {n} class used for?",
+        "What is {n}?",
+        "Explain the {n} class.",
+        "Tell me about {n}.",
+        "What is the {n} class used for?",
         "Describe {n}.",
     ],
     "function": [
-        "What does {n} do?", "Explain {n}.", "What is {n} used for?", "Describe the function {n}.",
-        "How does {n} work?", "What is the purpose of {n}?",
+        "What does {n} do?",
+        "Explain {n}.",
+        "What is {n} used for?",
+        "Describe the function {n}.",
+        "How does {n} work?",
+        "What is the purpose of {n}?",
     ],
     "method": [
-        "What does {n} do?", "Explain {n}.", "What is the {n} method for?", "Describe the method {n}.",
+        "What does {n} do?",
+        "Explain {n}.",
+        "What is the {n} method for?",
+        "Describe the method {n}.",
         "What is the purpose of {n}?",
     ],
 }
@@ -356,9 +414,15 @@ def build_corpus(docs: list[Doc], max_chars: int, seed: int) -> tuple[list[str],
     documents = plain + chat
     rng.shuffle(documents)
     stats = {
-        "docstrings": len(docs), "unique": len(unique), "plain_docs": len(plain), "plain_chars": n_plain,
-        "chat_docs": len(chat), "chat_chars": n_chat, "total_chars": sum(len(t) for t in documents),
-        "plain_chars_by_source": per_source, "chat_chars_by_source": chat_per_source,
+        "docstrings": len(docs),
+        "unique": len(unique),
+        "plain_docs": len(plain),
+        "plain_chars": n_plain,
+        "chat_docs": len(chat),
+        "chat_chars": n_chat,
+        "total_chars": sum(len(t) for t in documents),
+        "plain_chars_by_source": per_source,
+        "chat_chars_by_source": chat_per_source,
     }
     return documents, stats
 
@@ -373,9 +437,13 @@ def train_tokenizer(documents: list[str], out: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
+
     # The special tokens are separate entries; strip them from the training text.
     def texts():
         for d in documents:
@@ -400,9 +468,13 @@ def train_tokenizer(documents: list[str], out: Path):
         "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {"eos_token": END, "pad_token": EOT, "additional_special_tokens": config["additional_special_tokens"]},
-        indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(
+        json.dumps(
+            {"eos_token": END, "pad_token": EOT, "additional_special_tokens": config["additional_special_tokens"]},
+            indent=2,
+        )
+        + "\n"
+    )
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(out))
@@ -421,17 +493,25 @@ def train_tokenizer(documents: list[str], out: Path):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="core/engine/demo_model", help="Output directory.")
     parser.add_argument("--minutes", type=float, default=8.0, help="Training wall time (default 8).")
     parser.add_argument("--steps", type=int, default=None, help="Train exactly this many steps instead of --minutes.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=8,
-                        help="Sequences of 256 tokens per step (default 8: in a few CPU minutes, many small steps "
-                             "reach a lower loss than fewer big ones).")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        help="Sequences of 256 tokens per step (default 8: in a few CPU minutes, many small steps "
+        "reach a lower loss than fewer big ones).",
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--max-chars", type=int, default=12_000_000, help="Corpus cap in characters (half plain, half chat).")
+    parser.add_argument(
+        "--max-chars", type=int, default=12_000_000, help="Corpus cap in characters (half plain, half chat)."
+    )
     args = parser.parse_args()
 
     import torch
@@ -458,8 +538,11 @@ def main() -> None:
     held_ids = [i for e in enc[:n_held] for i in e.ids]
     train_ids = [i for e in enc[n_held:] for i in e.ids]
     stats.update(train_tokens=len(train_ids), heldout_tokens=len(held_ids))
-    print(f"Tokens: train {len(train_ids):,}, held-out {len(held_ids):,} "
-          f"({stats['total_chars'] / (len(train_ids) + len(held_ids)):.2f} chars/token, {time.time() - t_start:.0f}s)", flush=True)
+    print(
+        f"Tokens: train {len(train_ids):,}, held-out {len(held_ids):,} "
+        f"({stats['total_chars'] / (len(train_ids) + len(held_ids)):.2f} chars/token, {time.time() - t_start:.0f}s)",
+        flush=True,
+    )
 
     def chunks(ids: list[int]) -> torch.Tensor:
         n = len(ids) // SEQ_LEN
@@ -470,7 +553,11 @@ def main() -> None:
 
     ids = {s: tok.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS}
     config = LlamaConfig(
-        **MODEL_CONFIG, vocab_size=len(tok), bos_token_id=ids[EOT], eos_token_id=ids[END], pad_token_id=ids[EOT],
+        **MODEL_CONFIG,
+        vocab_size=len(tok),
+        bos_token_id=ids[EOT],
+        eos_token_id=ids[END],
+        pad_token_id=ids[EOT],
         architectures=["LlamaForCausalLM"],
     )
     model = LlamaForCausalLM(config)
@@ -481,7 +568,9 @@ def main() -> None:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
     )
     gen = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(train), generator=gen)
@@ -515,7 +604,7 @@ def main() -> None:
             bar.refresh()
         if pos + args.batch_size > len(order):
             order, pos = torch.randperm(len(train), generator=gen), 0
-        batch = train[order[pos: pos + args.batch_size]]
+        batch = train[order[pos : pos + args.batch_size]]
         pos += args.batch_size
         lr = lr_at(step, elapsed)
         for g in opt.param_groups:
@@ -536,11 +625,16 @@ def main() -> None:
 
     model.eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        losses = [model(input_ids=held[i: i + 16], labels=held[i: i + 16]).loss.item()
-                  for i in range(0, min(len(held), 160), 16)]
+        losses = [
+            model(input_ids=held[i : i + 16], labels=held[i : i + 16]).loss.item()
+            for i in range(0, min(len(held), 160), 16)
+        ]
     held_loss = sum(losses) / len(losses)
-    print(f"Trained {step} steps ({tokens_seen:,} tokens, {tokens_seen / max(len(train_ids), 1):.2f} epochs) "
-          f"in {train_time / 60:.1f} min; final train loss (EMA) {ema:.3f}, held-out loss {held_loss:.3f}", flush=True)
+    print(
+        f"Trained {step} steps ({tokens_seen:,} tokens, {tokens_seen / max(len(train_ids), 1):.2f} epochs) "
+        f"in {train_time / 60:.1f} min; final train loss (EMA) {ema:.3f}, held-out loss {held_loss:.3f}",
+        flush=True,
+    )
 
     # Save in bf16 (a few MB), with a generation config that stops at <|end|> and <|endoftext|> and
     # recommends the sampling settings a server uses when a request leaves them out: a model this small
@@ -548,7 +642,10 @@ def main() -> None:
     model = model.to(torch.bfloat16)
     model.config.dtype = "bfloat16"
     model.generation_config = GenerationConfig(
-        eos_token_id=[ids[END], ids[EOT]], pad_token_id=ids[EOT], bos_token_id=ids[EOT], do_sample=True,
+        eos_token_id=[ids[END], ids[EOT]],
+        pad_token_id=ids[EOT],
+        bos_token_id=ids[EOT],
+        do_sample=True,
         **DEMO_SAMPLING,
     )
     model.save_pretrained(out, safe_serialization=True)
@@ -561,14 +658,16 @@ def main() -> None:
     model = model.float()
     samples = []
     plain = "The function returns"
-    chat = tok.apply_chat_template([{"role": "user", "content": "What does json.dumps do?"}],
-                                   tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What does json.dumps do?"}], tokenize=False, add_generation_prompt=True
+    )
     for prompt in (plain, chat):
         input_ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
         with torch.no_grad():
-            gen_ids = model.generate(input_ids, max_new_tokens=80, do_sample=False,
-                                     attention_mask=torch.ones_like(input_ids))
-        text = tok.decode(gen_ids[0, input_ids.shape[1]:], skip_special_tokens=False)
+            gen_ids = model.generate(
+                input_ids, max_new_tokens=80, do_sample=False, attention_mask=torch.ones_like(input_ids)
+            )
+        text = tok.decode(gen_ids[0, input_ids.shape[1] :], skip_special_tokens=False)
         samples.append(text)
         print(f"\n--- prompt: {prompt!r}\n{text}", flush=True)
     print(f"\nDone in {(time.time() - t_start) / 60:.1f} min; model in {out}/", flush=True)
@@ -585,17 +684,17 @@ tokenizer ({VOCAB_SIZE} tokens), trained for a few minutes on CPU, offline, by
 recognizable English without downloading anything. It is a toy: it writes docstring-flavoured
 English and does not know facts reliably.
 
-- Architecture: `LlamaForCausalLM`, hidden size {c['hidden_size']}, {c['num_hidden_layers']} layers,
-  {c['num_attention_heads']} attention heads ({c['num_key_value_heads']} KV heads), MLP {c['intermediate_size']},
-  tied embeddings, max {c['max_position_embeddings']} positions; weights stored in bf16 safetensors.
+- Architecture: `LlamaForCausalLM`, hidden size {c["hidden_size"]}, {c["num_hidden_layers"]} layers,
+  {c["num_attention_heads"]} attention heads ({c["num_key_value_heads"]} KV heads), MLP {c["intermediate_size"]},
+  tied embeddings, max {c["max_position_embeddings"]} positions; weights stored in bf16 safetensors.
 - Tokenizer: byte-level BPE, special tokens `<|endoftext|>` (pad, document separator), `<|user|>`,
   `<|assistant|>`, `<|system|>`, `<|end|>` (EOS, ends every chat turn). Chat template:
   `<|role|>\\ncontent<|end|>\\n` per message, then `<|assistant|>\\n` for the generation prompt.
 - Corpus: docstrings of the Python {sys.version_info.major}.{sys.version_info.minor} standard library and of installed packages
   (torch, transformers, numpy, sympy, pydantic, jinja2, ...), parsed with `ast`, cleaned and deduplicated:
-  {stats['plain_docs']:,} plain-text documents ({stats['plain_chars'] / 1e6:.1f}M chars) and
-  {stats['chat_docs']:,} chat examples ({stats['chat_chars'] / 1e6:.1f}M chars; "What does json.dumps do?" answered
-  with the docstring's first paragraph); {stats['train_tokens']:,} training tokens, {stats['heldout_tokens']:,} held out.
+  {stats["plain_docs"]:,} plain-text documents ({stats["plain_chars"] / 1e6:.1f}M chars) and
+  {stats["chat_docs"]:,} chat examples ({stats["chat_chars"] / 1e6:.1f}M chars; "What does json.dumps do?" answered
+  with the docstring's first paragraph); {stats["train_tokens"]:,} training tokens, {stats["heldout_tokens"]:,} held out.
 - Training: {steps} steps of {args.batch_size} x {SEQ_LEN} tokens ({tokens_seen / 1e6:.1f}M tokens), AdamW, lr {args.lr:g}
   with warmup and cosine decay, bf16 autocast, {train_time / 60:.1f} min on {args.threads} CPU threads, seed {args.seed}.
   Final train loss {train_loss:.2f}, held-out loss {held_loss:.2f}.

@@ -22,8 +22,17 @@ SERVE_MODEL = "demo"
 BENCH_DTYPES = ("float32", "bfloat16", "float16")
 # the EngineConfig fields engine bench takes for its fixed workloads (what EngineRunner accepts)
 BENCH_ENGINE_FIELDS = (
-    "model", "plugins", "dtype", "quantization", "quantization_config", "speculative_method",
-    "num_speculative_tokens", "speculative_config", "max_num_seqs", "max_num_batched_tokens", "async_scheduling",
+    "model",
+    "plugins",
+    "dtype",
+    "quantization",
+    "quantization_config",
+    "speculative_method",
+    "num_speculative_tokens",
+    "speculative_config",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "async_scheduling",
 )
 
 
@@ -46,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="An LLM inference engine with a thin core and plugins.",
         formatter_class=_Formatter,
     )
-    parser.add_argument("--version", action="version", version=f"engine {__version__} (plugin API {PLUGIN_API_VERSION})")
+    parser.add_argument(
+        "--version", action="version", version=f"engine {__version__} (plugin API {PLUGIN_API_VERSION})"
+    )
     parser.add_argument("--log-level", default="WARNING", help="Logging level.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -55,13 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_config_options(plugins, EngineConfig, only=("plugins",))
     plugins.add_argument("--json", action="store_true", help="Print JSON instead of text.")
-    plugins.add_argument("--probe", action="store_true", help="Also probe each platform's availability (imports torch).")
+    plugins.add_argument(
+        "--probe", action="store_true", help="Also probe each platform's availability (imports torch)."
+    )
 
     generate = sub.add_parser("generate", help="Generate text for prompts, offline.", formatter_class=_Formatter)
     _add_model_argument(generate, DEFAULT_MODEL)
     generate.add_argument("--prompt", action="append", default=None, help="A text prompt (repeatable).")
     generate.add_argument(
-        "--prompt-ids", action="append", default=None,
+        "--prompt-ids",
+        action="append",
+        default=None,
         help="A prompt as comma-separated token ids (repeatable). Default when the model has no tokenizer: 1,2,...,16.",
     )
     generate.add_argument("--max-tokens", type=int, default=32, help="Output tokens per prompt at most.")
@@ -73,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(generate, skip=("model",))
 
     serve = sub.add_parser(
-        "serve", help="Serve a model over an OpenAI-compatible HTTP API.", formatter_class=_Formatter,
+        "serve",
+        help="Serve a model over an OpenAI-compatible HTTP API.",
+        formatter_class=_Formatter,
         description="Serve MODEL over HTTP: /v1/completions, /v1/chat/completions, /v1/messages (Anthropic shape), "
         "/v1/models, /health, /metrics. With no MODEL, serves the built-in demo model.",
     )
@@ -82,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(serve, skip=("model",))
 
     bench = sub.add_parser(
-        "bench", help="Run a benchmark workload (see benchmarks/README.md).", formatter_class=_Formatter,
+        "bench",
+        help="Run a benchmark workload (see benchmarks/README.md).",
+        formatter_class=_Formatter,
         description="Run a fixed workload on the engine and, with --peers, on peers with the same weights and "
         "requests, in this process; prints each figure, the ratio engine/peer and how it was measured.\n\n"
         "  latency     W1: 1 request, prompt 128, 128 output tokens\n"
@@ -92,19 +111,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("workload", choices=["latency", "throughput", "prefix"], help="Which workload to run.")
     bench.add_argument("--peers", default="", help="Comma-separated peers to run as well: hf (transformers generate).")
     bench.add_argument(
-        "--scale", type=float, default=1.0,
+        "--scale",
+        type=float,
+        default=1.0,
         help="Multiply every request count and length by this (smoke tests); 1 is the WORKLOADS.md workload.",
     )
     bench.add_argument(
-        "--repeat", type=int, default=1,
+        "--repeat",
+        type=int,
+        default=1,
         help="Run the workload this many times on each runner and report each runner's run of median wall time "
         "(for machines whose speed drifts between runs).",
     )
     bench.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
-    _add_engine_options(bench, only=BENCH_ENGINE_FIELDS, overrides={
-        "model": {"default": DEFAULT_MODEL},
-        "dtype": {"default": "bfloat16", "choices": BENCH_DTYPES, "help": "Compute dtype of the engine and the peers."},
-    })
+    _add_engine_options(
+        bench,
+        only=BENCH_ENGINE_FIELDS,
+        overrides={
+            "model": {"default": DEFAULT_MODEL},
+            "dtype": {
+                "default": "bfloat16",
+                "choices": BENCH_DTYPES,
+                "help": "Compute dtype of the engine and the peers.",
+            },
+        },
+    )
     return parser
 
 
@@ -178,8 +209,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         for kind, names in info.components.items():
             if names:
                 print(f"  {kind}: {', '.join(names)}")
-    built_in = {kind: [e["name"] for e in entries if e["plugin"] == "engine"]
-                for kind, entries in report["components"].items()}
+    built_in = {
+        kind: [e["name"] for e in entries if e["plugin"] == "engine"] for kind, entries in report["components"].items()
+    }
     if any(built_in.values()):
         print("built into the engine:")
         for kind, names in built_in.items():
@@ -230,8 +262,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts = ["The capital of France is"] if llm.get_tokenizer() is not None else [list(range(1, 17))]
     # --seed also seeds every prompt's sampling, so a seeded run gives the same tokens whatever the batch
     params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_tokens,
-        ignore_eos=args.ignore_eos, seed=getattr(args, "seed", None),
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        seed=getattr(args, "seed", None),
     )
     start = time.perf_counter()
     with llm:  # under tensor parallelism, closing stops the other ranks
@@ -239,11 +275,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     elapsed = time.perf_counter() - start
     num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
     if args.json:
-        print(json.dumps([
-            {"prompt": o.prompt, "prompt_token_ids": o.prompt_token_ids, "text": o.outputs[0].text,
-             "token_ids": o.outputs[0].token_ids, "finish_reason": o.outputs[0].finish_reason}
-            for o in outputs
-        ], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "prompt": o.prompt,
+                        "prompt_token_ids": o.prompt_token_ids,
+                        "text": o.outputs[0].text,
+                        "token_ids": o.outputs[0].token_ids,
+                        "finish_reason": o.outputs[0].finish_reason,
+                    }
+                    for o in outputs
+                ],
+                indent=2,
+            )
+        )
         return 0
     engine = llm.engine
     print(f"model {engine.model_path} ({engine.architecture}) on {engine.platform.name}, {engine.dtype_name}")
@@ -265,8 +311,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("engine").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     if _run_as_worker(engine_config):
         return 0
-    return serve(engine_config, server_config,
-                 log_level="warning" if args.log_level.upper() == "WARNING" else args.log_level)
+    return serve(
+        engine_config, server_config, log_level="warning" if args.log_level.upper() == "WARNING" else args.log_level
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -284,8 +331,12 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
     config_from_namespace(EngineConfig, args)
     settings = given_settings(EngineConfig, args)
     return BenchOptions(
-        model=settings.pop("model"), dtype=settings.pop("dtype"), scale=args.scale, repeat=args.repeat,
-        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()), engine_settings=settings,
+        model=settings.pop("model"),
+        dtype=settings.pop("dtype"),
+        scale=args.scale,
+        repeat=args.repeat,
+        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
+        engine_settings=settings,
     )
 
 

@@ -18,20 +18,23 @@ class EngineConfig(BaseModel):
     )
     tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model directory.")
     plugins: list[str] | None = Field(
-        None, description="Comma-separated plugins to load (entry-point names or module paths); '' loads none; "
-        "unset: $ENGINE_PLUGINS, else every installed plugin."
+        None,
+        description="Comma-separated plugins to load (entry-point names or module paths); '' loads none; "
+        "unset: $ENGINE_PLUGINS, else every installed plugin.",
     )
     device: str | None = Field(
-        None, description="Platform name; default: the only available accelerator (two or more need a choice), "
-        "else cpu."
+        None,
+        description="Platform name; default: the only available accelerator (two or more need a choice), else cpu.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Compute dtype; auto: the checkpoint's where the platform supports it, else the "
-        "platform's default."
+        "auto",
+        description="Compute dtype; auto: the checkpoint's where the platform supports it, else the "
+        "platform's default.",
     )
     attention_backend: str | None = Field(
-        None, description="Attention backend name or module.path:Class; default: the platform's first backend "
-        "that can serve the model."
+        None,
+        description="Attention backend name or module.path:Class; default: the platform's first backend "
+        "that can serve the model.",
     )
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + output in tokens; default: the checkpoint's max_position_embeddings."
@@ -40,53 +43,67 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1, description="Most requests running at once.")
     max_num_batched_tokens: int = Field(16384, ge=1, description="Token budget of one step.")
     kv_cache_memory: float | None = Field(
-        None, gt=0, description="KV-cache size in GiB; unset: kv_cache_memory_fraction of the free memory if that "
+        None,
+        gt=0,
+        description="KV-cache size in GiB; unset: kv_cache_memory_fraction of the free memory if that "
         "is set, else the platform's default (half of the free device memory; cpu: half of the free host memory, "
-        "at most 4 GiB)."
+        "at most 4 GiB).",
     )
     kv_cache_memory_fraction: float | None = Field(
-        None, gt=0, le=1, description="Share of the free device memory (host memory on cpu) for the KV cache, "
-        "used when kv_cache_memory is unset."
+        None,
+        gt=0,
+        le=1,
+        description="Share of the free device memory (host memory on cpu) for the KV cache, "
+        "used when kv_cache_memory is unset.",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before.")
     kv_tier: str | None = Field(
-        None, description="Secondary KV tier for evicted prefix blocks: cpu (built in), a plugin's tier (e.g. disk) "
-        "or module.path:Class."
+        None,
+        description="Secondary KV tier for evicted prefix blocks: cpu (built in), a plugin's tier (e.g. disk) "
+        "or module.path:Class.",
     )
     kv_tier_config: dict[str, Any] = Field(
-        default_factory=dict, description="The tier's settings, a JSON object (e.g. {\"capacity_gb\": 8} for cpu, "
-        "{\"path\": \"/var/cache/engine-kv\", \"capacity_gb\": 20} for disk)."
+        default_factory=dict,
+        description='The tier\'s settings, a JSON object (e.g. {"capacity_gb": 8} for cpu, '
+        '{"path": "/var/cache/engine-kv", "capacity_gb": 20} for disk).',
     )
     quantization: str | None = Field(
-        None, description="Quantize an unquantized checkpoint while loading: a registered method (e.g. "
+        None,
+        description="Quantize an unquantized checkpoint while loading: a registered method (e.g. "
         "bitsandbytes, from engine-bitsandbytes) or module.path:Class. A quantized checkpoint needs none: its "
-        "config.json names its method."
+        "config.json names its method.",
     )
     quantization_config: dict[str, Any] = Field(
-        default_factory=dict, description="Settings for quantization, a JSON object in the shape of a "
-        "checkpoint's quantization_config (e.g. {\"load_in_8bit\": true})."
+        default_factory=dict,
+        description="Settings for quantization, a JSON object in the shape of a "
+        'checkpoint\'s quantization_config (e.g. {"load_in_8bit": true}).',
     )
     speculative_method: str | None = Field(
-        None, description="Speculative decoding: a proposer drafts tokens, the model verifies them in one pass "
+        None,
+        description="Speculative decoding: a proposer drafts tokens, the model verifies them in one pass "
         "(outputs are unchanged): ngram (prompt lookup), draft (a small model, see speculative_config), a plugin's "
-        "proposer or module.path:Class."
+        "proposer or module.path:Class.",
     )
     num_speculative_tokens: int = Field(
         4, ge=1, le=64, description="Most draft tokens per request and step (fewer when acceptance or load says so)."
     )
     speculative_config: dict[str, Any] = Field(
-        default_factory=dict, description="The proposer's settings, a JSON object (e.g. {\"model\": \"./draft\"} "
-        "for draft, {\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} for ngram)."
+        default_factory=dict,
+        description='The proposer\'s settings, a JSON object (e.g. {"model": "./draft"} '
+        'for draft, {"prompt_lookup_min": 2, "prompt_lookup_max": 5} for ngram).',
     )
     seed: int = Field(0, description="Seed of the random state that requests without a seed of their own sample from.")
     tensor_parallel_size: int = Field(
-        1, ge=1, description="Ranks to split the model over (tensor parallelism): spawned on this machine, or "
-        "started by torchrun across machines (WORLD_SIZE must equal it)."
+        1,
+        ge=1,
+        description="Ranks to split the model over (tensor parallelism): spawned on this machine, or "
+        "started by torchrun across machines (WORLD_SIZE must equal it).",
     )
     async_scheduling: bool = Field(
-        False, description="Start the next step's forward on a thread of its own before a step's result is handed "
+        False,
+        description="Start the next step's forward on a thread of its own before a step's result is handed "
         "back, so that what the caller does with it (streaming, detokenized text) overlaps the forward; outputs "
-        "are the same either way."
+        "are the same either way.",
     )
 
     @field_validator("kv_tier_config", "quantization_config", "speculative_config", mode="before")
@@ -119,8 +136,9 @@ class ServerConfig(BaseModel):
     host: str = Field("127.0.0.1", description="Address to listen on; 0.0.0.0 exposes the server to the network.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one.")
     api_key: str | None = Field(
-        None, description="Key every endpoint but /health requires (Authorization: Bearer KEY or x-api-key: KEY); "
-        "default: $ENGINE_API_KEY, else none."
+        None,
+        description="Key every endpoint but /health requires (Authorization: Bearer KEY or x-api-key: KEY); "
+        "default: $ENGINE_API_KEY, else none.",
     )
     served_model_name: str | None = Field(None, description="Model name clients send; default: the model argument.")
     metrics_public: bool = Field(False, description="Serve /metrics without the API key.")

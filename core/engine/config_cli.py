@@ -32,8 +32,12 @@ def option_name(field_name: str) -> str:
 
 
 def add_config_options(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup, model_cls: type[BaseModel], *,
-    only: Iterable[str] | None = None, skip: Iterable[str] = (), overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    model_cls: type[BaseModel],
+    *,
+    only: Iterable[str] | None = None,
+    skip: Iterable[str] = (),
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[str]:
     """Add an option for each field of ``model_cls`` (those in ``only`` when given, none in
     ``skip``), in declaration order; returns the field names added.

@@ -9,8 +9,8 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
-from engine.outputs import CompletionOutput, RequestOutput
 from engine.engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.runtime.logprobs import logprob_dict
 from engine.runtime.request import Request
 from engine.sampling_params import SamplingParams
@@ -86,7 +86,9 @@ class LLM:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (
-            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+            [sampling_params] * len(prompt_list)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
         )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"Got {len(params_list)} SamplingParams for {len(prompt_list)} prompts.")
@@ -113,7 +115,9 @@ class LLM:
                 text, token_ids = self._to_token_ids(prompt)
                 request_id = f"offline-{next(self._ids)}"
                 if want_prompt_logits:
-                    groups.append([self.engine.add_request(request_id, token_ids, p, prompt=text, want_prompt_logits=True)])
+                    groups.append(
+                        [self.engine.add_request(request_id, token_ids, p, prompt=text, want_prompt_logits=True)]
+                    )
                 else:
                     groups.append(self.engine.add_request_group(request_id, token_ids, p, prompt=text))
         except BaseException:
@@ -145,8 +149,11 @@ class LLM:
         if first.sampling_params.prompt_logprobs is not None:
             prompt_logprobs = [None] + [logprob_dict(entry, tokenizer) for entry in first.prompt_logprobs]
         return RequestOutput(
-            request_id=first.parent_request_id or first.request_id, prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids, outputs=[self._completion(r) for r in group], finished=True,
+            request_id=first.parent_request_id or first.request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[self._completion(r) for r in group],
+            finished=True,
             prompt_logprobs=prompt_logprobs,
         )
 
@@ -156,7 +163,11 @@ class LLM:
             logprobs = [logprob_dict(entry, self.engine.tokenizer) for entry in request.output_logprobs]
             cumulative_logprob = sum(entry.logprobs[0] for entry in request.output_logprobs)
         return CompletionOutput(
-            index=request.index, text=request.output_text, token_ids=request.output_token_ids,
-            finish_reason=request.status.value, stop_reason=request.stop_reason,
-            logprobs=logprobs, cumulative_logprob=cumulative_logprob,
+            index=request.index,
+            text=request.output_text,
+            token_ids=request.output_token_ids,
+            finish_reason=request.status.value,
+            stop_reason=request.stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=cumulative_logprob,
         )

@@ -87,8 +87,10 @@ class SamplingParams:
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}.")
         if self.top_k > TOP_K_MAX:
-            raise ValueError(f"top_k must be at most {TOP_K_MAX} (any value above the vocabulary size keeps every "
-                             f"token), got {self.top_k}.")
+            raise ValueError(
+                f"top_k must be at most {TOP_K_MAX} (any value above the vocabulary size keeps every "
+                f"token), got {self.top_k}."
+            )
         _check_number("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
@@ -156,7 +158,8 @@ class SamplingParams:
         if not 0 <= index < self.n:
             raise ValueError(f"Sample index {index} is out of range for n={self.n}.")
         return dataclasses.replace(
-            self, n=1,
+            self,
+            n=1,
             seed=None if self.seed is None else self.seed + index,
             prompt_logprobs=self.prompt_logprobs if index == 0 else None,
         )

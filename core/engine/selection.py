@@ -64,7 +64,12 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None, platform: Platfo
 
 
 def select_attention_backend(
-    backends: Any, platform: Platform, spec: AttentionSpec, *, dtype: str, block_size: int,
+    backends: Any,
+    platform: Platform,
+    spec: AttentionSpec,
+    *,
+    dtype: str,
+    block_size: int,
     requested: str | None = None,
 ) -> type[AttentionBackend]:
     """The requested backend if it validates, else the platform's first usable preference."""

@@ -24,8 +24,9 @@ def server(chat_checkpoint: Path):
     from engine.config import ServerConfig
     from engine.entrypoints.serve import start_server
 
-    running = start_server(engine_config(chat_checkpoint), ServerConfig(port=0, api_key=API_KEY,
-                                                                       served_model_name="tiny"))
+    running = start_server(
+        engine_config(chat_checkpoint), ServerConfig(port=0, api_key=API_KEY, served_model_name="tiny")
+    )
     yield running
     running.stop()
 

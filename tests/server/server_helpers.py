@@ -28,8 +28,9 @@ def make_chat_checkpoint(path: Path) -> Path:
 def engine_config(path: Path, **overrides):
     from engine.config import EngineConfig
 
-    return EngineConfig(**{"model": str(path), "plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.02,
-                           **overrides})
+    return EngineConfig(
+        **{"model": str(path), "plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.02, **overrides}
+    )
 
 
 def free_blocks(server) -> int:

@@ -24,7 +24,10 @@ def start(args: list[str], env: dict[str, str] | None = None) -> tuple[subproces
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "serve", *args, "--port", str(port), "--plugins", "cpu,llama"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 240  # includes compiling the CPU kernels on a cold cache
@@ -55,8 +58,12 @@ def test_serve_without_a_model_answers_chat_in_english():
     try:
         models = httpx.get(url + "/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["demo"]
-        body = {"model": "demo", "messages": [{"role": "user", "content": "What does json.dumps do?"}],
-                "max_tokens": 60, "temperature": 0}
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": "What does json.dumps do?"}],
+            "max_tokens": 60,
+            "temperature": 0,
+        }
         reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
         text = reply["choices"][0]["message"]["content"]
         words = re.findall(r"[A-Za-z]+", text)
@@ -69,8 +76,10 @@ def test_serve_without_a_model_answers_chat_in_english():
 
 
 def test_serve_api_key_from_the_environment(chat_checkpoint):
-    process, url = start([str(chat_checkpoint), "--served-model-name", "tiny", "--dtype", "float32",
-                          "--kv-cache-memory", "0.02"], env={"ENGINE_API_KEY": "env-secret"})
+    process, url = start(
+        [str(chat_checkpoint), "--served-model-name", "tiny", "--dtype", "float32", "--kv-cache-memory", "0.02"],
+        env={"ENGINE_API_KEY": "env-secret"},
+    )
     try:
         assert httpx.get(url + "/v1/models").status_code == 401
         assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer env-secret"}).status_code == 200
@@ -82,7 +91,9 @@ def test_serve_api_key_from_the_environment(chat_checkpoint):
 def test_serve_rejects_bad_options_in_one_line(chat_checkpoint):
     result = subprocess.run(
         [sys.executable, "-m", "engine.cli", "serve", str(chat_checkpoint), "--max-num-seqs", "0", "--plugins", ""],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 1
     assert result.stderr.strip() == "engine serve: error: --max-num-seqs: Input should be greater than or equal to 1"

@@ -16,10 +16,14 @@ GOOD = {
     CHAT: {"model": "tiny", "messages": HI, "max_tokens": 2},
     MSG: {"model": "tiny", "messages": HI, "max_tokens": 2},
 }
-OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                405: "invalid_request_error", 500: "internal_server_error"}
-ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                   500: "api_error"}
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    500: "internal_server_error",
+}
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 500: "api_error"}
 ANY = object()
 BOTH = pytest.mark.parametrize("path", [C, CHAT])
 
@@ -74,9 +78,11 @@ def error_of(path, r, status, **expected) -> dict:
 
 # 1. bodies that are not a JSON object
 
+
 @pytest.mark.parametrize("path", [C, CHAT, MSG])
-@pytest.mark.parametrize("raw, mentions", [(b"{bad", "JSON"), (b"", "empty"), (b"[1, 2]", "JSON object"),
-                                           (b"\xff\xfe", "JSON")])
+@pytest.mark.parametrize(
+    "raw, mentions", [(b"{bad", "JSON"), (b"", "empty"), (b"[1, 2]", "JSON object"), (b"\xff\xfe", "JSON")]
+)
 def test_body_that_is_not_a_json_object(http, path, raw, mentions):
     r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
     error_of(path, r, 400, mentions=mentions)
@@ -84,11 +90,21 @@ def test_body_that_is_not_a_json_object(http, path, raw, mentions):
 
 # 2. wrong types name the field
 
-@pytest.mark.parametrize("path, field, value", [
-    *[(p, f, v) for p in (C, CHAT) for f, v in
-      [("max_tokens", "10"), ("temperature", "hot"), ("n", 1.5), ("stream", "yes"), ("stop", 3)]],
-    (C, "prompt", 5), (CHAT, "messages", "hi"), (MSG, "max_tokens", "10"), (MSG, "messages", "hi"),
-])
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        *[
+            (p, f, v)
+            for p in (C, CHAT)
+            for f, v in [("max_tokens", "10"), ("temperature", "hot"), ("n", 1.5), ("stream", "yes"), ("stop", 3)]
+        ],
+        (C, "prompt", 5),
+        (CHAT, "messages", "hi"),
+        (MSG, "max_tokens", "10"),
+        (MSG, "messages", "hi"),
+    ],
+)
 def test_wrong_type_names_the_field(http, path, field, value):
     error = error_of(path, post(http, path, **{field: value}), 400, mentions=field)
     if path != MSG:
@@ -97,6 +113,7 @@ def test_wrong_type_names_the_field(http, path, field, value):
 
 # 3. unknown model
 
+
 @pytest.mark.parametrize("path", [C, CHAT, MSG])
 def test_unknown_model_is_404(http, path):
     error_of(path, post(http, path, model="nope"), 404, param="model", code="model_not_found", mentions="nope")
@@ -104,10 +121,16 @@ def test_unknown_model_is_404(http, path):
 
 # 4, 5. context length and max_tokens
 
+
 @pytest.mark.parametrize("prompt", [list(range(300)), [7] * 256])
 def test_prompt_that_fills_the_context(http, prompt):
-    openai_error(post(http, C, drop=["max_tokens"], prompt=prompt), 400, param="prompt",
-                 code="context_length_exceeded", mentions="256")
+    openai_error(
+        post(http, C, drop=["max_tokens"], prompt=prompt),
+        400,
+        param="prompt",
+        code="context_length_exceeded",
+        mentions="256",
+    )
 
 
 @pytest.mark.parametrize("path", [CHAT, MSG])
@@ -124,53 +147,80 @@ def test_max_tokens_below_one(http, path, max_tokens):
 
 @pytest.mark.parametrize("path", [C, CHAT, MSG])
 def test_prompt_plus_max_tokens_over_the_context(http, path):
-    error_of(path, post(http, path, max_tokens=256), 400, param="max_tokens", code="context_length_exceeded",
-             mentions="max_tokens")
+    error_of(
+        path,
+        post(http, path, max_tokens=256),
+        400,
+        param="max_tokens",
+        code="context_length_exceeded",
+        mentions="max_tokens",
+    )
 
 
 def test_chat_max_completion_tokens_zero(http):
-    openai_error(post(http, CHAT, drop=["max_tokens"], max_completion_tokens=0), 400,
-                 param="max_completion_tokens", mentions="max_completion_tokens")
+    openai_error(
+        post(http, CHAT, drop=["max_tokens"], max_completion_tokens=0),
+        400,
+        param="max_completion_tokens",
+        mentions="max_completion_tokens",
+    )
 
 
 # 6, 7, 8. token ids, NUL characters, empty input
+
 
 @pytest.mark.parametrize("prompt", [[5, -1], [320], [1, 2, 10**6]])
 def test_token_id_outside_the_vocab(http, prompt):
     openai_error(post(http, C, prompt=prompt), 400, param="prompt", mentions="320")
 
 
-@pytest.mark.parametrize("path, fields", [
-    (C, {"prompt": "a\u0000b"}),
-    (CHAT, {"messages": [{"role": "user", "content": "a\u0000b"}]}),
-    (MSG, {"messages": [{"role": "user", "content": "a\u0000b"}]}),
-    (MSG, {"system": "a\u0000b"}),
-])
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        (C, {"prompt": "a\u0000b"}),
+        (CHAT, {"messages": [{"role": "user", "content": "a\u0000b"}]}),
+        (MSG, {"messages": [{"role": "user", "content": "a\u0000b"}]}),
+        (MSG, {"system": "a\u0000b"}),
+    ],
+)
 def test_nul_character_in_text(http, path, fields):
     error_of(path, post(http, path, **fields), 400, mentions="NUL")
 
 
-@pytest.mark.parametrize("path, fields, mentions", [
-    (CHAT, {"messages": []}, "messages"),
-    (MSG, {"messages": []}, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": ""}]}, "empty"),
-    (MSG, {"messages": [{"role": "user", "content": ""}]}, "empty"),
-    (C, {"prompt": ""}, "prompt"),
-    (C, {"prompt": []}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "path, fields, mentions",
+    [
+        (CHAT, {"messages": []}, "messages"),
+        (MSG, {"messages": []}, "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": ""}]}, "empty"),
+        (MSG, {"messages": [{"role": "user", "content": ""}]}, "empty"),
+        (C, {"prompt": ""}, "prompt"),
+        (C, {"prompt": []}, "prompt"),
+    ],
+)
 def test_empty_input(http, path, fields, mentions):
     error_of(path, post(http, path, **fields), 400, mentions=mentions)
 
 
 # 9. parameters this server refuses
 
-@pytest.mark.parametrize("path, field, value", [
-    (C, "foo", 1), (CHAT, "foo", 1), (C, "logit_bias", {"5": 1.0}), (CHAT, "logit_bias", {"5": 1.0}),
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]), (C, "echo", True), (C, "suffix", "end"),
-])
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        (C, "foo", 1),
+        (CHAT, "foo", 1),
+        (C, "logit_bias", {"5": 1.0}),
+        (CHAT, "logit_bias", {"5": 1.0}),
+        (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}]),
+        (C, "echo", True),
+        (C, "suffix", "end"),
+    ],
+)
 def test_unsupported_parameter(http, path, field, value):
-    openai_error(post(http, path, **{field: value}), 400, param=field, code="unsupported_parameter",
-                 mentions=field.rstrip("s"))
+    openai_error(
+        post(http, path, **{field: value}), 400, param=field, code="unsupported_parameter", mentions=field.rstrip("s")
+    )
 
 
 def test_unknown_field_on_messages(http):
@@ -179,22 +229,39 @@ def test_unknown_field_on_messages(http):
 
 # 10, 11, 12. out-of-range values, the priority header, /v1/messages specifics
 
-@pytest.mark.parametrize("path, field, value", [
-    *[(p, f, v) for p in (C, CHAT) for f, v in [("temperature", 3), ("top_p", 0), ("n", 0), ("presence_penalty", 5)]],
-    (CHAT, "top_logprobs", 2), (C, "logprobs", 50), (MSG, "temperature", 1.5),
-])
+
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        *[
+            (p, f, v)
+            for p in (C, CHAT)
+            for f, v in [("temperature", 3), ("top_p", 0), ("n", 0), ("presence_penalty", 5)]
+        ],
+        (CHAT, "top_logprobs", 2),
+        (C, "logprobs", 50),
+        (MSG, "temperature", 1.5),
+    ],
+)
 def test_out_of_range_value(http, path, field, value):
     error_of(path, post(http, path, **{field: value}), 400, param=field, mentions=field)
 
 
 @pytest.mark.parametrize("path", [C, CHAT, MSG])
 def test_bad_priority_header(http, path):
-    error_of(path, post(http, path, headers={"X-Request-Priority": "high"}), 400, param="X-Request-Priority",
-             mentions="X-Request-Priority")
+    error_of(
+        path,
+        post(http, path, headers={"X-Request-Priority": "high"}),
+        400,
+        param="X-Request-Priority",
+        mentions="X-Request-Priority",
+    )
 
 
-@pytest.mark.parametrize("drop, fields, mentions", [(["max_tokens"], {}, "max_tokens"),
-                                                    ((), {"messages": [{"role": "system", "content": "x"}]}, "role")])
+@pytest.mark.parametrize(
+    "drop, fields, mentions",
+    [(["max_tokens"], {}, "max_tokens"), ((), {"messages": [{"role": "system", "content": "x"}]}, "role")],
+)
 def test_messages_specific_errors(http, drop, fields, mentions):
     anthropic_error(post(http, MSG, drop=drop, **fields), 400, mentions=mentions)
 
@@ -205,6 +272,7 @@ def test_stop_token_id_outside_the_vocab_names_its_field(http):
 
 # 13. routes
 
+
 @pytest.mark.parametrize("path, status, mentions", [("/v1/nothing", 404, "/v1/nothing"), (C, 405, "GET")])
 def test_unknown_route_or_wrong_method(http, path, status, mentions):
     openai_error(http.get(path), status, mentions=mentions)
@@ -212,10 +280,13 @@ def test_unknown_route_or_wrong_method(http, path, status, mentions):
 
 # 14. authentication
 
-@pytest.mark.parametrize("method, path", [("POST", C), ("POST", CHAT), ("POST", MSG), ("GET", "/v1/models"),
-                                          ("GET", "/metrics")])
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"},
-                                     {"Authorization": API_KEY}])
+
+@pytest.mark.parametrize(
+    "method, path", [("POST", C), ("POST", CHAT), ("POST", MSG), ("GET", "/v1/models"), ("GET", "/metrics")]
+)
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}, {"Authorization": API_KEY}]
+)
 def test_protected_route_needs_the_key(server, method, path, headers):
     r = httpx.request(method, server.base_url + path, json=GOOD.get(path), headers=headers, timeout=60)
     error_of(path, r, 401, code="invalid_api_key", mentions="API key")
@@ -235,6 +306,7 @@ def test_health_needs_no_key(server):
 
 # 16. still serving after everything above (keep last among the tests on `server`)
 
+
 @pytest.mark.parametrize("path", [C, CHAT, MSG])
 def test_server_still_answers_after_the_bad_requests(http, path):
     r = post(http, path)
@@ -244,10 +316,17 @@ def test_server_still_answers_after_the_bad_requests(http, path):
 
 # Integers a torch generator or tensor cannot hold are refused up front (they used to stop the engine loop).
 
-@pytest.mark.parametrize("path, fields", [
-    (C, {"seed": 2**70}), (C, {"seed": -(2**70)}), (C, {"seed": 2**64 - 1, "n": 2}), (C, {"top_k": 2**70}),
-    (MSG, {"top_k": 2**70}),
-])
+
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        (C, {"seed": 2**70}),
+        (C, {"seed": -(2**70)}),
+        (C, {"seed": 2**64 - 1, "n": 2}),
+        (C, {"top_k": 2**70}),
+        (MSG, {"top_k": 2**70}),
+    ],
+)
 def test_huge_integer_is_refused_and_does_not_kill_the_engine(server, path, fields):
     body = {**GOOD[path], "temperature": 1.0, **fields}
     with httpx.Client(base_url=server.base_url, headers=AUTH, timeout=60) as client:
@@ -258,6 +337,7 @@ def test_huge_integer_is_refused_and_does_not_kill_the_engine(server, path, fiel
 
 
 # 500: an internal failure has the error shape and no traceback (a stub engine whose add raises)
+
 
 class _StubTokenizer:
     chat_template = "stub"
@@ -290,9 +370,10 @@ class _BrokenEngine:
 
 @pytest.mark.parametrize("path", [C, CHAT, MSG])
 def test_internal_error_is_500_without_a_traceback(path):
+    from fastapi.testclient import TestClient
+
     from engine.config import ServerConfig
     from engine.entrypoints.api_server import build_app
-    from fastapi.testclient import TestClient
 
     app = build_app(_BrokenEngine(), ServerConfig(api_key=API_KEY), "tiny")
     with TestClient(app, raise_server_exceptions=False) as client:

@@ -9,7 +9,6 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
 from server_helpers import API_KEY, free_blocks
 
 from engine.sampling_params import SamplingParams
@@ -38,8 +37,9 @@ def wait_until_idle(server, free_before: int, seconds: float) -> float:
 def test_stream_disconnect_aborts_within_a_second(server):
     free_before = free_blocks(server)
     with httpx.Client(timeout=60) as http:
-        with http.stream("POST", server.base_url + "/v1/completions", json={**LONG, "stream": True},
-                         headers=HEADERS) as response:
+        with http.stream(
+            "POST", server.base_url + "/v1/completions", json={**LONG, "stream": True}, headers=HEADERS
+        ) as response:
             lines = response.iter_lines()
             received = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
             assert received, "no chunk arrived before the disconnect"
@@ -74,8 +74,9 @@ def value(samples, name, **labels) -> float:
 
 def test_metrics_parse_and_move(server, client):
     before = scrape(server)
-    response = client.completions.create(model="tiny", prompt="Hello world", max_tokens=7, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model="tiny", prompt="Hello world", max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
     after = scrape(server)
 
     def moved(name, **labels):
@@ -114,8 +115,13 @@ def anthropic_reference(offline, system, user, max_tokens):
 
 
 def test_messages_whole_and_streamed(server, offline):
-    body = {"model": "tiny", "max_tokens": 9, "system": "Be brief.", "temperature": 0,
-            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}]}
+    body = {
+        "model": "tiny",
+        "max_tokens": 9,
+        "system": "Be brief.",
+        "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+    }
     ids, expected = anthropic_reference(offline, "Be brief.", "Hello", 9)
     headers = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}
     whole = httpx.post(server.base_url + "/v1/messages", json=body, headers=headers, timeout=60).json()
@@ -125,8 +131,9 @@ def test_messages_whole_and_streamed(server, offline):
     assert whole["usage"] == {"input_tokens": len(ids), "output_tokens": len(expected.token_ids)}
 
     events, text = [], ""
-    with httpx.stream("POST", server.base_url + "/v1/messages", json={**body, "stream": True}, headers=headers,
-                      timeout=60) as response:
+    with httpx.stream(
+        "POST", server.base_url + "/v1/messages", json={**body, "stream": True}, headers=headers, timeout=60
+    ) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         for line in response.iter_lines():
             if line.startswith("event:"):
@@ -151,8 +158,14 @@ def test_messages_stop_sequence(server, offline):
     if len(full) < 6:
         pytest.skip("the random model ended too early to pick a stop sequence")
     stop = full[3:5]
-    body = {"model": "tiny", "max_tokens": 20, "system": "x", "temperature": 0, "stop_sequences": [stop],
-            "messages": [{"role": "user", "content": "Numbers like 12345"}]}
+    body = {
+        "model": "tiny",
+        "max_tokens": 20,
+        "system": "x",
+        "temperature": 0,
+        "stop_sequences": [stop],
+        "messages": [{"role": "user", "content": "Numbers like 12345"}],
+    }
     reply = httpx.post(server.base_url + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60).json()
     assert reply["content"][0]["text"] == full[: full.index(stop)]
     assert (reply["stop_reason"], reply["stop_sequence"]) == ("stop_sequence", stop)
@@ -166,6 +179,7 @@ def test_engine_failure_is_a_clean_5xx_and_health_says_so(chat_checkpoint):
 
     running = start_server(engine_config(chat_checkpoint), ServerConfig(port=0, served_model_name="tiny"))
     try:
+
         def broken_step():
             raise RuntimeError("secret internal detail")
 
@@ -193,15 +207,23 @@ def test_generation_config_sets_the_defaults_a_request_leaves_out(chat_checkpoin
     path = tmp_path / "greedy-by-default"
     shutil.copytree(chat_checkpoint, path)
     (path / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "eos_token_id": 2}))
-    greedy = offline.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0].text
+    greedy = (
+        offline.generate(
+            "Hello world", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
     running = start_server(engine_config(path), ServerConfig(port=0, served_model_name="tiny"))
     try:
         body = {"prompt": "Hello world", "max_tokens": 12, "ignore_eos": True, "n": 2}
-        texts = [c["text"] for c in httpx.post(running.base_url + "/v1/completions", json=body, timeout=60).json()["choices"]]
+        texts = [
+            c["text"] for c in httpx.post(running.base_url + "/v1/completions", json=body, timeout=60).json()["choices"]
+        ]
         assert texts == [greedy, greedy]
-        sampled = httpx.post(running.base_url + "/v1/completions", json={**body, "temperature": 1.0, "seed": 3},
-                             timeout=60).json()["choices"]
+        sampled = httpx.post(
+            running.base_url + "/v1/completions", json={**body, "temperature": 1.0, "seed": 3}, timeout=60
+        ).json()["choices"]
         assert [c["text"] for c in sampled] != [greedy, greedy]
     finally:
         running.stop()
@@ -222,11 +244,15 @@ def test_a_model_without_a_tokenizer_serves_token_ids(tmp_path):
         import torch
 
         with torch.no_grad():
-            expected = hf_model.generate(torch.tensor([body["prompt"]]), max_new_tokens=5, min_new_tokens=5,
-                                         do_sample=False)[0, 5:].tolist()
+            expected = hf_model.generate(
+                torch.tensor([body["prompt"]]), max_new_tokens=5, min_new_tokens=5, do_sample=False
+            )[0, 5:].tolist()
         assert choice["text"] == "" and choice["token_ids"] == expected
-        chat = httpx.post(running.base_url + "/v1/chat/completions", timeout=60,
-                          json={"messages": [{"role": "user", "content": "hi"}]})
+        chat = httpx.post(
+            running.base_url + "/v1/chat/completions",
+            timeout=60,
+            json={"messages": [{"role": "user", "content": "hi"}]},
+        )
         assert chat.status_code == 400 and "no tokenizer" in chat.json()["error"]["message"]
         text = httpx.post(running.base_url + "/v1/completions", json={**body, "prompt": "words"}, timeout=60)
         assert text.status_code == 400 and "send token ids" in text.json()["error"]["message"]
@@ -243,8 +269,13 @@ def test_metrics_show_the_kv_tier_counters(tmp_path):
 
     make_tiny_checkpoint("LlamaForCausalLM", tmp_path)
     # 6 blocks of 16 tokens: the second prompt evicts the first one's prefix into the tier
-    config = engine_config(tmp_path, kv_tier="cpu", kv_tier_config={"capacity_gb": 0.01}, max_model_len=96,
-                           kv_cache_memory=6 * 16 * 512 / 2**30)  # 512 bytes of KV per token
+    config = engine_config(
+        tmp_path,
+        kv_tier="cpu",
+        kv_tier_config={"capacity_gb": 0.01},
+        max_model_len=96,
+        kv_cache_memory=6 * 16 * 512 / 2**30,
+    )  # 512 bytes of KV per token
     running = start_server(config, ServerConfig(port=0, served_model_name="tiny"))
     try:
         for prompt in ([3] * 80, [4] * 80, [3] * 80):
@@ -278,8 +309,9 @@ def test_served_outputs_with_speculation_and_its_metrics(tmp_path):
             body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
             reply = httpx.post(running.base_url + "/v1/completions", json=body, timeout=60).json()
             with torch.no_grad():
-                expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,
-                                             do_sample=False)[0, len(prompt):].tolist()
+                expected = hf_model.generate(
+                    torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False
+                )[0, len(prompt) :].tolist()
             assert reply["choices"][0]["token_ids"] == expected
         series = {}
         for line in httpx.get(running.base_url + "/metrics", timeout=10).text.splitlines():
@@ -289,7 +321,8 @@ def test_served_outputs_with_speculation_and_its_metrics(tmp_path):
         assert series["engine_spec_decode_draft_tokens"] > 0
         assert 0 <= series["engine_spec_decode_accepted_tokens"] <= series["engine_spec_decode_draft_tokens"]
         assert series["engine_spec_decode_acceptance_rate"] == pytest.approx(
-            series["engine_spec_decode_accepted_tokens"] / series["engine_spec_decode_draft_tokens"])
+            series["engine_spec_decode_accepted_tokens"] / series["engine_spec_decode_draft_tokens"]
+        )
         assert "engine_spec_decode_acceptance_rate_by_position[0]" in series
     finally:
         running.stop()

@@ -33,7 +33,9 @@ class Figure:
 
     def ratios(self, runners: list[str]) -> dict[str, float | None]:
         return {
-            f"{ENGINE}/{peer}": ratio(self.values.get(ENGINE), self.values.get(peer)) for peer in runners if peer != ENGINE
+            f"{ENGINE}/{peer}": ratio(self.values.get(ENGINE), self.values.get(peer))
+            for peer in runners
+            if peer != ENGINE
         }
 
 
@@ -46,7 +48,9 @@ class Section:
     facts: dict[str, Any] = field(default_factory=dict)  # machine-readable context (JSON); notes say it in words
     notes: list[str] = field(default_factory=list)
 
-    def add(self, key: str, label: str, unit: str, values: dict[str, float | None], method: str, fmt: str = ".1f") -> None:
+    def add(
+        self, key: str, label: str, unit: str, values: dict[str, float | None], method: str, fmt: str = ".1f"
+    ) -> None:
         self.figures.append(Figure(key, label, unit, values, method, fmt))
 
 
@@ -69,8 +73,11 @@ class Report:
                     "description": s.description,
                     "figures": {
                         f.key: {
-                            "label": f.label, "unit": f.unit, "values": f.values,
-                            "ratios": f.ratios(self.runners), "method": f.method,
+                            "label": f.label,
+                            "unit": f.unit,
+                            "values": f.values,
+                            "ratios": f.ratios(self.runners),
+                            "method": f.method,
                         }
                         for f in s.figures
                     },
@@ -100,12 +107,14 @@ class Report:
         for number, figure in enumerate(section.figures, 1):
             unit = f" ({figure.unit})" if figure.unit and figure.unit != "%" else ""
             ratios = figure.ratios(self.runners)
-            rows.append([
-                figure.label + unit,
-                *(figure.value_text(r) for r in self.runners),
-                *("-" if ratios[f"{ENGINE}/{p}"] is None else f"{ratios[f'{ENGINE}/{p}']:.2f}" for p in peers),
-                f"[{number}]",
-            ])
+            rows.append(
+                [
+                    figure.label + unit,
+                    *(figure.value_text(r) for r in self.runners),
+                    *("-" if ratios[f"{ENGINE}/{p}"] is None else f"{ratios[f'{ENGINE}/{p}']:.2f}" for p in peers),
+                    f"[{number}]",
+                ]
+            )
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
         def line(cells: list[str]) -> str:

@@ -41,7 +41,12 @@ def measure_matvec_bandwidth(
         words = weight.view(torch.float32) if weight.element_size() == 2 else weight
         read_seconds = _median_seconds(words.sum, reps, warmup)
     return MatvecBandwidth(
-        bandwidth_gb_per_s(num_bytes, seconds), seconds, num_bytes, (size, size), str(dtype).removeprefix("torch."), reps,
+        bandwidth_gb_per_s(num_bytes, seconds),
+        seconds,
+        num_bytes,
+        (size, size),
+        str(dtype).removeprefix("torch."),
+        reps,
         read_gb_per_s=bandwidth_gb_per_s(num_bytes, read_seconds),
     )
 

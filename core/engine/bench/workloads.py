@@ -85,9 +85,7 @@ def latency_workload(vocab_size: int = 32000, *, scale: float = 1.0) -> Workload
     prompt_len, output_len = scaled(128, scale), scaled(128, scale, minimum=2)
     rng = random.Random(W1_SEED)
     request = BenchRequest(_ids(rng, prompt_len, max_token_id(vocab_size)), output_len)
-    return Workload(
-        "W1 latency", (request,), SEQUENTIAL, f"1 request, prompt {prompt_len}, {output_len} output tokens"
-    )
+    return Workload("W1 latency", (request,), SEQUENTIAL, f"1 request, prompt {prompt_len}, {output_len} output tokens")
 
 
 def throughput_workload(vocab_size: int = 32000, *, scale: float = 1.0) -> Workload:
@@ -101,7 +99,9 @@ def throughput_workload(vocab_size: int = 32000, *, scale: float = 1.0) -> Workl
     high = max_token_id(vocab_size)
     requests = tuple(BenchRequest(_ids(rng, prompt_len, high), output_len) for prompt_len, output_len in lengths)
     return Workload(
-        "W2 throughput", requests, ALL_AT_ONCE,
+        "W2 throughput",
+        requests,
+        ALL_AT_ONCE,
         f"{num_requests} requests, prompt {prompt_range[0]}..{prompt_range[1]}, "
         f"output {output_range[0]}..{output_range[1]} tokens, submitted at once",
     )
@@ -122,7 +122,9 @@ def prefix_workload(vocab_size: int = 32000, *, scale: float = 1.0) -> Workload:
             suffixes.append(suffix)
     requests = tuple(BenchRequest(prefix + suffix, output_len) for suffix in suffixes)
     return Workload(
-        "W3 shared prefix", requests, SEQUENTIAL,
+        "W3 shared prefix",
+        requests,
+        SEQUENTIAL,
         f"{num_requests} requests, shared prefix {prefix_len} + own suffix {suffix_len}, "
         f"{output_len} output tokens, each submitted after the previous finished",
     )
@@ -136,7 +138,9 @@ def decode_workload(vocab_size: int = 32000, *, scale: float = 1.0) -> Workload:
     high = max_token_id(vocab_size)
     requests = tuple(BenchRequest(_ids(rng, prompt_len, high), output_len) for _ in range(num_requests))
     return Workload(
-        "decode overhead", requests, ALL_AT_ONCE,
+        "decode overhead",
+        requests,
+        ALL_AT_ONCE,
         f"{num_requests} requests, prompt {prompt_len}, {output_len} output tokens, submitted at once",
     )
 

@@ -16,8 +16,18 @@ from typing import Any
 from engine.distributed.parallel_state import TensorParallel
 from engine.errors import WorkerDiedError
 
-__all__ = ["COLLECTIVE_TIMEOUT", "STUCK_STEP_GRACE_S", "ControlChannel", "Launch", "WorkerDiedError",
-           "free_local_address", "join_group", "leave_group", "raised_by_collective", "torchrun_launch"]
+__all__ = [
+    "COLLECTIVE_TIMEOUT",
+    "STUCK_STEP_GRACE_S",
+    "ControlChannel",
+    "Launch",
+    "WorkerDiedError",
+    "free_local_address",
+    "join_group",
+    "leave_group",
+    "raised_by_collective",
+    "torchrun_launch",
+]
 
 logger = logging.getLogger("engine.distributed")
 
@@ -44,8 +54,10 @@ def torchrun_launch() -> Launch | None:
         return None
     missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
     if missing:
-        raise ValueError(f"RANK and WORLD_SIZE are set but {', '.join(missing)} not: set every one of "
-                         f"{', '.join(TORCHRUN_VARIABLES)} (torchrun does), or none.")
+        raise ValueError(
+            f"RANK and WORLD_SIZE are set but {', '.join(missing)} not: set every one of "
+            f"{', '.join(TORCHRUN_VARIABLES)} (torchrun does), or none."
+        )
     return Launch(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://")
 
 
@@ -70,17 +82,29 @@ def join_group(launch: Launch, backend: str, workers: Any = None) -> TensorParal
 
     if launch.init_method.startswith("tcp://"):
         host, port = launch.init_method.removeprefix("tcp://").rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), world_size=launch.world_size, is_master=launch.rank == 0,
-                              timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+        store = dist.TCPStore(
+            host,
+            int(port),
+            world_size=launch.world_size,
+            is_master=launch.rank == 0,
+            timeout=COLLECTIVE_TIMEOUT,
+            wait_for_workers=False,
+        )
         if launch.rank == 0:
             wait_for_ranks(store, launch.world_size - 1, workers)
         else:
             store.add(READY_KEY, 1)
-        dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            backend, store=store, rank=launch.rank, world_size=launch.world_size, timeout=COLLECTIVE_TIMEOUT
+        )
     else:
-        dist.init_process_group(backend, init_method=launch.init_method, rank=launch.rank,
-                                world_size=launch.world_size, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(
+            backend,
+            init_method=launch.init_method,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
     control = None if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     logger.info("tensor-parallel rank %d of %d joined (%s)", launch.rank, launch.world_size, backend)
     return TensorParallel(rank=launch.rank, size=launch.world_size, group=None, control_group=control)
@@ -93,8 +117,9 @@ def wait_for_ranks(store, expected: int, workers: Any) -> None:
         if workers is not None and workers.failure is not None:
             raise WorkerDiedError(f"{workers.failure} before joining the tensor-parallel group; its log says why")
         if time.monotonic() > deadline:
-            raise WorkerDiedError(f"only {store.add(READY_KEY, 0)} of {expected} tensor-parallel ranks joined "
-                                  f"within {COLLECTIVE_TIMEOUT}")
+            raise WorkerDiedError(
+                f"only {store.add(READY_KEY, 0)} of {expected} tensor-parallel ranks joined within {COLLECTIVE_TIMEOUT}"
+            )
         time.sleep(0.05)
 
 

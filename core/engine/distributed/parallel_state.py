@@ -78,8 +78,10 @@ class TensorParallel:
             start, count = self.split(num_kv_heads, "num_key_value_heads")
             return start, count
         if self.size % num_kv_heads:
-            raise ValueError(f"The tensor-parallel size {self.size} is neither a divisor nor a multiple of "
-                             f"num_key_value_heads ({num_kv_heads}).")
+            raise ValueError(
+                f"The tensor-parallel size {self.size} is neither a divisor nor a multiple of "
+                f"num_key_value_heads ({num_kv_heads})."
+            )
         return self.rank * num_kv_heads // self.size, 1
 
 

@@ -101,13 +101,20 @@ class AnthropicServing:
             params = SamplingParams(**fields)
         except ValueError as exc:
             raise refusal(exc) from None
-        return Generation(serving.engine, serving.metrics, "messages", new_request_id("msg", "_"), [prompt], params, priority)
+        return Generation(
+            serving.engine, serving.metrics, "messages", new_request_id("msg", "_"), [prompt], params, priority
+        )
 
     def _message(self, generation: Generation, content: str, finish: str | None, stop: Any) -> dict:
         stop_reason, stop_sequence = _stop_of(finish, stop)
         return {
-            "id": generation.request_id, "type": "message", "role": "assistant", "model": self.openai.model_name,
-            "content": [{"type": "text", "text": content}], "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+            "id": generation.request_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.openai.model_name,
+            "content": [{"type": "text", "text": content}],
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
             "usage": {"input_tokens": generation.num_prompt_tokens, "output_tokens": generation.num_output_tokens},
         }
 
@@ -120,21 +127,30 @@ class AnthropicServing:
         start["content"] = []
         start["usage"]["output_tokens"] = 0
         yield _event("message_start", {"type": "message_start", "message": start})
-        yield _event("content_block_start", {"type": "content_block_start", "index": 0,
-                                             "content_block": {"type": "text", "text": ""}})
+        yield _event(
+            "content_block_start",
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        )
         yield _event("ping", {"type": "ping"})
         finish = stop = None
         async for _, delta in generation.deltas():
             if delta.text:
-                yield _event("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                     "delta": {"type": "text_delta", "text": delta.text}})
+                yield _event(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta.text}},
+                )
             if delta.finish_reason is not None:
                 finish, stop = delta.finish_reason, delta.stop_reason
         yield _event("content_block_stop", {"type": "content_block_stop", "index": 0})
         stop_reason, stop_sequence = _stop_of(finish, stop)
-        yield _event("message_delta", {"type": "message_delta",
-                                       "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                       "usage": {"output_tokens": generation.num_output_tokens}})
+        yield _event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                "usage": {"output_tokens": generation.num_output_tokens},
+            },
+        )
         yield _event("message_stop", {"type": "message_stop"})
 
 

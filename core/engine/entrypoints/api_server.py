@@ -38,8 +38,9 @@ DISCONNECT_POLL_SECONDS = 0.1
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/messages": "messages"}
 
 
-def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
-              sampling_defaults: dict[str, Any] | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, config: ServerConfig, model_name: str, sampling_defaults: dict[str, Any] | None = None
+) -> FastAPI:
     """The app for ``engine`` serving ``model_name``. The caller owns the engine's lifetime.
     ``sampling_defaults`` fill the sampling fields a request leaves out."""
     app = FastAPI(title="engine", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
@@ -59,8 +60,11 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
     async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if config.api_key is not None and request.url.path not in public:
             if not _key_matches(request, config.api_key):
-                error = APIError(401, "Missing or invalid API key. Send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
-                                 code="invalid_api_key")
+                error = APIError(
+                    401,
+                    "Missing or invalid API key. Send 'Authorization: Bearer <key>' or 'x-api-key: <key>'.",
+                    code="invalid_api_key",
+                )
                 return error_response(request.url.path, error)
         return await call_next(request)
 
@@ -74,7 +78,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: f"No route {request.url.path}.", 405: f"{request.method} is not allowed on {request.url.path}."}
-        return error_response(request.url.path, APIError(exc.status_code, message.get(exc.status_code, str(exc.detail))))
+        return error_response(
+            request.url.path, APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
+        )
 
     @app.exception_handler(Exception)
     async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -97,8 +103,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_alive:
-            return JSONResponse({"status": "error", "error": "the engine has stopped; see the server log"},
-                                status_code=503)
+            return JSONResponse(
+                {"status": "error", "error": "the engine has stopped; see the server log"}, status_code=503
+            )
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -107,8 +114,13 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": int(app_started), "owned_by": "engine",
-                "max_model_len": engine.max_model_len}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": int(app_started),
+            "owned_by": "engine",
+            "max_model_len": engine.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
@@ -123,8 +135,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
         body = await parse(request, model)
         generation, formatter = await start(body, parse_priority(request.headers))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await respond(request, generation, formatter.whole, lambda g: formatter.stream(g, include_usage),
-                             body.stream, endpoint)
+        return await respond(
+            request, generation, formatter.whole, lambda g: formatter.stream(g, include_usage), body.stream, endpoint
+        )
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
@@ -133,8 +146,12 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
         return await respond(request, generation, anthropic.whole, anthropic.stream, body.stream, "messages")
 
     async def respond(
-        request: Request, generation: Generation, whole: Callable[[Generation], Awaitable[dict]],
-        stream: Callable[[Generation], AsyncIterator[str]], streaming: bool, endpoint: str,
+        request: Request,
+        generation: Generation,
+        whole: Callable[[Generation], Awaitable[dict]],
+        stream: Callable[[Generation], AsyncIterator[str]],
+        streaming: bool,
+        endpoint: str,
     ) -> Response:
         try:
             await generation.start()
@@ -145,7 +162,8 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
         if streaming:
             return StreamingResponse(
                 _guarded_stream(generation, stream(generation), endpoint, request.url.path),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Request-Id": generation.request_id},
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": generation.request_id},
             )
         task = asyncio.ensure_future(whole(generation))
         try:
@@ -166,7 +184,9 @@ def build_app(engine: AsyncEngine, config: ServerConfig, model_name: str,
         generation.record(finish_status(generation))
         return JSONResponse(result, headers={"X-Request-Id": generation.request_id})
 
-    async def _guarded_stream(generation: Generation, events: AsyncIterator[str], endpoint: str, path: str) -> AsyncIterator[str]:
+    async def _guarded_stream(
+        generation: Generation, events: AsyncIterator[str], endpoint: str, path: str
+    ) -> AsyncIterator[str]:
         status = "abort"
         try:
             async for event in events:

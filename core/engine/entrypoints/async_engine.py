@@ -111,8 +111,13 @@ class AsyncEngine:
     ``LLMEngine`` itself is touched by the loop thread only.
     """
 
-    def __init__(self, engine: LLMEngine, *, on_step: Callable[[EngineStats], None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        on_step: Callable[[EngineStats], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
         """``on_error(exc)`` is called on the loop thread once the loop stopped on ``exc``,
         after every waiting request was told."""
         self.engine = engine
@@ -152,7 +157,12 @@ class AsyncEngine:
         return self.engine.vocab_size
 
     async def add(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
         prompt: str | None = None,
     ) -> RequestStream:
         """Add the request (``params.n`` samples); returns its stream of deltas.
@@ -174,7 +184,12 @@ class AsyncEngine:
         return RequestStream(self, request_id, stream)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
         prompt: str | None = None,
     ) -> AsyncIterator[SampleDelta]:
         """``add`` then iterate: every sample's deltas; leaving early aborts the request."""
@@ -246,7 +261,9 @@ class AsyncEngine:
     def _add(self, arg: tuple, future: concurrent.futures.Future) -> None:
         request_id, prompt_token_ids, params, priority, prompt, stream = arg
         try:
-            samples = self.engine.add_request_group(request_id, prompt_token_ids, params, priority=priority, prompt=prompt)
+            samples = self.engine.add_request_group(
+                request_id, prompt_token_ids, params, priority=priority, prompt=prompt
+            )
         except BaseException as exc:
             future.set_exception(exc)
             return
@@ -298,9 +315,13 @@ class AsyncEngine:
             logprobs = request.output_logprobs[sent_lp:]
             stream.emitted_logprobs[index] = len(request.output_logprobs)
         return SampleDelta(
-            index=index, text=request.take_output_text_delta(), token_ids=output[sent:], logprobs=logprobs,
+            index=index,
+            text=request.take_output_text_delta(),
+            token_ids=output[sent:],
+            logprobs=logprobs,
             finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason if finished else None, num_output_tokens=len(output),
+            stop_reason=request.stop_reason if finished else None,
+            num_output_tokens=len(output),
         )
 
     def kv_tier_counters(self) -> dict[str, float] | None:

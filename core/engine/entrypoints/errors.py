@@ -15,7 +15,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-
 # OpenAI error "type" per status
 _OPENAI_TYPES = {
     400: "invalid_request_error",
@@ -66,7 +65,9 @@ class APIError(Exception):
         return {
             "error": {
                 "message": self.message,
-                "type": _OPENAI_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "internal_server_error"),
+                "type": _OPENAI_TYPES.get(
+                    self.status, "invalid_request_error" if self.status < 500 else "internal_server_error"
+                ),
                 "param": self.param,
                 "code": self.code,
             }
@@ -107,7 +108,9 @@ def from_validation_error(exc: ValidationError) -> APIError:
     if isinstance(cause, ParamError):
         return bad_request(str(cause), param=cause.param, code=cause.code)
     if first.get("type") == "json_invalid":
-        return bad_request(f"The request body is not valid JSON: {ctx.get('error', first['msg'])}.", code="invalid_json")
+        return bad_request(
+            f"The request body is not valid JSON: {ctx.get('error', first['msg'])}.", code="invalid_json"
+        )
     loc = [str(part) for part in first.get("loc", ()) if not _is_union_tag(part)]
     param = ".".join(loc) or None
     message = first.get("msg", "invalid request")
@@ -119,7 +122,7 @@ def from_validation_error(exc: ValidationError) -> APIError:
     if first.get("type") == "missing":
         return bad_request(f"Missing required parameter: {param!r}.", param=param, code="missing_required_parameter")
     if message.startswith("Value error, "):
-        message = message[len("Value error, "):]
+        message = message[len("Value error, ") :]
     where = f"{param}: " if param else ""
     return bad_request(f"Invalid value for {where}{message}" if param else f"Invalid request: {message}", param=param)
 

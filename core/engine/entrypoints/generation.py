@@ -80,8 +80,14 @@ class Generation:
     """
 
     def __init__(
-        self, engine: AsyncEngine, metrics: ServerMetrics, endpoint: str, request_id: str,
-        prompts: list[PromptInput], params: SamplingParams, priority: int,
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        endpoint: str,
+        request_id: str,
+        prompts: list[PromptInput],
+        params: SamplingParams,
+        priority: int,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -112,9 +118,15 @@ class Generation:
         streams: list[RequestStream] = []
         try:
             for position, p in enumerate(self.prompts):
-                streams.append(await self.engine.add(
-                    self._engine_id(position), p.token_ids, self.params, priority=self.priority, prompt=p.text,
-                ))
+                streams.append(
+                    await self.engine.add(
+                        self._engine_id(position),
+                        p.token_ids,
+                        self.params,
+                        priority=self.priority,
+                        prompt=p.text,
+                    )
+                )
         except BaseException:
             for stream in streams:
                 stream.close()
@@ -179,8 +191,13 @@ class Generation:
         )
         logger.info(
             "request_id=%s endpoint=%s status=%s prompt_tokens=%d output_tokens=%d ttft_ms=%s e2e_ms=%.1f",
-            self.request_id, self.endpoint, status, self.num_prompt_tokens, self.num_output_tokens,
-            f"{ttft * 1e3:.1f}" if ttft is not None else "-", (end - self.arrival) * 1e3,
+            self.request_id,
+            self.endpoint,
+            status,
+            self.num_prompt_tokens,
+            self.num_output_tokens,
+            f"{ttft * 1e3:.1f}" if ttft is not None else "-",
+            (end - self.arrival) * 1e3,
         )
 
 

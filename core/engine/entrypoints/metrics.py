@@ -10,13 +10,38 @@ from __future__ import annotations
 
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the app)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from engine.entrypoints.async_engine import EngineStats
 from engine.spec_decode.decoder import SpecDecodeStats
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
 
@@ -24,7 +49,9 @@ class ServerMetrics:
     """The server's series. ``model_name`` labels every one of them."""
 
     def __init__(
-        self, model_name: str, stats: Callable[[], EngineStats],
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats],
         tier_counters: Callable[[], dict[str, float] | None] = lambda: None,
         spec_stats: Callable[[], SpecDecodeStats | None] = lambda: None,
     ) -> None:
@@ -35,41 +62,63 @@ class ServerMetrics:
         labels = ["model_name"]
         r = self.registry
         self.requests = Counter(
-            "engine_requests", "Requests answered, by endpoint and outcome (HTTP status, or finish reason).",
-            labels + ["endpoint", "status"], registry=r,
+            "engine_requests",
+            "Requests answered, by endpoint and outcome (HTTP status, or finish reason).",
+            labels + ["endpoint", "status"],
+            registry=r,
         )
         self.prompt_tokens = Counter("engine_prompt_tokens", "Prompt tokens of admitted requests.", labels, registry=r)
         self.generation_tokens = Counter("engine_generation_tokens", "Output tokens generated.", labels, registry=r)
         self.ttft = Histogram(
-            "engine_time_to_first_token_seconds", "Time from arrival to the first output token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "engine_time_to_first_token_seconds",
+            "Time from arrival to the first output token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = Histogram(
-            "engine_inter_token_latency_seconds", "Time between consecutive output tokens of a sample.", labels,
-            buckets=_TOKEN_LATENCY_BUCKETS, registry=r,
+            "engine_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a sample.",
+            labels,
+            buckets=_TOKEN_LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "engine_e2e_request_latency_seconds", "Time from arrival to the last output token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "engine_e2e_request_latency_seconds",
+            "Time from arrival to the last output token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.running = Gauge("engine_num_requests_running", "Sequences in the running batch.", labels, registry=r)
         self.waiting = Gauge("engine_num_requests_waiting", "Sequences waiting to be scheduled.", labels, registry=r)
-        self.kv_usage = Gauge("engine_kv_cache_usage_ratio", "Share of KV-cache blocks held by requests.", labels, registry=r)
+        self.kv_usage = Gauge(
+            "engine_kv_cache_usage_ratio", "Share of KV-cache blocks held by requests.", labels, registry=r
+        )
         self.prefix_queries = Gauge(
-            "engine_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache (cumulative).", labels,
+            "engine_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache (cumulative).",
+            labels,
             registry=r,
         )
         self.prefix_hits = Gauge(
-            "engine_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache (cumulative).", labels, registry=r
+            "engine_prefix_cache_hits_tokens",
+            "Prompt tokens found in the prefix cache (cumulative).",
+            labels,
+            registry=r,
         )
         self.prefix_hit_rate = Gauge(
             "engine_prefix_cache_hit_rate", "Prefix-cache hits over queries since start.", labels, registry=r
         )
-        self.preemptions = Gauge("engine_num_preemptions", "Requests preempted since start (cumulative).", labels, registry=r)
+        self.preemptions = Gauge(
+            "engine_num_preemptions", "Requests preempted since start (cumulative).", labels, registry=r
+        )
         self.kv_tier = Gauge(
-            "engine_kv_tier", "The KV tier's counters since start (cumulative): blocks, bytes, failures, seconds; "
+            "engine_kv_tier",
+            "The KV tier's counters since start (cumulative): blocks, bytes, failures, seconds; "
             "engine_* counters are the engine's own transfers (offered, prefetched blocks).",
-            labels + ["counter"], registry=r,
+            labels + ["counter"],
+            registry=r,
         )
         self.spec = {
             name: Gauge(f"engine_spec_decode_{name}", help_text, labels, registry=r)
@@ -82,13 +131,23 @@ class ServerMetrics:
             )
         }
         self.spec_by_position = Gauge(
-            "engine_spec_decode_acceptance_rate_by_position", "Accepted over verified drafts at each draft position "
-            "(0: the first draft after the last token).", labels + ["position"], registry=r,
+            "engine_spec_decode_acceptance_rate_by_position",
+            "Accepted over verified drafts at each draft position (0: the first draft after the last token).",
+            labels + ["position"],
+            registry=r,
         )
         self.model_name = model_name
 
-    def observe_finished(self, endpoint: str, status: str, prompt_tokens: int, output_tokens: int,
-                         ttft: float | None, token_gaps: list[float], e2e: float) -> None:
+    def observe_finished(
+        self,
+        endpoint: str,
+        status: str,
+        prompt_tokens: int,
+        output_tokens: int,
+        ttft: float | None,
+        token_gaps: list[float],
+        e2e: float,
+    ) -> None:
         m = self.model_name
         self.requests.labels(m, endpoint, status).inc()
         self.prompt_tokens.labels(m).inc(prompt_tokens)
@@ -117,8 +176,13 @@ class ServerMetrics:
             self.kv_tier.labels(m, counter).set(value)
         spec = self._spec_stats()
         if spec is not None:
-            values = {"draft_rounds": spec.rounds, "draft_tokens": spec.proposed, "accepted_tokens": spec.accepted,
-                      "acceptance_rate": spec.acceptance_rate, "mean_accepted_length": spec.mean_accepted_length}
+            values = {
+                "draft_rounds": spec.rounds,
+                "draft_tokens": spec.proposed,
+                "accepted_tokens": spec.accepted,
+                "acceptance_rate": spec.acceptance_rate,
+                "mean_accepted_length": spec.mean_accepted_length,
+            }
             for name, value in values.items():
                 self.spec[name].labels(m).set(value)
             for position, rate in enumerate(spec.acceptance_by_position()):

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from engine.entrypoints.errors import ParamError
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+
+from engine.entrypoints.errors import ParamError
 
 # text, a list of token ids, or a batch of either (the batch form is refused later with a clear message)
 PromptField = Union[str, list[StrictInt], list[str], list[list[StrictInt]]]

@@ -43,14 +43,15 @@ class RunningServer:
 DEAD_ENGINE_GRACE_S = 1.0
 
 
-def make_app(engine_config: EngineConfig, server_config: ServerConfig, *, progress: bool = True,
-             on_error: Any = None) -> tuple[Any, Any]:
+def make_app(
+    engine_config: EngineConfig, server_config: ServerConfig, *, progress: bool = True, on_error: Any = None
+) -> tuple[Any, Any]:
     """(FastAPI app, AsyncEngine) for these settings; the model is loaded here. ``on_error``:
     see :class:`AsyncEngine`."""
+    from engine.engine.llm_engine import LLMEngine
     from engine.entrypoints.api_server import build_app
     from engine.entrypoints.async_engine import AsyncEngine
     from engine.model_loader.checkpoint import sampling_defaults
-    from engine.engine.llm_engine import LLMEngine
 
     llm_engine = LLMEngine(engine_config, progress=progress)
     defaults = sampling_defaults(llm_engine.model_path)
@@ -93,10 +94,22 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, *, log_level
     app, engine = make_app(engine_config, server_config, on_error=on_error)
     if server_config.api_key is None and server_config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", server_config.host)
-    logger.info("serving %s on http://%s:%d", server_config.served_model_name or engine_config.model,
-                server_config.host, server_config.port)
-    server = uvicorn.Server(uvicorn.Config(app, host=server_config.host, port=server_config.port,
-                                           log_level=log_level.lower(), access_log=False, timeout_graceful_shutdown=5))
+    logger.info(
+        "serving %s on http://%s:%d",
+        server_config.served_model_name or engine_config.model,
+        server_config.host,
+        server_config.port,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=server_config.port,
+            log_level=log_level.lower(),
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
+    )
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on, as uvicorn.run swallows it

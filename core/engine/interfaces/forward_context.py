@@ -28,22 +28,32 @@ class ForwardContext:
     def attention(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.backends[layer_index].forward(q, k, v, self.kv_caches[layer_index], self.metadata[layer_index])
 
-    def sparse_attention(self, layer_index: int, q: torch.Tensor, k: torch.Tensor,
-                         indices: torch.Tensor | None, lse: torch.Tensor | None = None) -> torch.Tensor:
+    def sparse_attention(
+        self,
+        layer_index: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        indices: torch.Tensor | None,
+        lse: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Sparse MLA over the positions ``indices`` selects (see ``AttentionBackend.forward_sparse``)."""
-        return self.backends[layer_index].forward_sparse(q, k, self.kv_caches[layer_index],
-                                                         self.metadata[layer_index], indices, lse)
+        return self.backends[layer_index].forward_sparse(
+            q, k, self.kv_caches[layer_index], self.metadata[layer_index], indices, lse
+        )
 
     def index(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
         """An indexer's top-k positions for each query (see ``AttentionBackend.forward_index``)."""
-        return self.backends[layer_index].forward_index(q, k, weights, self.kv_caches[layer_index],
-                                                        self.metadata[layer_index])
+        return self.backends[layer_index].forward_index(
+            q, k, weights, self.kv_caches[layer_index], self.metadata[layer_index]
+        )
 
-    def linear(self, layer_index: int, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor) -> torch.Tensor:
+    def linear(
+        self, layer_index: int, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
         """Kimi delta attention continuing each request's state (see ``AttentionBackend.forward_linear``)."""
-        return self.backends[layer_index].forward_linear(mixed_qkv, conv_weight, g, beta, self.kv_caches[layer_index],
-                                                         self.metadata[layer_index])
+        return self.backends[layer_index].forward_linear(
+            mixed_qkv, conv_weight, g, beta, self.kv_caches[layer_index], self.metadata[layer_index]
+        )
 
     def store(self, layer_index: int, values: torch.Tensor) -> None:
         """Write each new token's values [T, head_size] into token-state layer ``layer_index``

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, ClassVar, Mapping
 if TYPE_CHECKING:
     import torch
 
-    from engine.interfaces.quantizer import LinearMethod
     from engine.interfaces.ops import LayerOps
+    from engine.interfaces.quantizer import LinearMethod
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,9 @@ from engine.kernels.kda_torch import KdaMetadata, build_metadata, prepare, split
 
 
 @triton.jit
-def _kda_recurrent(q, k, v, g, beta, state, out, lengths, rows, heads,
-                   dk, dv, state_stride, BK: tl.constexpr, BV: tl.constexpr):
+def _kda_recurrent(
+    q, k, v, g, beta, state, out, lengths, rows, heads, dk, dv, state_stride, BK: tl.constexpr, BV: tl.constexpr
+):
     """q, k, g: [B, rows, H, dk]; v, out: [B, rows, H, dv]; beta [B, rows, H] (contiguous, fp32);
     state: [B, H, dk, dv] with ``state_stride`` between sequences; lengths [B]."""
     seq = tl.program_id(0)
@@ -39,7 +40,7 @@ def _kda_recurrent(q, k, v, g, beta, state, out, lengths, rows, heads,
     length = tl.load(lengths + seq)
     for t in range(0, length):
         token = seq * rows + t
-        kv_base = (token * heads + head)
+        kv_base = token * heads + head
         q_t = tl.load(q + kv_base * dk + offs_k, mask=mask_k, other=0.0)
         k_t = tl.load(k + kv_base * dk + offs_k, mask=mask_k, other=0.0)
         g_t = tl.load(g + kv_base * dk + offs_k, mask=mask_k, other=0.0)
@@ -53,8 +54,24 @@ def _kda_recurrent(q, k, v, g, beta, state, out, lengths, rows, heads,
 
 
 @triton.jit
-def _kda_chunked(q, k, v, g, beta, state, out, lengths, rows, heads,
-                 dk, dv, state_stride, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _kda_chunked(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    out,
+    lengths,
+    rows,
+    heads,
+    dk,
+    dv,
+    state_stride,
+    C: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+):
     """The chunked form, one program per (sequence, head), walking its rows ``C`` at a time.
 
     Within a chunk (cumulative log decays ``c``): ``A_ij = β_i k_i·k_j e^{c_i - c_j}`` for
@@ -102,17 +119,27 @@ def _kda_chunked(q, k, v, g, beta, state, out, lengths, rows, heads,
         w = tl.sum(tm[:, :, None] * (kb * tl.exp(c))[None, :, :], axis=1)  # [C, BK]
         new_values = u - tl.sum(w[:, :, None] * s[None, :, :], axis=1)  # [C, BV]
         within = tl.sum(q_c[:, None, :] * k_c[None, :, :] * decay, axis=2)  # [C, C], zero above
-        o = tl.sum((q_c * tl.exp(c))[:, :, None] * s[None, :, :], axis=1) \
-            + tl.sum(within[:, :, None] * new_values[None, :, :], axis=1)
+        o = tl.sum((q_c * tl.exp(c))[:, :, None] * s[None, :, :], axis=1) + tl.sum(
+            within[:, :, None] * new_values[None, :, :], axis=1
+        )
         tl.store(out + base[:, None] * dv + offs_v[None, :], o, mask=mv)
         last = tl.sum(tl.where(t[:, None] == C - 1, c, 0.0), axis=0)  # c of the chunk's last row [BK]
-        s = s * tl.exp(last)[:, None] + tl.sum((k_c * tl.exp(last[None, :] - c))[:, :, None]
-                                               * new_values[:, None, :], axis=0)
+        s = s * tl.exp(last)[:, None] + tl.sum(
+            (k_c * tl.exp(last[None, :] - c))[:, :, None] * new_values[:, None, :], axis=0
+        )
     tl.store(s_ptr, s, mask=mask_k[:, None] & mask_v[None, :])
 
 
-def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                state: torch.Tensor, lengths: torch.Tensor, chunk: int = 16) -> torch.Tensor:
+def kda_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    lengths: torch.Tensor,
+    chunk: int = 16,
+) -> torch.Tensor:
     """:func:`kda_recurrent`'s result by the chunked form (``chunk`` rows at a time), for
     prefills; same arguments. Rows past a sequence's length must hold k = β = g = 0 (as
     ``kda_torch.prepare`` pads them) or lie past ``rows``."""
@@ -122,16 +149,37 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     out = torch.zeros(num_seqs, rows, heads, dv, dtype=torch.float32, device=q.device)
     work = state if state.is_contiguous() else state.contiguous()
     _kda_chunked[(num_seqs, heads)](
-        q, k, v, g, beta, work, out, lengths.contiguous(), rows, heads, dk, dv, work.stride(0),
-        C=chunk, BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        work,
+        out,
+        lengths.contiguous(),
+        rows,
+        heads,
+        dk,
+        dv,
+        work.stride(0),
+        C=chunk,
+        BK=triton.next_power_of_2(dk),
+        BV=triton.next_power_of_2(dv),
     )
     if work is not state:
         state.copy_(work)
     return out
 
 
-def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+def kda_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    lengths: torch.Tensor,
+) -> torch.Tensor:
     """The gated delta rule over each sequence's first ``lengths[b]`` rows, from and into
     ``state`` [B, H, dk, dv] (float32, updated in place). q, k, g: [B, rows, H, dk]; v: [B, rows,
     H, dv]; beta: [B, rows, H]. Returns o [B, rows, H, dv] (rows past a length are left zero)."""
@@ -141,8 +189,21 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     out = torch.zeros(num_seqs, rows, heads, dv, dtype=torch.float32, device=q.device)
     work = state if state.is_contiguous() else state.contiguous()
     _kda_recurrent[(num_seqs, heads)](
-        q, k, v, g, beta, work, out, lengths.contiguous(), rows, heads, dk, dv, work.stride(0),
-        BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        work,
+        out,
+        lengths.contiguous(),
+        rows,
+        heads,
+        dk,
+        dv,
+        work.stride(0),
+        BK=triton.next_power_of_2(dk),
+        BV=triton.next_power_of_2(dv),
     )
     if work is not state:
         state.copy_(work)
@@ -172,12 +233,18 @@ class TritonKdaAttention(AttentionBackend):
         """Linear attention runs through :meth:`forward_linear`."""
         raise NotImplementedError(f"{self.name} serves linear attention through forward_linear")
 
-    def forward_linear(self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor, state: torch.Tensor, metadata: KdaMetadata) -> torch.Tensor:
+    def forward_linear(
+        self,
+        mixed_qkv: torch.Tensor,
+        conv_weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        metadata: KdaMetadata,
+    ) -> torch.Tensor:
         q, k, v, decay, strength, initial = prepare(self.spec, mixed_qkv, conv_weight, g, beta, state, metadata)
         states = initial.contiguous()
         run = kda_recurrent if metadata.common.max_query_len == 1 else kda_chunked
         out = run(q, k, v, decay, strength, states, metadata.common.query_lens)
         split_state(self.spec, state)[1][metadata.common.state_slots] = states
         return out[metadata.token_seq, metadata.token_row].to(mixed_qkv.dtype)
-

@@ -42,8 +42,15 @@ def split_state(spec: AttentionSpec, states: torch.Tensor) -> tuple[torch.Tensor
     return conv, recurrent
 
 
-def prepare(spec: AttentionSpec, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
-            beta: torch.Tensor, state: torch.Tensor, metadata: KdaMetadata):
+def prepare(
+    spec: AttentionSpec,
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    metadata: KdaMetadata,
+):
     """The step's inputs padded per sequence and convolved, the convolution inputs saved back to
     the slots. Returns q, k, g [B, rows, H, head_size], v [B, rows, H, value_size], beta [B, rows,
     H] (float32) and the initial S [B, H, head_size, value_size] (zeros for fresh sequences)."""

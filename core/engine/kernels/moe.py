@@ -18,8 +18,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _grouped_matmul(x, w, out, tile_expert, rows, n, k, stride_xm, stride_we, stride_wn, stride_om,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _grouped_matmul(
+    x,
+    w,
+    out,
+    tile_expert,
+    rows,
+    n,
+    k,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """out[m] = x[m] @ w[expert of m's tile].T; x [rows, k], w [E, n, k], out [rows, n]."""
     tile = tl.program_id(0)
     column_tile = tl.program_id(1)
@@ -29,16 +43,21 @@ def _grouped_matmul(x, w, out, tile_expert, rows, n, k, stride_xm, stride_we, st
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(0, k, BLOCK_K):
         rk = start + tl.arange(0, BLOCK_K)
-        a = tl.load(x + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < rows) & (rk[None, :] < k),
-                    other=0.0).to(tl.float32)
-        b = tl.load(w + expert * stride_we + rn[None, :] * stride_wn + rk[:, None],
-                    mask=(rn[None, :] < n) & (rk[:, None] < k), other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_N]
+        a = tl.load(
+            x + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < rows) & (rk[None, :] < k), other=0.0
+        ).to(tl.float32)
+        b = tl.load(
+            w + expert * stride_we + rn[None, :] * stride_wn + rk[:, None],
+            mask=(rn[None, :] < n) & (rk[:, None] < k),
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_K, BLOCK_N]
         acc += tl.dot(a, b)
     tl.store(out + rm[:, None] * stride_om + rn[None, :], acc, mask=(rm[:, None] < rows) & (rn[None, :] < n))
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor, block_m: int,
-                   block_n: int = 32, block_k: int = 32) -> torch.Tensor:
+def grouped_matmul(
+    x: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor, block_m: int, block_n: int = 32, block_k: int = 32
+) -> torch.Tensor:
     """x [rows, k] (rows a multiple of ``block_m``, tile ``i`` of it all expert
     ``tile_expert[i]``'s), w [E, n, k] -> [rows, n] float32."""
     rows, k = x.shape
@@ -46,8 +65,22 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, tile_expert: torch.Tensor, 
     x, w = x.contiguous(), w.contiguous()
     out = torch.empty(rows, n, dtype=torch.float32, device=x.device)
     grid = (rows // block_m, triton.cdiv(n, block_n))
-    _grouped_matmul[grid](x, w, out, tile_expert, rows, n, k, x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    _grouped_matmul[grid](
+        x,
+        w,
+        out,
+        tile_expert,
+        rows,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )
     return out
 
 
@@ -71,8 +104,15 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     return pairs, tile_expert
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-              activation: Callable[[torch.Tensor], torch.Tensor] | None = None, block_m: int = 16) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    block_m: int = 16,
+) -> torch.Tensor:
     """Σ_k weights[t, k] · down(act(gate_up(x[t]))) of the chosen experts: x [T, hidden], w13
     [E, 2I, hidden] (gate rows then up rows), w2 [E, hidden, I], expert_ids / weights [T, k].
     ``activation`` maps [rows, 2I] -> [rows, I] (default SiLU-and-multiply). Returns [T, hidden]

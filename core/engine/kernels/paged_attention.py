@@ -32,10 +32,35 @@ GPU_DTYPES = frozenset({"float32", "bfloat16", "float16"})
 
 
 @triton.jit
-def _paged_attention(q, k_cache, v_cache, out, block_tables, token_seq, token_pos, scale, window, group, block_size,
-                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                     stride_ot, stride_oh, dk, dv,
-                     BLOCK_N: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr):
+def _paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    out,
+    block_tables,
+    token_seq,
+    token_pos,
+    scale,
+    window,
+    group,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    dk,
+    dv,
+    BLOCK_N: tl.constexpr,
+    BD: tl.constexpr,
+    BDV: tl.constexpr,
+):
     token = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.load(token_seq + token)
@@ -55,23 +80,38 @@ def _paged_attention(q, k_cache, v_cache, out, block_tables, token_seq, token_po
         valid = n <= pos
         block = tl.load(block_tables + seq * stride_bt + n // block_size, mask=valid, other=0)
         offset = n % block_size
-        keys = tl.load(k_cache + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh
-                       + d[None, :], mask=valid[:, None] & (d[None, :] < dk), other=0.0).to(tl.float32)
+        keys = tl.load(
+            k_cache + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+            mask=valid[:, None] & (d[None, :] < dk),
+            other=0.0,
+        ).to(tl.float32)
         scores = tl.where(valid, tl.sum(keys * query[None, :], axis=1), float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=0))
         weights = tl.exp(scores - new_max)
         correction = tl.exp(running_max - new_max)
-        values = tl.load(v_cache + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh
-                         + dvr[None, :], mask=valid[:, None] & (dvr[None, :] < dv), other=0.0).to(tl.float32)
+        values = tl.load(
+            v_cache + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + dvr[None, :],
+            mask=valid[:, None] & (dvr[None, :] < dv),
+            other=0.0,
+        ).to(tl.float32)
         acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
         total = total * correction + tl.sum(weights, axis=0)
         running_max = new_max
     tl.store(out + token * stride_ot + head * stride_oh + dvr, acc / total, mask=dvr < dv)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, value_size: int,
-                    block_tables: torch.Tensor, token_seq: torch.Tensor, token_pos: torch.Tensor, scale: float,
-                    window: int | None, block_n: int = 64) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    value_size: int,
+    block_tables: torch.Tensor,
+    token_seq: torch.Tensor,
+    token_pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+    block_n: int = 64,
+) -> torch.Tensor:
     """Causal attention of each new token over its sequence's paged keys and values.
 
     q: [T, H, D]; k_cache / v_cache: [blocks, block_size, Hkv, D] views (values' first
@@ -83,12 +123,33 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_tokens == 0:
         return out
     _paged_attention[(num_tokens, num_heads)](
-        q, k_cache, v_cache, out, block_tables, token_seq, token_pos, scale, window or 0,
-        num_heads // num_kv_heads, k_cache.shape[1],
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), head_size, value_size,
-        BLOCK_N=block_n, BD=triton.next_power_of_2(head_size), BDV=triton.next_power_of_2(value_size),
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        token_seq,
+        token_pos,
+        scale,
+        window or 0,
+        num_heads // num_kv_heads,
+        k_cache.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        head_size,
+        value_size,
+        BLOCK_N=block_n,
+        BD=triton.next_power_of_2(head_size),
+        BDV=triton.next_power_of_2(value_size),
     )
     return out
 
@@ -109,8 +170,9 @@ class TritonPagedAttention(AttentionBackend):
     ``[2, blocks, block_size, Hkv, D]`` (keys, values)."""
 
     name = "triton_paged"
-    capabilities = AttentionCapabilities(kinds=frozenset({MHA, SLIDING_WINDOW}), platforms=GPU_PLATFORMS,
-                                         dtypes=GPU_DTYPES)
+    capabilities = AttentionCapabilities(
+        kinds=frozenset({MHA, SLIDING_WINDOW}), platforms=GPU_PLATFORMS, dtypes=GPU_DTYPES
+    )
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
@@ -118,13 +180,28 @@ class TritonPagedAttention(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         return build_metadata(common)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TritonAttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
         for index, new in ((0, k), (1, v)):
             kv_cache[index].view(-1, spec.num_kv_heads, spec.head_size).index_copy_(0, common.slot_mapping, new)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], spec.head_size, common.block_tables, metadata.token_seq,
-                              metadata.token_pos, spec.scale, spec.sliding_window)
+        out = paged_attention(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            spec.head_size,
+            common.block_tables,
+            metadata.token_seq,
+            metadata.token_pos,
+            spec.scale,
+            spec.sliding_window,
+        )
         return out.to(q.dtype)
 
 
@@ -148,12 +225,27 @@ class TritonMlaAttention(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         return build_metadata(common)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor,
-                metadata: TritonAttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+    ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
         entries = kv_cache.view(-1, spec.head_size)
         entries.index_copy_(0, common.slot_mapping, k.reshape(-1, spec.head_size))
         paged = kv_cache.unsqueeze(2)  # [blocks, block_size, 1, entry]
-        out = paged_attention(q, paged, paged, spec.latent_size, common.block_tables, metadata.token_seq,
-                              metadata.token_pos, spec.scale, None)
+        out = paged_attention(
+            q,
+            paged,
+            paged,
+            spec.latent_size,
+            common.block_tables,
+            metadata.token_seq,
+            metadata.token_pos,
+            spec.scale,
+            None,
+        )
         return out.to(q.dtype)

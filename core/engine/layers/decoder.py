@@ -39,13 +39,20 @@ class GatedMLP(nn.Module):
     parallelism (``tp``) each rank holds a part of the intermediate size (gate/up by rows,
     down by columns) and the ranks sum their outputs."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype, *,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool,
+        dtype: torch.dtype,
+        *,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, dtype,
-                                                 what="intermediate_size", tp=tp)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype, what="intermediate_size",
-                                           tp=tp)
+        self.gate_up_proj = ColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias, dtype, what="intermediate_size", tp=tp
+        )
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype, what="intermediate_size", tp=tp)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.down_proj(ctx.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -64,7 +71,11 @@ class PreNormDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, h = h, self.input_layernorm(h, ops=ctx.ops)
@@ -78,15 +89,27 @@ class PreNormDecoderLayer(nn.Module):
 class DecoderStack(nn.Module):
     """``embed_tokens`` (split over the vocabulary under ``tp``), ``layers`` and the final ``norm``."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, eps: float, layers: list[nn.Module], dtype: torch.dtype,
-                 *, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        eps: float,
+        layers: list[nn.Module],
+        dtype: torch.dtype,
+        *,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(vocab_size, hidden_size, dtype, tp=tp)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden_size, eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext,
-                cos_sin: Callable[[torch.dtype], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        cos_sin: Callable[[torch.dtype], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]; ``cos_sin(dtype)`` gives the step's rope table."""
         h = self.embed_tokens(input_ids)
         table = cos_sin(h.dtype)
@@ -98,8 +121,12 @@ class DecoderStack(nn.Module):
 
 
 def load_tensor(
-    owner: nn.Module, params: dict[str, nn.Parameter], linears: dict[str, MergedLinear], name: str,
-    tensor: torch.Tensor, stacked: dict[str, tuple[str, int]],
+    owner: nn.Module,
+    params: dict[str, nn.Parameter],
+    linears: dict[str, MergedLinear],
+    name: str,
+    tensor: torch.Tensor,
+    stacked: dict[str, tuple[str, int]],
 ) -> set[str]:
     """Put one checkpoint tensor in place: into its (possibly fused, possibly quantized)
     linear layer, else into the parameter of that name. Returns the parameter names now

@@ -49,10 +49,18 @@ class MergedLinear(nn.Module):
     """
 
     def __init__(
-        self, input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
-        method: LinearMethod | None = None, *, out_slices: list[tuple[int, int]] | None = None,
-        full_output_sizes: list[int] | None = None, in_slice: tuple[int, int] | None = None,
-        full_input_size: int | None = None, tp: TensorParallel | None = None,
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        dtype: torch.dtype,
+        method: LinearMethod | None = None,
+        *,
+        out_slices: list[tuple[int, int]] | None = None,
+        full_output_sizes: list[int] | None = None,
+        in_slice: tuple[int, int] | None = None,
+        full_input_size: int | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -132,9 +140,11 @@ class MergedLinear(nn.Module):
         return tensor
 
     def _unsplittable(self, name: str, tensor: torch.Tensor, why: str) -> str:
-        return (f"Checkpoint tensor {name!r} {tuple(tensor.shape)} of a {type(self.method).__name__} layer cannot "
-                f"be split across {self.tp.size} tensor-parallel ranks: {why}. Load this checkpoint with "
-                f"--tensor-parallel-size 1, or an unquantized one and quantize while loading.")
+        return (
+            f"Checkpoint tensor {name!r} {tuple(tensor.shape)} of a {type(self.method).__name__} layer cannot "
+            f"be split across {self.tp.size} tensor-parallel ranks: {why}. Load this checkpoint with "
+            f"--tensor-parallel-size 1, or an unquantized one and quantize while loading."
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)
@@ -146,20 +156,42 @@ def Linear(input_size: int, output_size: int, bias: bool, dtype: torch.dtype) ->
     return MergedLinear(input_size, [output_size], bias, dtype, tp=SINGLE_RANK)
 
 
-def ColumnParallelLinear(input_size: int, output_sizes: list[int], bias: bool, dtype: torch.dtype,
-                         what: str = "output size", *, tp: TensorParallel | None = None) -> MergedLinear:
+def ColumnParallelLinear(
+    input_size: int,
+    output_sizes: list[int],
+    bias: bool,
+    dtype: torch.dtype,
+    what: str = "output size",
+    *,
+    tp: TensorParallel | None = None,
+) -> MergedLinear:
     """Each output shard split evenly over the ranks of ``tp`` (rank ``r`` holds rows
     ``r·n/size ..``); the output stays split (each rank computes its heads or its part of the MLP)."""
     tp = resolve_tp(tp)
     if not tp.is_parallel:
         return MergedLinear(input_size, output_sizes, bias, dtype, tp=tp)
     slices = [tp.split(size, what) for size in output_sizes]
-    return MergedLinear(input_size, [length for _, length in slices], bias, dtype, out_slices=slices,
-                        full_output_sizes=output_sizes, tp=tp)
+    return MergedLinear(
+        input_size,
+        [length for _, length in slices],
+        bias,
+        dtype,
+        out_slices=slices,
+        full_output_sizes=output_sizes,
+        tp=tp,
+    )
 
 
-def QKVParallelLinear(input_size: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                      dtype: torch.dtype, *, tp: TensorParallel | None = None) -> MergedLinear:
+def QKVParallelLinear(
+    input_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    bias: bool,
+    dtype: torch.dtype,
+    *,
+    tp: TensorParallel | None = None,
+) -> MergedLinear:
     """Fused q, k, v projections of this rank's query heads and KV heads (KV heads replicated
     when there are fewer than ranks, see :meth:`TensorParallel.kv_heads`)."""
     tp = resolve_tp(tp)
@@ -170,32 +202,41 @@ def QKVParallelLinear(input_size: int, num_heads: int, num_kv_heads: int, head_d
     kv_start, kv_count = tp.kv_heads(num_kv_heads)
     kv = (kv_start * head_dim, kv_count * head_dim)
     slices = [(q_start * head_dim, q_count * head_dim), kv, kv]
-    return MergedLinear(input_size, [length for _, length in slices], bias, dtype, out_slices=slices,
-                        full_output_sizes=full, tp=tp)
+    return MergedLinear(
+        input_size, [length for _, length in slices], bias, dtype, out_slices=slices, full_output_sizes=full, tp=tp
+    )
 
 
-def RowParallelLinear(input_size: int, output_size: int, bias: bool, dtype: torch.dtype,
-                      what: str = "input size", *, tp: TensorParallel | None = None) -> MergedLinear:
+def RowParallelLinear(
+    input_size: int,
+    output_size: int,
+    bias: bool,
+    dtype: torch.dtype,
+    what: str = "input size",
+    *,
+    tp: TensorParallel | None = None,
+) -> MergedLinear:
     """The input split evenly over the ranks of ``tp`` (each holds the columns of its heads or
     its part of the MLP), the partial outputs summed over them."""
     tp = resolve_tp(tp)
     if not tp.is_parallel:
         return MergedLinear(input_size, [output_size], bias, dtype, tp=tp)
     start, length = tp.split(input_size, what)
-    return MergedLinear(length, [output_size], bias, dtype, in_slice=(start, length), full_input_size=input_size,
-                        tp=tp)
+    return MergedLinear(length, [output_size], bias, dtype, in_slice=(start, length), full_input_size=input_size, tp=tp)
 
 
-def ParallelLMHead(hidden_size: int, vocab_size: int, dtype: torch.dtype, *,
-                   tp: TensorParallel | None = None) -> MergedLinear:
+def ParallelLMHead(
+    hidden_size: int, vocab_size: int, dtype: torch.dtype, *, tp: TensorParallel | None = None
+) -> MergedLinear:
     """The LM head split over the vocabulary as :class:`VocabEmbedding` splits it (so a tied
     head shares the embedding's part); :func:`gather_logits` puts the logits together."""
     tp = resolve_tp(tp)
     if not tp.is_parallel:
         return MergedLinear(hidden_size, [vocab_size], False, dtype, tp=tp)
     start, length, padded = tp.padded_split(vocab_size)
-    return MergedLinear(hidden_size, [padded], False, dtype, out_slices=[(start, length)],
-                        full_output_sizes=[vocab_size], tp=tp)
+    return MergedLinear(
+        hidden_size, [padded], False, dtype, out_slices=[(start, length)], full_output_sizes=[vocab_size], tp=tp
+    )
 
 
 def gather_logits(head: MergedLinear, hidden: torch.Tensor) -> torch.Tensor:
@@ -215,12 +256,16 @@ def tied_linear_layers(model: nn.Module) -> dict[str, str]:
     """Linear layers whose weight is another module's parameter (an LM head tied to the
     embedding): layer path -> the module that owns the weight. They load nothing."""
     owners = {
-        id(param): path for path, module in model.named_modules() if not isinstance(module, MergedLinear)
+        id(param): path
+        for path, module in model.named_modules()
+        if not isinstance(module, MergedLinear)
         for param in module.parameters(recurse=False)
     }
     return {
-        path: owners[id(param)] for path, layer in linear_layers(model).items()
-        for param in layer.parameters() if id(param) in owners
+        path: owners[id(param)]
+        for path, layer in linear_layers(model).items()
+        for param in layer.parameters()
+        if id(param) in owners
     }
 
 
@@ -288,7 +333,7 @@ def shard_parameter(param: nn.Parameter, dim: int, start: int, full_size: int) -
     length = param.shape[dim]
 
     def load_checkpoint(name: str, tensor: torch.Tensor) -> None:
-        expected = (*param.shape[:dim], full_size, *param.shape[dim + 1:])
+        expected = (*param.shape[:dim], full_size, *param.shape[dim + 1 :])
         if tuple(tensor.shape) != tuple(expected):
             raise ValueError(f"{name}: model expects shape {tuple(expected)}, checkpoint has {tuple(tensor.shape)}.")
         param.data.copy_(tensor.narrow(dim, start, length))
@@ -303,23 +348,27 @@ class VocabEmbedding(nn.Module):
     Under tensor parallelism each rank holds ``ceil(vocab / size)`` rows (the last rank's
     zero-padded), embeds the tokens in its range and the ranks sum the results."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, *,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, dtype: torch.dtype, *, tp: TensorParallel | None = None
+    ) -> None:
         super().__init__()
         self.tp = resolve_tp(tp)
         self.vocab_size = vocab_size
-        self.start, self.length, rows = self.tp.padded_split(vocab_size) if self.tp.is_parallel else (0, vocab_size,
-                                                                                                      vocab_size)
+        self.start, self.length, rows = (
+            self.tp.padded_split(vocab_size) if self.tp.is_parallel else (0, vocab_size, vocab_size)
+        )
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, dtype=dtype), requires_grad=False)
         self.weight.load_checkpoint = self.load_checkpoint  # type: ignore[attr-defined]
 
     def load_checkpoint(self, name: str, tensor: torch.Tensor) -> None:
         """Copy this rank's rows of the full checkpoint table."""
         if tuple(tensor.shape) != (self.vocab_size, self.weight.shape[1]):
-            raise ValueError(f"{name}: model expects shape {(self.vocab_size, self.weight.shape[1])}, "
-                             f"checkpoint has {tuple(tensor.shape)}.")
+            raise ValueError(
+                f"{name}: model expects shape {(self.vocab_size, self.weight.shape[1])}, "
+                f"checkpoint has {tuple(tensor.shape)}."
+            )
         self.weight.data[: self.length].copy_(tensor.narrow(0, self.start, self.length))
-        self.weight.data[self.length:].zero_()
+        self.weight.data[self.length :].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if not self.tp.is_parallel:

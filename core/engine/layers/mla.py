@@ -54,8 +54,9 @@ class LatentUpProjection(nn.Module):
     def __init__(self, dims: MLADims, dtype: torch.dtype, first_head: int = 0, num_heads: int | None = None) -> None:
         super().__init__()
         per_head = dims.qk_nope_head_dim + dims.v_head_dim
-        weight = nn.Parameter(torch.empty(dims.num_heads * per_head, dims.kv_lora_rank, dtype=dtype),
-                              requires_grad=False)
+        weight = nn.Parameter(
+            torch.empty(dims.num_heads * per_head, dims.kv_lora_rank, dtype=dtype), requires_grad=False
+        )
         self.weight = shard_parameter(weight, 0, first_head * per_head, (num_heads or dims.num_heads) * per_head)
         self.dims = dims
 
@@ -70,9 +71,18 @@ class MLAttention(nn.Module):
     ``(x, q_latent, ctx, cos_sin) -> indices | None``) makes it sparse MLA; ``cos_sin`` None at
     forward leaves the rope dims unrotated (Kimi's MLA has no positional encoding)."""
 
-    def __init__(self, dims: MLADims, spec: AttentionSpec, layer_index: int, interleaved_rope: bool,
-                 dtype: torch.dtype, indexer: nn.Module | None = None, output_gate: bool = False, *,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        dims: MLADims,
+        spec: AttentionSpec,
+        layer_index: int,
+        interleaved_rope: bool,
+        dtype: torch.dtype,
+        indexer: nn.Module | None = None,
+        output_gate: bool = False,
+        *,
+        tp: TensorParallel | None = None,
+    ) -> None:
         """``output_gate`` (Kimi-K3's gated MLA): the heads' output times ``σ(g_proj(x))`` before
         ``o_proj``. ``tp``: the ranks that split the heads."""
         super().__init__()
@@ -84,26 +94,30 @@ class MLAttention(nn.Module):
         first_head, num_heads = tp.split(d.num_heads, "num_attention_heads")
         what = "num_attention_heads × head dim"
         if d.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(d.hidden_size, [d.num_heads * d.qk_head_dim], False, dtype, what,
-                                               tp=tp)
+            self.q_proj = ColumnParallelLinear(d.hidden_size, [d.num_heads * d.qk_head_dim], False, dtype, what, tp=tp)
         else:
             self.q_a_proj = Linear(d.hidden_size, d.q_lora_rank, bias, dtype)
             self.q_a_layernorm = RMSNorm(d.q_lora_rank, d.rms_norm_eps, dtype)
-            self.q_b_proj = ColumnParallelLinear(d.q_lora_rank, [d.num_heads * d.qk_head_dim], False, dtype, what,
-                                                 tp=tp)
+            self.q_b_proj = ColumnParallelLinear(
+                d.q_lora_rank, [d.num_heads * d.qk_head_dim], False, dtype, what, tp=tp
+            )
         self.kv_a_proj_with_mqa = Linear(d.hidden_size, d.kv_lora_rank + d.qk_rope_head_dim, bias, dtype)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, d.rms_norm_eps, dtype)
         self.dims = replace(dims, num_heads=num_heads)  # this rank's heads
         self.kv_b_proj = LatentUpProjection(self.dims, dtype, first_head, d.num_heads)
         self.o_proj = RowParallelLinear(d.num_heads * d.v_head_dim, d.hidden_size, bias, dtype, what, tp=tp)
-        self.g_proj = (ColumnParallelLinear(d.hidden_size, [d.num_heads * d.v_head_dim], False, dtype, what, tp=tp)
-                       if output_gate else None)
+        self.g_proj = (
+            ColumnParallelLinear(d.hidden_size, [d.num_heads * d.v_head_dim], False, dtype, what, tp=tp)
+            if output_gate
+            else None
+        )
         self.interleaved_rope = interleaved_rope
         self.attn = Attention(layer_index, spec)
         self.indexer = indexer  # sparse MLA: picks the positions each query attends to
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext,
-                cos_sin: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
         d, num_tokens = self.dims, x.shape[0]  # d.num_heads: this rank's
         if d.q_lora_rank is None:
             q = self.q_proj(x)

@@ -24,7 +24,9 @@ from engine.layers.linear import linear_layers
 if TYPE_CHECKING:
     from engine.interfaces.forward_context import ForwardContext
 
-EXPERT_TENSOR = re.compile(r"(?P<moe>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_TENSOR = re.compile(
+    r"(?P<moe>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
 FUSED_EXPERT_TENSOR = re.compile(r"(?P<moe>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -44,9 +46,11 @@ class MoEDims:
 
     def __post_init__(self) -> None:
         if self.num_experts % self.num_groups:
-            raise ValueError(f"The routed experts ({self.num_experts}) do not split into {self.num_groups} groups: "
-                             f"the config's expert count must be a multiple of its expert-group count "
-                             f"(n_group / num_expert_group).")
+            raise ValueError(
+                f"The routed experts ({self.num_experts}) do not split into {self.num_groups} groups: "
+                f"the config's expert count must be a multiple of its expert-group count "
+                f"(n_group / num_expert_group)."
+            )
 
 
 class Router(nn.Module):
@@ -91,10 +95,17 @@ class Experts(nn.Module):
     count works with any rank count, and a rank's load does not depend on which experts are
     popular (expert parallelism, whole experts per rank, would need an all-to-all per layer)."""
 
-    def __init__(self, num_experts: int, intermediate_size: int, hidden_size: int, dtype: torch.dtype,
-                 swiglu_limit: float | None = None,
-                 activation: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
-                 tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        intermediate_size: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        swiglu_limit: float | None = None,
+        activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        *,
+        tp: TensorParallel | None = None,
+    ) -> None:
         """``activation``: gate_up [n, 2I] -> [n, I] in place of SiLU-and-multiply (Kimi-K3's SiTU-GLU);
         ``tp``: the ranks that split each expert."""
         super().__init__()
@@ -119,11 +130,15 @@ class Experts(nn.Module):
         """One expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` weight; True once all are in."""
         i = self.intermediate_size
         tensor = self._local(tensor, 1 if proj == "down_proj" else 0)
-        target = {"gate_proj": self.w13.data[expert, :i], "up_proj": self.w13.data[expert, i:],
-                  "down_proj": self.w2.data[expert]}[proj]
+        target = {
+            "gate_proj": self.w13.data[expert, :i],
+            "up_proj": self.w13.data[expert, i:],
+            "down_proj": self.w2.data[expert],
+        }[proj]
         if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"Expert {expert} {proj}: model expects {tuple(target.shape)}, checkpoint has "
-                             f"{tuple(tensor.shape)}.")
+            raise ValueError(
+                f"Expert {expert} {proj}: model expects {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}."
+            )
         target.copy_(tensor)
         self._loaded.add((expert, proj))
         return len(self._loaded) == 3 * self.w13.shape[0]
@@ -137,13 +152,17 @@ class Experts(nn.Module):
         elif self.tp.is_parallel and tensor.dim() == 3:
             tensor = self._local(tensor, 2)
         if tuple(target.shape) != tuple(tensor.shape):
-            raise ValueError(f"experts.{proj}: model expects {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}.")
+            raise ValueError(
+                f"experts.{proj}: model expects {tuple(target.shape)}, checkpoint has {tuple(tensor.shape)}."
+            )
         target.data.copy_(tensor)
         names = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
         self._loaded.update((e, n) for e in range(self.w13.shape[0]) for n in names)
         return len(self._loaded) == 3 * self.w13.shape[0]
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         """x [T, hidden], expert_ids / weights [T, k] -> Σ_k weight · expert(x) [T, hidden]."""
         k = expert_ids.shape[1]
         flat = expert_ids.flatten()
@@ -187,7 +206,8 @@ class MoE(nn.Module):
         self.experts = Experts(dims.num_experts, dims.moe_intermediate_size, dims.hidden_size, dtype, tp=tp)
         self.shared_experts = (
             GatedMLP(dims.hidden_size, dims.moe_intermediate_size * dims.num_shared_experts, False, dtype, tp=tp)
-            if dims.num_shared_experts else None
+            if dims.num_shared_experts
+            else None
         )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -198,8 +218,9 @@ class MoE(nn.Module):
         return out
 
 
-def load_named_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                       stacked: dict[str, tuple[str, int]] = GATE_UP_PARAMS) -> set[str]:
+def load_named_tensors(
+    module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], stacked: dict[str, tuple[str, int]] = GATE_UP_PARAMS
+) -> set[str]:
     """Fill ``module`` (a DeepSeek model or MTP layer, by its own parameter names) from
     checkpoint tensors: routed experts, linear layers (fused gate/up included) and plain
     parameters; returns the parameter names filled. An unknown tensor is a ``KeyError``."""
@@ -213,8 +234,11 @@ def load_named_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
         if expert or fused:
             match = expert or fused
             experts = module.get_submodule(match.group("moe"))
-            done = (experts.load(int(expert.group("expert")), expert.group("proj"), tensor) if expert
-                    else experts.load_fused(fused.group("proj"), tensor))
+            done = (
+                experts.load(int(expert.group("expert")), expert.group("proj"), tensor)
+                if expert
+                else experts.load_fused(fused.group("proj"), tensor)
+            )
             if done:
                 loaded.update(f"{match.group('moe')}.{p}" for p in ("w13", "w2"))
             continue

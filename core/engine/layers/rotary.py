@@ -61,9 +61,7 @@ def inverse_frequencies(
         return torch.where(is_medium, smoothed, scaled), 1.0
     if rope_type == "yarn":
         return _yarn(inv_freq, rotary_dim, base, params, max_positions)
-    raise ValueError(
-        f"Unsupported rope_type {rope_type!r}. Supported: default, linear, llama3, yarn."
-    )
+    raise ValueError(f"Unsupported rope_type {rope_type!r}. Supported: default, linear, llama3, yarn.")
 
 
 def _yarn(
@@ -105,7 +103,9 @@ def _yarn(
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k by position, from a cos/sin table built once in fp32."""
 
-    def __init__(self, head_size: int, max_positions: int, params: dict[str, Any], rotary_dim: int | None = None) -> None:
+    def __init__(
+        self, head_size: int, max_positions: int, params: dict[str, Any], rotary_dim: int | None = None
+    ) -> None:
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim or head_size

@@ -35,9 +35,11 @@ def resolve_model_path(model: str) -> Path:
 
         return Path(snapshot_download(model, allow_patterns=WEIGHT_PATTERNS))
     except Exception as exc:
-        offline = " (HF_HUB_OFFLINE is set, so only the local Hub cache was searched)" if os.environ.get(
-            "HF_HUB_OFFLINE"
-        ) else ""
+        offline = (
+            " (HF_HUB_OFFLINE is set, so only the local Hub cache was searched)"
+            if os.environ.get("HF_HUB_OFFLINE")
+            else ""
+        )
         raise FileNotFoundError(f"Could not fetch model {model!r} from the Hub{offline}: {exc}") from exc
 
 
@@ -55,7 +57,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         others = sorted(p.name for p in model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
-        hint = f" Found {', '.join(others)}: pickle checkpoints are not loaded; convert them to safetensors." if others else ""
+        hint = (
+            f" Found {', '.join(others)}: pickle checkpoints are not loaded; convert them to safetensors."
+            if others
+            else ""
+        )
         raise FileNotFoundError(f"No .safetensors files in {str(model_dir)!r}.{hint}")
     return files
 

@@ -62,14 +62,17 @@ class CheckpointDequantizer:
     def __init__(self, config: dict[str, Any], dtype: torch.dtype) -> None:
         method = config.get("quant_method")
         if not dequantizable(config):
-            raise ValueError(f"quant_method {method!r} (format {config.get('format')!r}) cannot be dequantized at "
-                             f"load (supported: fp8, compressed-tensors in {MXFP4_FORMAT}).")
+            raise ValueError(
+                f"quant_method {method!r} (format {config.get('format')!r}) cannot be dequantized at "
+                f"load (supported: fp8, compressed-tensors in {MXFP4_FORMAT})."
+            )
         self.dtype = dtype
         self.dequantized = 0
         self.compressed_tensors = method == "compressed-tensors"
         # (quantized weight's suffix, its scales' suffixes)
-        self.weight_suffix, self.scale_suffixes = (".weight_packed", (".weight_scale",)) if self.compressed_tensors \
-            else (".weight", SCALE_SUFFIXES)
+        self.weight_suffix, self.scale_suffixes = (
+            (".weight_packed", (".weight_scale",)) if self.compressed_tensors else (".weight", SCALE_SUFFIXES)
+        )
         if self.compressed_tensors:
             self.block = (1, MXFP4_GROUP)
             return
@@ -96,8 +99,10 @@ class CheckpointDequantizer:
         block_rows, block_cols = self.block
         expected = (*shape[:-2], -(-rows // block_rows), -(-cols // block_cols))
         if tuple(scale.shape) != expected:
-            raise ValueError(f"{name}: a weight of shape {tuple(shape)} in blocks of {self.block} needs scales of "
-                             f"shape {expected}, the checkpoint has {tuple(scale.shape)}.")
+            raise ValueError(
+                f"{name}: a weight of shape {tuple(shape)} in blocks of {self.block} needs scales of "
+                f"shape {expected}, the checkpoint has {tuple(scale.shape)}."
+            )
         expanded = scale.repeat_interleave(block_rows, dim=-2)[..., :rows, :]
         return expanded.repeat_interleave(block_cols, dim=-1)[..., :cols]
 
@@ -108,17 +113,20 @@ class CheckpointDequantizer:
         values = torch.stack([table[low.long()], table[high.long()]], dim=-1).flatten(-2)  # [..., 2 · packed cols]
         groups = values.shape[-1] // MXFP4_GROUP
         if values.shape[-1] % MXFP4_GROUP or tuple(scale.shape) != (*values.shape[:-1], groups):
-            raise ValueError(f"{name}: FP4 weight of {values.shape[-1]} values a row needs one scale per "
-                             f"{MXFP4_GROUP} of them, shape {(*values.shape[:-1], groups)}; the checkpoint has "
-                             f"{tuple(scale.shape)}.")
+            raise ValueError(
+                f"{name}: FP4 weight of {values.shape[-1]} values a row needs one scale per "
+                f"{MXFP4_GROUP} of them, shape {(*values.shape[:-1], groups)}; the checkpoint has "
+                f"{tuple(scale.shape)}."
+            )
         exponents = scale.to(torch.int32) - 127 if scale.dtype == torch.uint8 else None  # compressed-tensors' e8m0
-        factors = (torch.exp2(exponents.float()) if exponents is not None else scale.float())
+        factors = torch.exp2(exponents.float()) if exponents is not None else scale.float()
         factors = factors.repeat_interleave(MXFP4_GROUP, dim=-1)
         return (values * factors).to(self.dtype)
 
 
-def dequantize_stream(weights: Iterator[tuple[str, torch.Tensor]],
-                      dequantizer: CheckpointDequantizer) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantize_stream(
+    weights: Iterator[tuple[str, torch.Tensor]], dequantizer: CheckpointDequantizer
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with every quantized weight and its scale replaced by the dense weight."""
     waiting_weights: dict[str, tuple[str, torch.Tensor]] = {}  # prefix -> (name, quantized weight)
     waiting_scales: dict[str, tuple[str, torch.Tensor]] = {}  # prefix -> (name, scale)
@@ -147,8 +155,10 @@ def dequantize_stream(weights: Iterator[tuple[str, torch.Tensor]],
     if waiting_weights:
         names = sorted(name for name, _ in waiting_weights.values())
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        raise ValueError(f"These quantized weights have no scale in the checkpoint "
-                         f"({' or '.join('X' + s for s in dequantizer.scale_suffixes)}): {shown}.")
+        raise ValueError(
+            f"These quantized weights have no scale in the checkpoint "
+            f"({' or '.join('X' + s for s in dequantizer.scale_suffixes)}): {shown}."
+        )
     for name, tensor in waiting_scales.values():  # not a quantization scale: an ordinary tensor
         if name.endswith(".weight_scale_inv"):
             raise ValueError(f"{name} has no quantized weight {name.removesuffix('_scale_inv')} beside it.")

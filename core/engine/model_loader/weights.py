@@ -22,9 +22,18 @@ from engine.model_loader.dequant import CheckpointDequantizer, dequantize_stream
 
 # safetensors dtype codes torch can view directly
 MAPPED_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -72,8 +81,9 @@ def iterate_weights(files: list[Path], *, progress: bool = True) -> Iterator[tup
                 bar.update(1)
 
 
-def load_weights(model: Model, files: list[Path], *, progress: bool = True,
-                 dequantizer: CheckpointDequantizer | None = None) -> None:
+def load_weights(
+    model: Model, files: list[Path], *, progress: bool = True, dequantizer: CheckpointDequantizer | None = None
+) -> None:
     """Fill every parameter of ``model`` from ``files`` (see :func:`load_tensors`), with the
     checkpoint's quantized weights made dense on the way when a ``dequantizer`` is given."""
     weights = iterate_weights(files, progress=progress)

@@ -34,7 +34,11 @@ KINDS: tuple[ComponentKind, ...] = (
         "--attention-backend",
     ),
     ComponentKind(
-        "quantizers", "register_quantizers", "quantization method", "engine.interfaces.quantizer:Quantizer", "--quantization"
+        "quantizers",
+        "register_quantizers",
+        "quantization method",
+        "engine.interfaces.quantizer:Quantizer",
+        "--quantization",
     ),
     ComponentKind(
         "spec_proposers",
@@ -77,9 +81,11 @@ class Components:
         call per plugin. :attr:`added_by` records what each call added.
         """
         components = cls()
-        for registry, builtins in ((components.kv_tiers, BUILTIN_KV_TIERS),
-                                   (components.spec_proposers, BUILTIN_SPEC_PROPOSERS),
-                                   (components.attention_backends, BUILTIN_ATTENTION_BACKENDS)):
+        for registry, builtins in (
+            (components.kv_tiers, BUILTIN_KV_TIERS),
+            (components.spec_proposers, BUILTIN_SPEC_PROPOSERS),
+            (components.attention_backends, BUILTIN_ATTENTION_BACKENDS),
+        ):
             for name, target in builtins.items():  # part of the engine: no plugin needed
                 registry.add(name, target, plugin=BUILT_IN, distribution="engine (built in)")
         for kind in KINDS:

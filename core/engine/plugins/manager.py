@@ -300,4 +300,3 @@ def _fail(info: PluginInfo, reason: str, cause: BaseException) -> None:
     message = f"{who} failed to load and was skipped: {reason}. Run `engine plugins` for details."
     warnings.warn(message, PluginLoadWarning, stacklevel=4)
     logger.warning(message)
-

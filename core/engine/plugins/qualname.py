@@ -24,14 +24,11 @@ def resolve_qualname(value: str, *, what: str = "component") -> Any:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise ImportError(
-            f"Cannot import module {module_name!r} for the {what} {value!r}: "
-            f"{type(exc).__name__}: {exc}"
+            f"Cannot import module {module_name!r} for the {what} {value!r}: {type(exc).__name__}: {exc}"
         ) from exc
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError as exc:
-            raise ImportError(
-                f"Module {module_name!r} has no attribute {attr_path!r} (the {what} {value!r})."
-            ) from exc
+            raise ImportError(f"Module {module_name!r} has no attribute {attr_path!r} (the {what} {value!r}).") from exc
     return obj

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-
 from typing import Callable
 
 import torch
 
 from engine.interfaces.attention import AttentionBackend, AttentionSpec, CommonAttentionMetadata
-from engine.interfaces.ops import REFERENCE_OPS, LayerOps
 from engine.interfaces.forward_context import ForwardContext
+from engine.interfaces.ops import REFERENCE_OPS, LayerOps
 
 logger = logging.getLogger("engine")
 
@@ -27,9 +26,16 @@ class KVCache:
     """The paged caches of every attention layer, sharing one block numbering."""
 
     def __init__(
-        self, groups: list[KVCacheGroup], num_layers: int, num_blocks: int, block_size: int, dtype: torch.dtype,
-        device: torch.device, ops: LayerOps = REFERENCE_OPS,
-        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None, num_state_slots: int = 0,
+        self,
+        groups: list[KVCacheGroup],
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        ops: LayerOps = REFERENCE_OPS,
+        allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         """Recurrent groups (linear attention) get ``num_state_slots`` request states each, in
         their backend's cache dtype; the others ``num_blocks`` paged blocks."""
@@ -46,7 +52,8 @@ class KVCache:
             cache_dtype = group.backend.cache_dtype(dtype)
             for layer in group.layer_indices:
                 self.layer_caches[layer] = (
-                    allocate(shape, cache_dtype) if allocate is not None
+                    allocate(shape, cache_dtype)
+                    if allocate is not None
                     else torch.zeros(shape, dtype=cache_dtype, device=device)
                 )
                 self.layer_backends[layer] = group.backend

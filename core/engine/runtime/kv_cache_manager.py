@@ -47,8 +47,15 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Owns block allocation: ``request.block_ids`` is the request's block table."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, salt: bytes = b"",
-                 num_state_slots: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        salt: bytes = b"",
+        num_state_slots: int = 0,
+    ) -> None:
         """``num_state_slots``: recurrent-state slots (models with linear attention), one taken by
         each request from its first allocation until :meth:`free`."""
         if num_blocks < 1:

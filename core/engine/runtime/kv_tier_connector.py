@@ -63,8 +63,10 @@ class CanonicalBlocks:
         self.kv_cache, self.spec, self.tp = kv_cache, spec, tp
         self.dtype = getattr(torch, spec.dtype)
         # per layer and rank: (first head, heads) of the layer's KV heads
-        self.placements = [[TensorParallel(rank=r, size=tp.size).kv_heads(heads) for r in range(tp.size)]
-                           for _, heads, _ in spec.layer_shapes]
+        self.placements = [
+            [TensorParallel(rank=r, size=tp.size).kv_heads(heads) for r in range(tp.size)]
+            for _, heads, _ in spec.layer_shapes
+        ]
 
     def _slots(self, blocks: list[int]) -> torch.Tensor:
         bs = self.kv_cache.block_size
@@ -86,7 +88,7 @@ class CanonicalBlocks:
         offset, local_offset = 0, 0
         for (bs, heads, size), placement in zip(self.spec.layer_shapes, self.placements):
             local_numel = bs * placement[0][1] * size
-            for kv in range(2):  # keys, then values
+            for _ in range(2):  # keys, then values
                 canonical = out[:, offset : offset + bs * heads * size].view(n, bs, heads, size)
                 for (first, count), part in zip(placement, parts):
                     local = part[:, local_offset : local_offset + local_numel].view(n, bs, count, size)
@@ -103,8 +105,10 @@ class CanonicalBlocks:
         ):
             first, count = placement[self.tp.rank]
             numel = bs * heads * size
-            k, v = (rows[:, o : o + numel].reshape(-1, heads, size)[:, first : first + count].to(cache.device)
-                    for o in (offset, offset + numel))
+            k, v = (
+                rows[:, o : o + numel].reshape(-1, heads, size)[:, first : first + count].to(cache.device)
+                for o in (offset, offset + numel)
+            )
             backend.scatter_kv(cache, slots.to(cache.device), k.contiguous(), v.contiguous())
             offset += 2 * numel
 
@@ -114,8 +118,15 @@ class KVTierConnector:
     every gather and write of blocks is broadcast first, so that each rank contributes or
     takes its KV heads (``engine.engine.workers.serve_steps``)."""
 
-    def __init__(self, tier: KVTier, kv_cache: KVCache, manager: KVCacheManager, spec: KVTierSpec,
-                 tp: TensorParallel = SINGLE, channel=None) -> None:
+    def __init__(
+        self,
+        tier: KVTier,
+        kv_cache: KVCache,
+        manager: KVCacheManager,
+        spec: KVTierSpec,
+        tp: TensorParallel = SINGLE,
+        channel=None,
+    ) -> None:
         self.tier = tier
         self.manager = manager
         self.spec = spec

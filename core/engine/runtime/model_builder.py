@@ -12,10 +12,10 @@ import torch
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.interfaces.attention import TOKEN_STATE
 from engine.interfaces.model import Model, ModelInit
+from engine.interfaces.ops import REFERENCE_OPS
 from engine.interfaces.platform import Platform
 from engine.interfaces.quantizer import Quantizer
 from engine.layers.linear import apply_linear_method, quantize_model
-from engine.interfaces.ops import REFERENCE_OPS
 from engine.model_config import HFConfig
 from engine.model_loader.checkpoint import safetensors_files
 from engine.model_loader.dequant import CheckpointDequantizer
@@ -28,8 +28,13 @@ logger = logging.getLogger("engine")
 
 
 def construct_model(
-    model_cls: type[Model], hf_config: HFConfig, dtype_name: str, device: torch.device, *,
-    quantizer: Quantizer | None = None, tp: TensorParallel = SINGLE,
+    model_cls: type[Model],
+    hf_config: HFConfig,
+    dtype_name: str,
+    device: torch.device,
+    *,
+    quantizer: Quantizer | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> Model:
     """The model (rank ``tp.rank``'s part of it), its linear layers given the quantizer's
     methods, no weight read yet."""
@@ -37,13 +42,23 @@ def construct_model(
     model.eval()
     if quantizer is not None:
         quantized, declined = quantize_model(model, quantizer)
-        logger.info("quantization %s: %d linear layers quantized, %d left as they are (%s)",
-                    quantizer.name, len(quantized), len(declined), ", ".join(declined) or "none")
+        logger.info(
+            "quantization %s: %d linear layers quantized, %d left as they are (%s)",
+            quantizer.name,
+            len(quantized),
+            len(declined),
+            ", ".join(declined) or "none",
+        )
     return model
 
 
 def load_model(
-    model: Model, model_path: Path, platform: Platform, dtype_name: str, *, progress: bool = True,
+    model: Model,
+    model_path: Path,
+    platform: Platform,
+    dtype_name: str,
+    *,
+    progress: bool = True,
     dequantizer: CheckpointDequantizer | None = None,
 ) -> Model:
     """Stream the checkpoint into ``model`` (dense from a quantized one with a
@@ -56,8 +71,16 @@ def load_model(
 
 
 def build_model(
-    model_cls: type[Model], hf_config: HFConfig, model_path, platform, dtype_name: str, device: torch.device, *,
-    quantizer: Quantizer | None = None, progress: bool = True, dequantizer: CheckpointDequantizer | None = None,
+    model_cls: type[Model],
+    hf_config: HFConfig,
+    model_path,
+    platform,
+    dtype_name: str,
+    device: torch.device,
+    *,
+    quantizer: Quantizer | None = None,
+    progress: bool = True,
+    dequantizer: CheckpointDequantizer | None = None,
 ) -> Model:
     """Construct a model, give its linear layers the quantizer's methods, load its
     checkpoint (dense from a quantized one with a ``dequantizer``), then switch its
@@ -67,8 +90,17 @@ def build_model(
 
 
 def build_kv_cache(
-    model: Model, components, platform, dtype_name: str, device: torch.device, block_size: int, memory_bytes: int,
-    *, max_model_len: int, max_num_seqs: int, attention_backend: str | None = None,
+    model: Model,
+    components,
+    platform,
+    dtype_name: str,
+    device: torch.device,
+    block_size: int,
+    memory_bytes: int,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    attention_backend: str | None = None,
     agree: Callable[[int], int] | None = None,
 ) -> KVCache:
     """The paged KV cache of ``model``: one group per distinct layer spec with the attention
@@ -89,7 +121,11 @@ def build_kv_cache(
             backend_cls = TokenStateCache
         else:
             backend_cls = select_attention_backend(
-                components.attention_backends, platform, spec, dtype=dtype_name, block_size=block_size,
+                components.attention_backends,
+                platform,
+                spec,
+                dtype=dtype_name,
+                block_size=block_size,
                 requested=attention_backend if spec.kind in requested_kinds else None,
             )
         groups.append(KVCacheGroup(spec, backend_cls(spec, block_size, dtype, device), layers))
@@ -98,9 +134,13 @@ def build_kv_cache(
     # recurrent layers hold one state per running request, taken from the memory first
     num_state_slots = max_num_seqs if any(spec.is_recurrent for spec in specs) else 0
     state_bytes = sum(
-        num_state_slots * spec.state_numel() * torch.empty(0, dtype=group.backend.cache_dtype(dtype)).element_size()
+        num_state_slots
+        * spec.state_numel()
+        * torch.empty(0, dtype=group.backend.cache_dtype(dtype)).element_size()
         * len(group.layer_indices)
-        for group in groups for spec in [group.spec] if spec.is_recurrent
+        for group in groups
+        for spec in [group.spec]
+        if spec.is_recurrent
     )
     if state_bytes >= memory_bytes:
         raise ValueError(
@@ -109,8 +149,9 @@ def build_kv_cache(
         )
     memory_bytes -= state_bytes
     blocks_per_seq = -(-max_model_len // block_size)
-    num_blocks = num_blocks_for(specs, block_size, element_size, memory_bytes,
-                                max_blocks_useful=max_num_seqs * blocks_per_seq)
+    num_blocks = num_blocks_for(
+        specs, block_size, element_size, memory_bytes, max_blocks_useful=max_num_seqs * blocks_per_seq
+    )
     if agree is not None:  # tensor-parallel ranks: the same block numbering everywhere
         num_blocks = agree(num_blocks)
     if num_blocks * block_size < max_model_len:
@@ -120,5 +161,14 @@ def build_kv_cache(
             f"--kv-cache-memory or lower --max-model-len."
         )
     ops = platform.layer_ops(dtype_name) or REFERENCE_OPS
-    return KVCache(groups, len(specs), num_blocks, block_size, dtype, device, ops, allocate=platform.allocate_kv_cache,
-                   num_state_slots=num_state_slots)
+    return KVCache(
+        groups,
+        len(specs),
+        num_blocks,
+        block_size,
+        dtype,
+        device,
+        ops,
+        allocate=platform.allocate_kv_cache,
+        num_state_slots=num_state_slots,
+    )

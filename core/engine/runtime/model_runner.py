@@ -29,8 +29,14 @@ class ModelRunner:
     Each step's phases are timed (``ModelOutput.timings``); with ``synchronize`` (the
     platform's) each phase waits for the device first, so that the times are the device's."""
 
-    def __init__(self, model: Model, kv_cache: KVCache, device: torch.device, channel=None,
-                 synchronize: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: Model,
+        kv_cache: KVCache,
+        device: torch.device,
+        channel=None,
+        synchronize: Callable[[], None] | None = None,
+    ) -> None:
         self.model = model
         self.synchronize = synchronize
         self._timings = StepTimings()
@@ -78,14 +84,24 @@ class ModelRunner:
         # token t belongs to sequence seq_idx[t], at position context + (t - query start)
         seq_idx = np.repeat(np.arange(num_seqs), query_lens)
         positions = np.arange(len(input_ids)) - query_start_loc[seq_idx] + context_lens[seq_idx]
-        slot_mapping = block_table[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
+        slot_mapping = (
+            block_table[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
+        )
 
         return {
-            "input_ids": np.asarray(input_ids, dtype=np.int64), "positions": positions,
-            "query_start_loc": query_start_loc, "query_lens": query_lens, "context_lens": context_lens,
-            "seq_lens": seq_lens, "block_tables": block_table, "slot_mapping": slot_mapping,
-            "state_slots": (np.asarray([r.state_slot for r in requests], dtype=np.int64)
-                            if requests[0].state_slot is not None else None),
+            "input_ids": np.asarray(input_ids, dtype=np.int64),
+            "positions": positions,
+            "query_start_loc": query_start_loc,
+            "query_lens": query_lens,
+            "context_lens": context_lens,
+            "seq_lens": seq_lens,
+            "block_tables": block_table,
+            "slot_mapping": slot_mapping,
+            "state_slots": (
+                np.asarray([r.state_slot for r in requests], dtype=np.int64)
+                if requests[0].state_slot is not None
+                else None
+            ),
         }
 
     def to_device(self, arrays: dict) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
@@ -175,7 +191,9 @@ class ModelRunner:
         timings.sample = self._clock() - sample_start - timings.logits
         return requests, [tokens[i] for i in sampling]
 
-    def _sample(self, batch: ScheduledBatch, indices: list[int], hidden: torch.Tensor, ends: list[int]) -> list[list[int]]:
+    def _sample(
+        self, batch: ScheduledBatch, indices: list[int], hidden: torch.Tensor, ends: list[int]
+    ) -> list[list[int]]:
         """Requests ``indices`` of the batch, without drafts, sample one token each from the
         logits of their last row."""
         requests = [batch.requests[i] for i in indices]
@@ -186,13 +204,18 @@ class ModelRunner:
         self._keep_hidden(requests, hidden, rows)
         return [[t] for t in sampled.token_ids.tolist()]
 
-    def _verify(self, batch: ScheduledBatch, drafted: list[int], hidden: torch.Tensor, ends: list[int]) -> list[list[int]]:
+    def _verify(
+        self, batch: ScheduledBatch, drafted: list[int], hidden: torch.Tensor, ends: list[int]
+    ) -> list[list[int]]:
         """Requests ``drafted`` are verified on the logits of their last token and every draft."""
         requests = [batch.requests[i] for i in drafted]
         rows = [r for i in drafted for r in range(ends[i] - len(batch.drafts[i]) - 1, ends[i])]
         kept = verify(
-            self.sampler, self.logits(hidden, rows), requests,
-            [batch.drafts[i] for i in drafted], [batch.draft_probs.get(i) for i in drafted],
+            self.sampler,
+            self.logits(hidden, rows),
+            requests,
+            [batch.drafts[i] for i in drafted],
+            [batch.draft_probs.get(i) for i in drafted],
         )
         if self.keep_hidden_states:  # the row that produced each request's newest token
             last = [ends[i] - len(batch.drafts[i]) - 1 + len(k) - 1 for i, k in zip(drafted, kept)]

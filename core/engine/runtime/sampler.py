@@ -148,15 +148,20 @@ class Sampler:
         )
         prompt_ids = pad_token_ids(
             [r.prompt_token_ids if p.repetition_penalty != 1.0 else [] for r, p in zip(requests, params)],
-            vocab, self.device,
+            vocab,
+            self.device,
         )
 
         def column(name: str) -> torch.Tensor:
             return torch.tensor([getattr(p, name) for p in params], dtype=torch.float32, device=self.device)
 
         return apply_penalties(
-            logits, prompt_ids, output_ids,
-            column("repetition_penalty"), column("presence_penalty"), column("frequency_penalty"),
+            logits,
+            prompt_ids,
+            output_ids,
+            column("repetition_penalty"),
+            column("presence_penalty"),
+            column("frequency_penalty"),
         )
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], greedy: list[bool]) -> torch.Tensor:

@@ -42,8 +42,15 @@ def _no_text_check(request: Request, status: RequestStatus | None) -> RequestSta
 
 
 class Scheduler:
-    def __init__(self, kv_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 max_model_len: int = 2**62, spec: DraftPlanner | None = None) -> None:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        max_model_len: int = 2**62,
+        spec: DraftPlanner | None = None,
+    ) -> None:
         self.kv_manager = kv_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -116,7 +123,8 @@ class Scheduler:
             )
         # a request samples when this step computes its newest token
         batch.sample_indices = [
-            i for i, (request, n) in enumerate(zip(batch.requests, batch.num_tokens))
+            i
+            for i, (request, n) in enumerate(zip(batch.requests, batch.num_tokens))
             if request.num_computed_tokens + n == request.num_tokens
         ]
         if self.spec is not None and batch.requests:
@@ -146,8 +154,9 @@ class Scheduler:
 
     # update
 
-    def update_from_output(self, batch: ScheduledBatch, output: ModelOutput,
-                           check: StopCheck = _no_text_check) -> list[Request]:
+    def update_from_output(
+        self, batch: ScheduledBatch, output: ModelOutput, check: StopCheck = _no_text_check
+    ) -> list[Request]:
         """Advance every request of ``batch`` by what the step computed and sampled: the
         scheduled tokens and accepted drafts count as computed, sampled tokens are appended
         one by one until one finishes the request (its stop conditions, then ``check``:

@@ -39,7 +39,9 @@ class TokenStateCache(TokenStateBackend):
 
     name = "token_state"
     capabilities: ClassVar[AttentionCapabilities] = AttentionCapabilities(
-        kinds=frozenset({TOKEN_STATE}), platforms=frozenset(), dtypes=frozenset(),
+        kinds=frozenset({TOKEN_STATE}),
+        platforms=frozenset(),
+        dtypes=frozenset(),
     )
 
     @classmethod
@@ -47,7 +49,9 @@ class TokenStateCache(TokenStateBackend):
         cls, spec: AttentionSpec, *, platform: str, dtype: str, block_size: int, kv_cache_dtype: str = "auto"
     ) -> list[str]:
         """Any platform, dtype and block size: only the kind must be ``token_state``."""
-        return [] if spec.kind == TOKEN_STATE else [f"attention kind {spec.kind!r} not supported (supports token_state)"]
+        return (
+            [] if spec.kind == TOKEN_STATE else [f"attention kind {spec.kind!r} not supported (supports token_state)"]
+        )
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, self.block_size, self.spec.head_size)

@@ -42,8 +42,9 @@ def accept_sampled(
     if accepted == k:
         distribution = p[k]
     else:
-        residual = p[accepted] - (q[accepted] if q is not None else torch.nn.functional.one_hot(
-            draft_ids[accepted], p.shape[-1]).to(p.dtype))
+        residual = p[accepted] - (
+            q[accepted] if q is not None else torch.nn.functional.one_hot(draft_ids[accepted], p.shape[-1]).to(p.dtype)
+        )
         residual = residual.clamp(min=0)
         total = residual.sum()
         # p <= q everywhere only when p == q at this row: then the draft is always accepted
@@ -53,7 +54,10 @@ def accept_sampled(
 
 
 def verify(
-    sampler: Sampler, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
+    sampler: Sampler,
+    logits: torch.Tensor,
+    requests: list[Request],
+    drafts: list[list[int]],
     draft_probs: list[torch.Tensor | None],
 ) -> list[list[int]]:
     """logits: [sum(len(d) + 1), V] in the model's dtype, request i's rows contiguous and
@@ -72,8 +76,9 @@ def verify(
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         row_params = [params[i] for i in sampled for _ in range(counts[i])]
-        probs = torch.split(sampler.probs(torch.cat([rows[i] for i in sampled]).float(), row_params),
-                            [counts[i] for i in sampled])
+        probs = torch.split(
+            sampler.probs(torch.cat([rows[i] for i in sampled]).float(), row_params), [counts[i] for i in sampled]
+        )
         for i, p in zip(sampled, probs):
             request = requests[i]
             generator = sampler.generator(request) if request.sampling_params.seed is not None else None

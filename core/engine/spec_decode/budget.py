@@ -122,7 +122,11 @@ class SpecBudget:
         return estimate.steps_without_drafts == 0 or self._due_probe(estimate)
 
     def plan(
-        self, request_ids: list[str], confidences: list[list[float | None]], num_sampled: int, base_tokens: int,
+        self,
+        request_ids: list[str],
+        confidences: list[list[float | None]],
+        num_sampled: int,
+        base_tokens: int,
         limits: list[int],
     ) -> list[int]:
         """How many of each request's drafts to verify.

@@ -15,8 +15,8 @@ from engine.interfaces.spec_proposer import (
     Drafts,
     SpecProposer,
 )
-from engine.runtime.request import Request
 from engine.runtime.batch import ScheduledBatch
+from engine.runtime.request import Request
 from engine.spec_decode.budget import SpecBudget
 
 logger = logging.getLogger("engine.spec_decode")
@@ -73,8 +73,13 @@ class SpecDecoder:
     map of each request's newest hidden state, for proposers that read them."""
 
     def __init__(
-        self, proposer: SpecProposer, num_speculative_tokens: int, max_num_batched_tokens: int, max_model_len: int,
-        vocab_size: int, hidden_states: dict[str, torch.Tensor] | None = None,
+        self,
+        proposer: SpecProposer,
+        num_speculative_tokens: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        vocab_size: int,
+        hidden_states: dict[str, torch.Tensor] | None = None,
     ) -> None:
         layers = tuple(proposer.hidden_state_layers)
         if layers not in ((), (FINAL_HIDDEN_STATES,), (PRE_HEAD_HIDDEN_STATES,)):
@@ -118,12 +123,14 @@ class SpecDecoder:
         self._check(drafts, len(requests))
         limits = [self._limit(r) for r in requests]
         confidences = [
-            [None] * len(tokens) if drafts.probs is None else
-            drafts.probs[k][torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.int64)].tolist()
+            [None] * len(tokens)
+            if drafts.probs is None
+            else drafts.probs[k][torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.int64)].tolist()
             for k, tokens in enumerate(drafts.token_ids)
         ]
-        taken = self.budget.plan([r.request_id for r in requests], confidences, len(batch.sample_indices),
-                                 batch.total_tokens, limits)
+        taken = self.budget.plan(
+            [r.request_id for r in requests], confidences, len(batch.sample_indices), batch.total_tokens, limits
+        )
         return [
             (i, list(drafts.token_ids[k][:count]), None if drafts.probs is None else drafts.probs[k][:count])
             for k, (i, count) in enumerate(zip(candidates, taken))
@@ -140,8 +147,10 @@ class SpecDecoder:
     def _check(self, drafts: Drafts, num_requests: int) -> None:
         name = self.proposer.name
         if not isinstance(drafts, Drafts) or len(drafts.token_ids) != num_requests:
-            raise RuntimeError(f"Proposer {name!r} must return Drafts with one token list per request "
-                               f"({num_requests}); got {drafts!r:.200}.")
+            raise RuntimeError(
+                f"Proposer {name!r} must return Drafts with one token list per request "
+                f"({num_requests}); got {drafts!r:.200}."
+            )
         for tokens in drafts.token_ids:
             if len(tokens) > self.num_speculative_tokens or not all(
                 isinstance(t, int) and 0 <= t < self.vocab_size for t in tokens
@@ -154,8 +163,10 @@ class SpecDecoder:
             if len(drafts.probs) != num_requests or any(
                 tuple(p.shape) != (len(t), self.vocab_size) for p, t in zip(drafts.probs, drafts.token_ids)
             ):
-                raise RuntimeError(f"Proposer {name!r} returned draft probabilities not shaped "
-                                   f"[len(drafts), {self.vocab_size}] per request.")
+                raise RuntimeError(
+                    f"Proposer {name!r} returned draft probabilities not shaped "
+                    f"[len(drafts), {self.vocab_size}] per request."
+                )
 
     def record(self, request: Request, num_drafts: int, accepted: int) -> int:
         """After verification: ``accepted`` of the request's ``num_drafts`` drafts were kept."""

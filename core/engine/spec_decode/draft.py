@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from engine.interfaces.spec_proposer import Drafts, DraftRequest, ProposerInit, SpecProposer
+from engine.interfaces.spec_proposer import DraftRequest, Drafts, ProposerInit, SpecProposer
 
 SETTINGS = ("model", "kv_cache_memory")
 
@@ -51,13 +51,25 @@ class DraftModelProposer(SpecProposer):
         architecture = (raw.get("architectures") or ["?"])[0]
         dtype_name = str(init.dtype).removeprefix("torch.")
         self.model = build_model(
-            init.components.models.get(architecture), HFConfig(raw), path, init.platform, dtype_name, init.device,
+            init.components.models.get(architecture),
+            HFConfig(raw),
+            path,
+            init.platform,
+            dtype_name,
+            init.device,
             progress=False,
         )
         self.max_model_len = int(raw.get("max_position_embeddings", 2048))
         kv_cache = build_kv_cache(
-            self.model, init.components, init.platform, dtype_name, init.device, init.block_size,
-            int(memory * 2**30), max_model_len=self.max_model_len, max_num_seqs=256,
+            self.model,
+            init.components,
+            init.platform,
+            dtype_name,
+            init.device,
+            init.block_size,
+            int(memory * 2**30),
+            max_model_len=self.max_model_len,
+            max_num_seqs=256,
         )
         self.kv_manager = KVCacheManager(kv_cache.num_blocks, init.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(self.model, kv_cache, init.device)
@@ -103,7 +115,7 @@ class DraftModelProposer(SpecProposer):
             for shadow, tokens in zip(output.requests, output.tokens):
                 shadow.append_token(tokens[0])
             active = batch.requests  # a request out of draft blocks stops drafting this step
-        return Drafts([list(s.token_ids[len(r.token_ids):]) for s, r in zip(shadows, requests)])
+        return Drafts([list(s.token_ids[len(r.token_ids) :]) for s, r in zip(shadows, requests)])
 
     def remove(self, request_ids: Sequence[str]) -> None:
         for request_id in request_ids:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine.interfaces.spec_proposer import Drafts, DraftRequest, ProposerInit, SpecProposer
+from engine.interfaces.spec_proposer import DraftRequest, Drafts, ProposerInit, SpecProposer
 
 DEFAULTS = {"prompt_lookup_min": 2, "prompt_lookup_max": 5}
 
@@ -42,6 +42,6 @@ class NgramProposer(SpecProposer):
             )
 
     def propose(self, requests: Sequence[DraftRequest], num_tokens: int, hidden_states=None) -> Drafts:
-        return Drafts([
-            lookup(np.asarray(r.token_ids, dtype=np.int64), num_tokens, self.min_n, self.max_n) for r in requests
-        ])
+        return Drafts(
+            [lookup(np.asarray(r.token_ids, dtype=np.int64), num_tokens, self.min_n, self.max_n) for r in requests]
+        )

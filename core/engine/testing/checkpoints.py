@@ -11,59 +11,137 @@ from typing import Any
 
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=320, max_position_embeddings=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=512,
     ),
     "MistralForCausalLM": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=320, max_position_embeddings=512, sliding_window=None,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=512,
+        sliding_window=None,
     ),
     "Qwen2ForCausalLM": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=320, max_position_embeddings=512, tie_word_embeddings=True,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=320,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
     ),
     "Qwen3ForCausalLM": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=32, vocab_size=320, max_position_embeddings=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=320,
+        max_position_embeddings=512,
     ),
 }
 
 TINY_CONFIGS["DeepseekV3ForCausalLM"] = dict(
-    hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
-    first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
-    v_head_dim=16, vocab_size=320, max_position_embeddings=512,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    vocab_size=320,
+    max_position_embeddings=512,
 )
 
 # V3.2: an indexer selecting more positions than the kit's sequences hold, so that it selects every
 # causal position and transformers' result does not hinge on ties among indexer scores
 TINY_CONFIGS["DeepseekV32ForCausalLM"] = dict(
-    TINY_CONFIGS["DeepseekV3ForCausalLM"], index_n_heads=4, index_head_dim=16, index_topk=64,
+    TINY_CONFIGS["DeepseekV3ForCausalLM"],
+    index_n_heads=4,
+    index_head_dim=16,
+    index_topk=64,
 )
 
 # V4: every attention type (sliding only, compressed sparse with ratio 4, heavily compressed with
 # ratio 16 here), a window of 8, hash routing in the first layer, YaRN on the compressed layers'
 # rope; index_topk covers every entry of the kit's sequences
 TINY_CONFIGS["DeepseekV4ForCausalLM"] = dict(
-    hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64, q_lora_rank=48, o_groups=2,
-    o_lora_rank=16, index_n_heads=4, index_head_dim=16, index_topk=64, sliding_window=8,
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    head_dim=64,
+    q_lora_rank=48,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=4,
+    index_head_dim=16,
+    index_topk=64,
+    sliding_window=8,
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                 "compressed_sparse_attention"],
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"], n_routed_experts=8, num_experts_per_tok=2,
-    moe_intermediate_size=32, vocab_size=320, max_position_embeddings=512,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
-                     "beta_fast": 32, "beta_slow": 1},
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    vocab_size=320,
+    max_position_embeddings=512,
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
 )
 
 # Kimi Linear: three KDA layers around one MLA layer (no positional encoding), a dense first layer
 TINY_CONFIGS["KimiLinearForCausalLM"] = dict(
-    hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    num_local_experts=8, num_experts_per_tok=2, num_shared_experts=1, vocab_size=320, max_position_embeddings=512,
-    linear_num_heads=4, linear_head_dim=16,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    num_shared_experts=1,
+    vocab_size=320,
+    max_position_embeddings=512,
+    linear_num_heads=4,
+    linear_head_dim=16,
     layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 _CONFIG_CLASSES = {
@@ -134,7 +212,9 @@ def randomize_constant_parameters(hf_model: Any, seed: int) -> None:
         num_experts = getattr(hf_model.config, "n_routed_experts", None)
         for name, table in hf_model.named_buffers():
             if name.endswith("tid2eid") and name in saved and num_experts:
-                rows = [torch.randperm(num_experts, generator=generator)[: table.shape[1]] for _ in range(table.shape[0])]
+                rows = [
+                    torch.randperm(num_experts, generator=generator)[: table.shape[1]] for _ in range(table.shape[0])
+                ]
                 table.copy_(torch.stack(rows))
 
 
@@ -161,6 +241,4 @@ def make_tiny_tokenizer(vocab_size: int) -> Any:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_TRAINING_TEXT * 4, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

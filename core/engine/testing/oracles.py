@@ -42,8 +42,13 @@ def naive_attention(
 
 
 def naive_mla_attention(
-    q: torch.Tensor, entries: torch.Tensor, context_len: int, scale: float, latent_size: int,
-    indices: torch.Tensor | None = None, with_lse: bool = False,
+    q: torch.Tensor,
+    entries: torch.Tensor,
+    context_len: int,
+    scale: float,
+    latent_size: int,
+    indices: torch.Tensor | None = None,
+    with_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal multi-head latent attention (absorbed form) of one sequence over its unpaged
     cache entries; with ``indices``, sparse MLA over the selected positions only.
@@ -100,8 +105,16 @@ def naive_index_scores(
     return scores.masked_fill(key_pos > query_pos, float("-inf"))
 
 
-def naive_kda(mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              num_heads: int, head_size: int, value_size: int, scale: float) -> torch.Tensor:
+def naive_kda(
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_heads: int,
+    head_size: int,
+    value_size: int,
+    scale: float,
+) -> torch.Tensor:
     """Kimi delta attention of one whole sequence from a zero state, token by token.
 
     mixed_qkv: [L, C] the inputs of the short convolution (queries, keys, values);

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import pytest
 
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("engine", "engine plugin conformance kit")
     group.addoption("--engine-device", default="cpu", help="Platform the kit's checks run on (default: cpu).")
@@ -55,7 +56,7 @@ class _KitSkipSummary:
         if report.skipped and isinstance(report.longrepr, tuple):
             message = str(report.longrepr[2]).removeprefix("Skipped: ")
             if message.startswith(CAPABILITY_PREFIX):
-                self.skips[message[len(CAPABILITY_PREFIX):]] += 1
+                self.skips[message[len(CAPABILITY_PREFIX) :]] += 1
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.skips:

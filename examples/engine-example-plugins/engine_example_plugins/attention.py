@@ -47,8 +47,9 @@ class TorchPagedAttention(AttentionBackend):
         key_slots = blocks * common.block_size + key_pos % common.block_size
         return Metadata(common, seq_of_token, query_pos, key_slots)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: Metadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Metadata
+    ) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D] -> [T, H, D]
         spec, common = self.spec, metadata.common
         kv_cache[0, common.slot_mapping] = k

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from engine.interfaces.spec_proposer import Drafts, DraftRequest, ProposerInit, SpecProposer
+from engine.interfaces.spec_proposer import DraftRequest, Drafts, ProposerInit, SpecProposer
 
 
 class RandomProposer(SpecProposer):

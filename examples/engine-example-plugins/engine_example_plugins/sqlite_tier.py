@@ -60,7 +60,9 @@ class SqliteKVTier(KVTier):
             self._db.executescript(SCHEMA)
             (self._clock,) = self._db.execute("SELECT COALESCE(MAX(used), 0) FROM blocks").fetchone()
         except sqlite3.Error as exc:
-            raise ValueError(f"KV tier {self.name!r}: 'path' {os.fspath(path)!r} is not a usable database: {exc}")
+            raise ValueError(
+                f"KV tier {self.name!r}: 'path' {os.fspath(path)!r} is not a usable database: {exc}"
+            ) from exc
         self.dtype = getattr(torch, spec.dtype)
         self._lock = threading.Lock()
         self._stats = KVTierStats()
@@ -79,8 +81,12 @@ class SqliteKVTier(KVTier):
             self._check_open()
             n = 0
             for key in keys:
-                if self._db.execute("SELECT 1 FROM blocks WHERE digest = ? AND key = ?",
-                                    (self.spec.digest, key)).fetchone() is None:
+                if (
+                    self._db.execute(
+                        "SELECT 1 FROM blocks WHERE digest = ? AND key = ?", (self.spec.digest, key)
+                    ).fetchone()
+                    is None
+                ):
                     break
                 n += 1
             self._stats.hits += n
@@ -99,8 +105,9 @@ class SqliteKVTier(KVTier):
                     continue
                 data = block.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                 try:
-                    self._db.execute("INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?)",
-                                     (self.spec.digest, key, data, self._tick()))
+                    self._db.execute(
+                        "INSERT OR REPLACE INTO blocks VALUES (?, ?, ?, ?)", (self.spec.digest, key, data, self._tick())
+                    )
                     self._evict()
                 except sqlite3.Error:
                     self._stats.store_failures += 1
@@ -128,15 +135,17 @@ class SqliteKVTier(KVTier):
         with self._lock:
             self._check_open()
             for key, out in zip(keys, into, strict=True):
-                row = self._db.execute("SELECT data FROM blocks WHERE digest = ? AND key = ?",
-                                       (self.spec.digest, key)).fetchone()
+                row = self._db.execute(
+                    "SELECT data FROM blocks WHERE digest = ? AND key = ?", (self.spec.digest, key)
+                ).fetchone()
                 if row is None or len(row[0]) != self.spec.block_bytes or out.numel() != self.spec.block_numel:
                     self._stats.load_failures += 1
                     results.append(False)
                     continue
                 out.view(-1).copy_(torch.frombuffer(bytearray(row[0]), dtype=torch.uint8).view(out.dtype))
-                self._db.execute("UPDATE blocks SET used = ? WHERE digest = ? AND key = ?",
-                                 (self._tick(), self.spec.digest, key))
+                self._db.execute(
+                    "UPDATE blocks SET used = ? WHERE digest = ? AND key = ?", (self._tick(), self.spec.digest, key)
+                )
                 self._stats.loaded_blocks += 1
                 self._stats.bytes_read += len(row[0])
                 results.append(True)

@@ -55,11 +55,13 @@ def assert_greedy_like(llm, hf_model) -> None:
     from engine.sampling_params import SamplingParams
 
     prompt = [5, 17, 42, 7, 99]
-    output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
-                          use_tqdm=False)[0].outputs[0]
+    output = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)[
+        0
+    ].outputs[0]
     with torch.no_grad():
-        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                     min_new_tokens=12)[0, len(prompt):].tolist()
+        expected = hf_model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)[
+            0, len(prompt) :
+        ].tolist()
     assert output.token_ids == expected
 
 
@@ -67,8 +69,14 @@ def test_serves_a_model_like_transformers(tiny_checkpoint):
     from engine.llm import LLM
 
     path, hf_model = tiny_checkpoint("LlamaForCausalLM")
-    llm = LLM(str(path), plugins=["cpu", "llama", "example"], attention_backend="example_torch_paged",
-              dtype="float32", kv_cache_memory=0.01, progress=False)
+    llm = LLM(
+        str(path),
+        plugins=["cpu", "llama", "example"],
+        attention_backend="example_torch_paged",
+        dtype="float32",
+        kv_cache_memory=0.01,
+        progress=False,
+    )
     assert_greedy_like(llm, hf_model)
 
 
@@ -79,8 +87,14 @@ def test_quantized_model_generates_like_the_dequantized_weights(tiny_checkpoint)
     from engine_example_plugins.int8_quantizer import quantize_rows
 
     path, hf_model = tiny_checkpoint("LlamaForCausalLM")
-    llm = LLM(str(path), plugins=["cpu", "llama", "example"], quantization="example_int8", dtype="float32",
-              kv_cache_memory=0.01, progress=False)
+    llm = LLM(
+        str(path),
+        plugins=["cpu", "llama", "example"],
+        quantization="example_int8",
+        dtype="float32",
+        kv_cache_memory=0.01,
+        progress=False,
+    )
     state = hf_model.state_dict()
     for name, tensor in state.items():
         if name.endswith("proj.weight"):  # every linear layer but lm_head

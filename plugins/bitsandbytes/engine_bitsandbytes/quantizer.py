@@ -27,12 +27,24 @@ COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 
 # the keys of transformers' BitsAndBytesConfig (what a checkpoint's quantization_config holds),
 # and the one this plugin adds for on-the-fly quantization
-CONFIG_KEYS = frozenset({
-    "quant_method", "load_in_4bit", "load_in_8bit", "_load_in_4bit", "_load_in_8bit", "bnb_4bit_quant_type",
-    "bnb_4bit_use_double_quant", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage", "llm_int8_threshold",
-    "llm_int8_skip_modules", "llm_int8_enable_fp32_cpu_offload", "llm_int8_has_fp16_weight",
-    "bnb_4bit_blocksize",
-})
+CONFIG_KEYS = frozenset(
+    {
+        "quant_method",
+        "load_in_4bit",
+        "load_in_8bit",
+        "_load_in_4bit",
+        "_load_in_8bit",
+        "bnb_4bit_quant_type",
+        "bnb_4bit_use_double_quant",
+        "bnb_4bit_compute_dtype",
+        "bnb_4bit_quant_storage",
+        "llm_int8_threshold",
+        "llm_int8_skip_modules",
+        "llm_int8_enable_fp32_cpu_offload",
+        "llm_int8_has_fp16_weight",
+        "bnb_4bit_blocksize",
+    }
+)
 
 
 class _DropFloat16CastWarning(logging.Filter):
@@ -72,12 +84,14 @@ class Settings:
             raise ValueError("quantization_config sets both load_in_4bit and load_in_8bit; choose one.")
         if not four and not eight:
             if prequantized:
-                raise ValueError("The checkpoint's bitsandbytes quantization_config sets neither load_in_4bit nor "
-                                 "load_in_8bit.")
+                raise ValueError(
+                    "The checkpoint's bitsandbytes quantization_config sets neither load_in_4bit nor load_in_8bit."
+                )
             four = True  # on-the-fly default: 4-bit NF4
         if config.get("llm_int8_has_fp16_weight"):
-            raise ValueError("llm_int8_has_fp16_weight (training with fp16 master weights) is not supported "
-                             "for inference.")
+            raise ValueError(
+                "llm_int8_has_fp16_weight (training with fp16 master weights) is not supported for inference."
+            )
         storage = config.get("bnb_4bit_quant_storage", "uint8")
         if storage != "uint8":
             raise ValueError(f"bnb_4bit_quant_storage {storage!r} is not supported; only 'uint8'.")
@@ -98,15 +112,17 @@ class Settings:
         elif compute in COMPUTE_DTYPES:
             compute_dtype = COMPUTE_DTYPES[compute]
         else:
-            raise ValueError(
-                f"bnb_4bit_compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute!r}."
-            )
+            raise ValueError(f"bnb_4bit_compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}, got {compute!r}.")
         blocksize = int(config.get("bnb_4bit_blocksize", 64))
         if blocksize not in BLOCKSIZES:
             raise ValueError(f"bnb_4bit_blocksize must be one of {BLOCKSIZES}, got {blocksize}.")
         return cls(
-            bits=4, quant_type=quant_type, double_quant=bool(config.get("bnb_4bit_use_double_quant", False)),
-            compute_dtype=compute_dtype, blocksize=blocksize, skip_modules=tuple(skip),
+            bits=4,
+            quant_type=quant_type,
+            double_quant=bool(config.get("bnb_4bit_use_double_quant", False)),
+            compute_dtype=compute_dtype,
+            blocksize=blocksize,
+            skip_modules=tuple(skip),
         )
 
     def describe(self) -> str:
@@ -177,16 +193,21 @@ class BnB4bitLinearMethod(LinearMethod):
             if self.prequantized:
                 staged = {name: t for (name, s), t in layer.bnb_staged.items() if s == shard}
                 data = staged.pop("weight")
-                state = bnbf.QuantState.from_dict({k.removeprefix("weight."): v for k, v in staged.items()},
-                                                  device=torch.device("cpu"))
+                state = bnbf.QuantState.from_dict(
+                    {k.removeprefix("weight."): v for k, v in staged.items()}, device=torch.device("cpu")
+                )
                 if tuple(state.shape) != shape:
-                    raise ValueError(f"Shard {shard} was quantized from a {tuple(state.shape)} weight; the model "
-                                     f"expects {shape}.")
+                    raise ValueError(
+                        f"Shard {shard} was quantized from a {tuple(state.shape)} weight; the model expects {shape}."
+                    )
             else:
                 rows = layer.weight.data[layer._rows(shard)].contiguous()
                 data, state = bnbf.quantize_4bit(
-                    rows, blocksize=self.settings.blocksize, compress_statistics=self.settings.double_quant,
-                    quant_type=self.settings.quant_type, quant_storage=torch.uint8,
+                    rows,
+                    blocksize=self.settings.blocksize,
+                    compress_statistics=self.settings.double_quant,
+                    quant_type=self.settings.quant_type,
+                    quant_storage=torch.uint8,
                 )
             states.append((data, state))
         return states
@@ -198,16 +219,25 @@ class BnB4bitLinearMethod(LinearMethod):
             del layer.weight
         first = states[0][1]
         joinable = all(
-            s.blocksize == first.blocksize and s.quant_type == first.quant_type and s.dtype == first.dtype
-            and torch.equal(s.code, first.code) and torch.Size(s.shape).numel() % s.blocksize == 0
+            s.blocksize == first.blocksize
+            and s.quant_type == first.quant_type
+            and s.dtype == first.dtype
+            and torch.equal(s.code, first.code)
+            and torch.Size(s.shape).numel() % s.blocksize == 0
             for _, s in states
         )
         parts = states
         if len(states) > 1 and joinable:
             absmax = torch.cat([_plain_absmax(s) for _, s in states])
             shape = torch.Size([sum(layer.output_sizes), layer.input_size])
-            state = bnbf.QuantState(absmax=absmax, shape=shape, code=first.code, blocksize=first.blocksize,
-                                    quant_type=first.quant_type, dtype=first.dtype)
+            state = bnbf.QuantState(
+                absmax=absmax,
+                shape=shape,
+                code=first.code,
+                blocksize=first.blocksize,
+                quant_type=first.quant_type,
+                dtype=first.dtype,
+            )
             parts = [(torch.cat([d.view(-1) for d, _ in states]).view(-1, 1), state)]
         layer.bnb_parts = []
         for index, (data, state) in enumerate(parts):
@@ -304,8 +334,11 @@ class BitsAndBytesQuantizer(Quantizer):
         self.prequantized = prequantized
         self.error_bound = self.ERROR_BOUNDS["int8" if settings.bits == 8 else settings.quant_type]
         self._declined_experts = False
-        logger.info("bitsandbytes %s, %s", settings.describe(),
-                    "prequantized checkpoint" if prequantized else "quantized while loading")
+        logger.info(
+            "bitsandbytes %s, %s",
+            settings.describe(),
+            "prequantized checkpoint" if prequantized else "quantized while loading",
+        )
         if settings.bits == 8:
             logger.info("LLM.int8 quantizes activations through float16, as bitsandbytes does")
 
@@ -322,8 +355,11 @@ class BitsAndBytesQuantizer(Quantizer):
             return None
         if "experts" in parts:
             if not self._declined_experts:
-                logger.warning("bitsandbytes: MoE expert layers (%s, ...) stay unquantized; this plugin "
-                               "quantizes dense linear layers only", layer_name)
+                logger.warning(
+                    "bitsandbytes: MoE expert layers (%s, ...) stay unquantized; this plugin "
+                    "quantizes dense linear layers only",
+                    layer_name,
+                )
                 self._declined_experts = True
             return None
         method = BnB8bitLinearMethod if self.settings.bits == 8 else BnB4bitLinearMethod
@@ -336,8 +372,11 @@ class BitsAndBytesQuantizer(Quantizer):
             tensors = {"weight": data, "SCB": scale, "weight_format": torch.tensor(0, dtype=torch.uint8)}
         else:
             data, state = bnbf.quantize_4bit(
-                weight.contiguous(), blocksize=self.settings.blocksize, compress_statistics=self.settings.double_quant,
-                quant_type=self.settings.quant_type, quant_storage=torch.uint8,
+                weight.contiguous(),
+                blocksize=self.settings.blocksize,
+                compress_statistics=self.settings.double_quant,
+                quant_type=self.settings.quant_type,
+                quant_storage=torch.uint8,
             )
             tensors = {"weight": data, **{f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
         if bias is not None:

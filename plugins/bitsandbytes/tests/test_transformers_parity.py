@@ -23,16 +23,34 @@ from engine.testing.checkpoints import make_tiny_checkpoint
 
 # label -> (BitsAndBytesConfig arguments, tiny-config overrides)
 QUANTIZED_CASES = {
-    "nf4-double-bf16": ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-                         "bnb_4bit_compute_dtype": torch.bfloat16}, {}),
-    "nf4-fp32-compute-bias": ({"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
-                              {"attention_bias": True, "mlp_bias": True}),
+    "nf4-double-bf16": (
+        {
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": torch.bfloat16,
+        },
+        {},
+    ),
+    "nf4-fp32-compute-bias": (
+        {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
+        {"attention_bias": True, "mlp_bias": True},
+    ),
     "fp4": ({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4", "bnb_4bit_compute_dtype": torch.bfloat16}, {}),
-    "fp4-double": ({"load_in_4bit": True, "bnb_4bit_quant_type": "fp4", "bnb_4bit_use_double_quant": True,
-                    "bnb_4bit_compute_dtype": torch.bfloat16}, {}),
+    "fp4-double": (
+        {
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "fp4",
+            "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": torch.bfloat16,
+        },
+        {},
+    ),
     "int8": ({"load_in_8bit": True}, {}),
-    "int8-skip-o_proj": ({"load_in_8bit": True, "llm_int8_skip_modules": ["o_proj", "lm_head"]},
-                         {"attention_bias": True}),
+    "int8-skip-o_proj": (
+        {"load_in_8bit": True, "llm_int8_skip_modules": ["o_proj", "lm_head"]},
+        {"attention_bias": True},
+    ),
 }
 
 
@@ -48,11 +66,16 @@ def quantized_checkpoint(tmp_path_factory):
             arguments, overrides = QUANTIZED_CASES[label]
             root = tmp_path_factory.mktemp(label)
             make_tiny_checkpoint(
-                "LlamaForCausalLM", root / "base", dtype="bfloat16", initializer_range=0.1,
+                "LlamaForCausalLM",
+                root / "base",
+                dtype="bfloat16",
+                initializer_range=0.1,
                 **{"hidden_size": 128, "intermediate_size": 256, **overrides},
             )
             model = AutoModelForCausalLM.from_pretrained(
-                root / "base", quantization_config=BitsAndBytesConfig(**arguments), dtype=torch.bfloat16,
+                root / "base",
+                quantization_config=BitsAndBytesConfig(**arguments),
+                dtype=torch.bfloat16,
                 device_map="cpu",
             )
             model.save_pretrained(root / "quantized")
@@ -123,7 +146,9 @@ def test_prompt_logits_match_transformers(quantized_checkpoint, label, repacked)
         with torch.no_grad():
             reference = reference_model(torch.tensor([prompt])).logits[0].float()
         error = (logits.float() - reference).abs().max().item() / reference.abs().max().item()
-        assert error <= (TOLERANCE_REPACKED if repacked else TOLERANCE), f"{label}: relative logit difference {error:.5f}"
+        assert error <= (TOLERANCE_REPACKED if repacked else TOLERANCE), (
+            f"{label}: relative logit difference {error:.5f}"
+        )
 
 
 @pytest.mark.parametrize("label", sorted(QUANTIZED_CASES))
@@ -137,7 +162,7 @@ def test_greedy_tokens_match_transformers(quantized_checkpoint, label):
         with torch.no_grad():
             expected = reference_model.generate(
                 torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False
-            )[0, len(prompt):].tolist()
+            )[0, len(prompt) :].tolist()
         assert output.outputs[0].token_ids == expected
 
 

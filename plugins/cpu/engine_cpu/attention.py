@@ -35,7 +35,6 @@ from engine.interfaces.attention import (
     CommonAttentionMetadata,
 )
 
-
 LONG_PREFILL_MIN_QUERY = 16
 
 
@@ -207,8 +206,16 @@ class CpuPagedAttention(AttentionBackend):
             out = torch.empty_like(q)
             if metadata.kernel_tokens is not None:
                 self.kernels.paged_attention(
-                    out, q, kv_cache[0], kv_cache[1], common.block_tables, common.query_start_loc,
-                    common.context_lens, metadata.token_seq, metadata.kernel_tokens, spec.scale,
+                    out,
+                    q,
+                    kv_cache[0],
+                    kv_cache[1],
+                    common.block_tables,
+                    common.query_start_loc,
+                    common.context_lens,
+                    metadata.token_seq,
+                    metadata.kernel_tokens,
+                    spec.scale,
                     spec.sliding_window or 0,
                 )
             for chunk in metadata.prefill_chunks:
@@ -238,13 +245,28 @@ class CpuPagedAttention(AttentionBackend):
         window = spec.sliding_window or 0
         if metadata.kernel_tokens is not None:
             self.kernels.paged_attention_packed(
-                out, q, kv_cache, common.block_tables, common.query_start_loc, common.context_lens,
-                metadata.token_seq, metadata.kernel_tokens, spec.scale, window,
+                out,
+                q,
+                kv_cache,
+                common.block_tables,
+                common.query_start_loc,
+                common.context_lens,
+                metadata.token_seq,
+                metadata.kernel_tokens,
+                spec.scale,
+                window,
             )
         if metadata.prefill_seqs is not None:
             self.kernels.prefill_attention(
-                out, q, kv_cache, common.block_tables, common.query_start_loc, common.context_lens,
-                metadata.prefill_seqs, spec.scale, window,
+                out,
+                q,
+                kv_cache,
+                common.block_tables,
+                common.query_start_loc,
+                common.context_lens,
+                metadata.prefill_seqs,
+                spec.scale,
+                window,
             )
         return out
 

@@ -78,7 +78,11 @@ class CpuIndexer(AttentionBackend):
         raise NotImplementedError("cpu_indexer selects positions (forward_index); it does not attend")
 
     def forward_index(
-        self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        weights: torch.Tensor,
+        kv_cache: torch.Tensor,
         metadata: CpuIndexerMetadata,
     ) -> torch.Tensor | None:
         """q: [T, H, D]; k: [T, 1, D] new keys; weights: [T, H]. Returns [T, index_topk]

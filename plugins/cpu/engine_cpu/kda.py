@@ -54,8 +54,13 @@ class CpuKdaAttention(AttentionBackend):
         raise NotImplementedError(f"{self.name} serves linear attention through forward_linear")
 
     def forward_linear(
-        self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        state: torch.Tensor, metadata: KdaMetadata,
+        self,
+        mixed_qkv: torch.Tensor,
+        conv_weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        metadata: KdaMetadata,
     ) -> torch.Tensor:
         q, k, v, decay, strength, initial = prepare(self.spec, mixed_qkv, conv_weight, g, beta, state, metadata)
         if metadata.common.max_query_len == 1:

@@ -105,8 +105,9 @@ class CpuMlaAttention(AttentionBackend):
             token_seq, token_pos = common.token_seq, common.token_pos
         if common.is_decode_only:  # token i belongs to sequence i
             seqs = torch.arange(common.num_seqs, device=common.slot_mapping.device)
-            return CpuMlaMetadata(common, decode_group(common, seqs, seqs, common.max_seq_len), None, token_seq,
-                                  token_pos)
+            return CpuMlaMetadata(
+                common, decode_group(common, seqs, seqs, common.max_seq_len), None, token_seq, token_pos
+            )
         is_decode = common.query_lens == 1
         decode_seqs, prefill_seqs = is_decode.nonzero().flatten(), (~is_decode).nonzero().flatten()
         decode = None
@@ -116,8 +117,13 @@ class CpuMlaAttention(AttentionBackend):
         return CpuMlaMetadata(common, decode, prefill_group(common, prefill_seqs), token_seq, token_pos)
 
     def forward_sparse(
-        self, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuMlaMetadata,
-        indices: torch.Tensor | None, lse: torch.Tensor | None = None,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuMlaMetadata,
+        indices: torch.Tensor | None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, H, head_size] absorbed queries; k: [T, 1, head_size] new entries; indices:
         [T, n] selected positions (-1 padding) or None for all; lse: [T, H] to fill, or None.
@@ -127,8 +133,9 @@ class CpuMlaAttention(AttentionBackend):
             if lse is None:
                 return self.forward(q, k, None, kv_cache, metadata)
             key_pos = torch.arange(common.max_seq_len, device=q.device)
-            indices = key_pos[None, :].expand(q.shape[0], -1).masked_fill(key_pos[None, :] > metadata.token_pos[:, None],
-                                                                           -1)
+            indices = (
+                key_pos[None, :].expand(q.shape[0], -1).masked_fill(key_pos[None, :] > metadata.token_pos[:, None], -1)
+            )
         entries = kv_cache.view(-1, spec.head_size)  # [slots, head_size]
         entries.index_copy_(0, common.slot_mapping, k.reshape(-1, spec.head_size))
         bs, width = common.block_size, indices.shape[1]
@@ -150,7 +157,11 @@ class CpuMlaAttention(AttentionBackend):
         return out
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        kv_cache: torch.Tensor,
         metadata: CpuMlaMetadata,
     ) -> torch.Tensor:
         """q: [T, H, head_size] absorbed queries; k: [T, 1, head_size] new entries; v: None.
@@ -162,16 +173,22 @@ class CpuMlaAttention(AttentionBackend):
             return self._attend_decode(q.unsqueeze(1), entries, metadata.decode).contiguous()
         out = q.new_empty(q.shape[0], spec.num_heads, spec.latent_size)
         if metadata.decode is not None:
-            out[metadata.decode.tokens] = self._attend_decode(q[metadata.decode.tokens].unsqueeze(1), entries,
-                                                              metadata.decode)
+            out[metadata.decode.tokens] = self._attend_decode(
+                q[metadata.decode.tokens].unsqueeze(1), entries, metadata.decode
+            )
         group = metadata.prefill
         # queries: [n, H, D] -> padded [chunks, longest chunk, H, D]
         padded = q.new_zeros(group.key_slots.shape[0], group.max_query_len, spec.num_heads, spec.head_size)
         padded[group.seq, group.row] = q[group.tokens]
         keys = entries[group.key_slots].unsqueeze(1)  # [chunks, 1, L, D]
         result = F.scaled_dot_product_attention(
-            padded.transpose(1, 2), keys, keys, attn_mask=group.mask, is_causal=group.mask is None,
-            scale=spec.scale, enable_gqa=True,
+            padded.transpose(1, 2),
+            keys,
+            keys,
+            attn_mask=group.mask,
+            is_causal=group.mask is None,
+            scale=spec.scale,
+            enable_gqa=True,
         )  # [chunks, H, longest chunk, D]
         out[group.tokens] = result.transpose(1, 2)[group.seq, group.row, :, : spec.latent_size]
         return out
@@ -183,8 +200,6 @@ class CpuMlaAttention(AttentionBackend):
         return result[:, 0, :, : self.spec.latent_size]
 
 
-
-
 def key_slots_of(common: CommonAttentionMetadata, seqs: torch.Tensor, max_seq_len: int) -> torch.Tensor:
     """[len(seqs), max_seq_len] cache slot of each key position of sequences ``seqs`` (positions
     past a sequence's end read padding blocks, masked out)."""
@@ -193,15 +208,22 @@ def key_slots_of(common: CommonAttentionMetadata, seqs: torch.Tensor, max_seq_le
     return common.block_tables[seqs][:, key_pos // bs] * bs + key_pos % bs
 
 
-def decode_group(common: CommonAttentionMetadata, seqs: torch.Tensor, tokens: torch.Tensor,
-                 max_seq_len: int) -> MlaGroup:
+def decode_group(
+    common: CommonAttentionMetadata, seqs: torch.Tensor, tokens: torch.Tensor, max_seq_len: int
+) -> MlaGroup:
     """The sequences ``seqs``, each with its single new token at batch row ``tokens``."""
     device = seqs.device
     key_pos = torch.arange(max_seq_len, device=device)
     mask = (key_pos[None, :] < common.seq_lens[seqs, None])[:, None, None, :]  # [B, 1, 1, L]: the heads share it
     n = tokens.shape[0]
-    return MlaGroup(tokens, torch.arange(n, device=device), torch.zeros(n, dtype=torch.int64, device=device),
-                    key_slots_of(common, seqs, max_seq_len), mask, 1)
+    return MlaGroup(
+        tokens,
+        torch.arange(n, device=device),
+        torch.zeros(n, dtype=torch.int64, device=device),
+        key_slots_of(common, seqs, max_seq_len),
+        mask,
+        1,
+    )
 
 
 def prefill_group(common: CommonAttentionMetadata, seqs: torch.Tensor) -> MlaGroup:

@@ -7,7 +7,6 @@ import os
 from engine.interfaces.attention import INDEXER, LINEAR, MHA, MLA, SLIDING_WINDOW, SPARSE_MLA
 from engine.interfaces.platform import Availability, MemoryInfo, Platform
 
-
 DEFAULT_KV_CACHE_CAP = 4 * 2**30
 
 
@@ -19,8 +18,14 @@ class CpuPlatform(Platform):
     default_dtype = "bfloat16"
     # float16 matmuls are very slow on CPUs without native fp16 arithmetic
     auto_dtype_overrides = {"float16": "bfloat16"}
-    attention_backends = {MHA: ("cpu_paged",), SLIDING_WINDOW: ("cpu_paged",), MLA: ("cpu_mla",),
-                          SPARSE_MLA: ("cpu_mla",), INDEXER: ("cpu_indexer",), LINEAR: ("cpu_kda",)}
+    attention_backends = {
+        MHA: ("cpu_paged",),
+        SLIDING_WINDOW: ("cpu_paged",),
+        MLA: ("cpu_mla",),
+        SPARSE_MLA: ("cpu_mla",),
+        INDEXER: ("cpu_indexer",),
+        LINEAR: ("cpu_kda",),
+    }
 
     @classmethod
     def is_available(cls) -> Availability:

@@ -67,12 +67,28 @@ def read_slot(backend, cache, slot):
     return keys.reshape(values.shape), values
 
 
-def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, window, dtype, path,
-             fused_qkv=False):
+def run_case(
+    *,
+    seed,
+    context_lens,
+    query_lens,
+    num_heads,
+    num_kv_heads,
+    head_size,
+    block_size,
+    window,
+    dtype,
+    path,
+    fused_qkv=False,
+):
     gen = torch.Generator().manual_seed(seed)
     spec = AttentionSpec(
-        kind=SLIDING_WINDOW if window else MHA, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        head_size=head_size, scale=head_size**-0.5, sliding_window=window,
+        kind=SLIDING_WINDOW if window else MHA,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        scale=head_size**-0.5,
+        sliding_window=window,
     )
     backend = make_backend(spec, block_size, dtype, path)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
@@ -102,7 +118,9 @@ def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_si
     q = torch.cat(qs)
     k = torch.cat([full_k[b][c:] for b, c in enumerate(context_lens)])
     v = torch.cat([full_v[b][c:] for b, c in enumerate(context_lens)])
-    slot_mapping = torch.tensor([slot(b, c + i) for b, (c, n) in enumerate(zip(context_lens, query_lens)) for i in range(n)])
+    slot_mapping = torch.tensor(
+        [slot(b, c + i) for b, (c, n) in enumerate(zip(context_lens, query_lens)) for i in range(n)]
+    )
     query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)))
     common = CommonAttentionMetadata(
         query_start_loc=query_start_loc,
@@ -118,7 +136,9 @@ def run_case(*, seed, context_lens, query_lens, num_heads, num_kv_heads, head_si
     if fused_qkv:  # q, k and v as column slices of one projection's output, as models pass them
         qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)
         parts = qkv.split([q[0].numel(), k[0].numel(), v[0].numel()], dim=1)
-        q, k, v = (part.view(-1, heads, head_size) for part, heads in zip(parts, (num_heads, num_kv_heads, num_kv_heads)))
+        q, k, v = (
+            part.view(-1, heads, head_size) for part, heads in zip(parts, (num_heads, num_kv_heads, num_kv_heads))
+        )
         assert not q.is_contiguous()
     out = backend.forward(q, k, v, cache, backend.build_metadata(common))
 
@@ -143,30 +163,80 @@ def test_prefill_with_cached_prefix(seed, block_size, num_heads, num_kv_heads, p
     num_seqs = int(torch.randint(1, 5, (1,), generator=gen))
     context_lens = torch.randint(0, 30, (num_seqs,), generator=gen).tolist()
     query_lens = torch.randint(1, 20, (num_seqs,), generator=gen).tolist()
-    run_case(seed=seed, context_lens=context_lens, query_lens=query_lens, num_heads=num_heads,
-             num_kv_heads=num_kv_heads, head_size=16, block_size=block_size, window=None, dtype=torch.float32, path=path)
+    run_case(
+        seed=seed,
+        context_lens=context_lens,
+        query_lens=query_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=16,
+        block_size=block_size,
+        window=None,
+        dtype=torch.float32,
+        path=path,
+    )
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_batched_decode(block_size, path):
-    run_case(seed=11, context_lens=[0, 5, 31, 64, 7, 100], query_lens=[1] * 6, num_heads=8, num_kv_heads=2,
-             head_size=32, block_size=block_size, window=None, dtype=torch.float32, path=path)
+    run_case(
+        seed=11,
+        context_lens=[0, 5, 31, 64, 7, 100],
+        query_lens=[1] * 6,
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=32,
+        block_size=block_size,
+        window=None,
+        dtype=torch.float32,
+        path=path,
+    )
 
 
 def test_mixed_decode_and_prefill_batch(path):
-    run_case(seed=12, context_lens=[40, 0, 17, 3], query_lens=[1, 25, 1, 9], num_heads=4, num_kv_heads=2,
-             head_size=8, block_size=8, window=None, dtype=torch.float32, path=path)
+    run_case(
+        seed=12,
+        context_lens=[40, 0, 17, 3],
+        query_lens=[1, 25, 1, 9],
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=8,
+        block_size=8,
+        window=None,
+        dtype=torch.float32,
+        path=path,
+    )
 
 
 @pytest.mark.parametrize("window", [1, 5, 16])
 def test_sliding_window(window, path):
-    run_case(seed=13, context_lens=[0, 20, 33], query_lens=[30, 1, 12], num_heads=4, num_kv_heads=2,
-             head_size=16, block_size=4, window=window, dtype=torch.float32, path=path)
+    run_case(
+        seed=13,
+        context_lens=[0, 20, 33],
+        query_lens=[30, 1, 12],
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=16,
+        block_size=4,
+        window=window,
+        dtype=torch.float32,
+        path=path,
+    )
 
 
 def test_bfloat16(path):
-    run_case(seed=14, context_lens=[10, 0], query_lens=[6, 12], num_heads=4, num_kv_heads=2,
-             head_size=64, block_size=16, window=None, dtype=torch.bfloat16, path=path)
+    run_case(
+        seed=14,
+        context_lens=[10, 0],
+        query_lens=[6, 12],
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=64,
+        block_size=16,
+        window=None,
+        dtype=torch.bfloat16,
+        path=path,
+    )
 
 
 @pytest.mark.parametrize("head_size", [64, 128])
@@ -180,12 +250,22 @@ def test_bfloat16(path):
         ([100, 40, 9], [1, 2, 1], 4, 2, 23),  # sliding window across block edges
     ],
 )
-def test_bf16_decode_and_short_chunks(path, head_size, block_size, context_lens, query_lens, num_heads, num_kv_heads,
-                                      window):
+def test_bf16_decode_and_short_chunks(
+    path, head_size, block_size, context_lens, query_lens, num_heads, num_kv_heads, window
+):
     """Rows of fewer than 16 queries in bf16 go to the paged kernel: heads of 64 and 128, every block size."""
-    run_case(seed=31, context_lens=context_lens, query_lens=query_lens, num_heads=num_heads,
-             num_kv_heads=num_kv_heads, head_size=head_size, block_size=block_size, window=window,
-             dtype=torch.bfloat16, path=path)
+    run_case(
+        seed=31,
+        context_lens=context_lens,
+        query_lens=query_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        window=window,
+        dtype=torch.bfloat16,
+        path=path,
+    )
 
 
 def test_validate_reports_unsupported_requests():
@@ -212,23 +292,47 @@ def test_validate_reports_unsupported_requests():
 )
 def test_long_prefill_chunks_in_bf16(path, block_size, context_lens, query_lens, num_heads, num_kv_heads, window):
     """Chunks of 16+ queries take the long-prefill path on the native side."""
-    run_case(seed=21, context_lens=context_lens, query_lens=query_lens, num_heads=num_heads,
-             num_kv_heads=num_kv_heads, head_size=64, block_size=block_size, window=window,
-             dtype=torch.bfloat16, path=path)
+    run_case(
+        seed=21,
+        context_lens=context_lens,
+        query_lens=query_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=64,
+        block_size=block_size,
+        window=window,
+        dtype=torch.bfloat16,
+        path=path,
+    )
 
 
 @pytest.mark.parametrize("head_size", [16, 32, 128, 256])
 @pytest.mark.parametrize("block_size", [16, 48])
 def test_packed_cache_head_sizes(path, head_size, block_size):
     """Every head size of the packed layout, decodes and long and short chunks after cached prefixes."""
-    run_case(seed=23, context_lens=[0, 40, 7, 61], query_lens=[33, 1, 5, 20], num_heads=4, num_kv_heads=2,
-             head_size=head_size, block_size=block_size, window=None, dtype=torch.bfloat16, path=path)
+    run_case(
+        seed=23,
+        context_lens=[0, 40, 7, 61],
+        query_lens=[33, 1, 5, 20],
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=head_size,
+        block_size=block_size,
+        window=None,
+        dtype=torch.bfloat16,
+        path=path,
+    )
 
 
-@pytest.mark.parametrize("dtype,head_size,block_size,packed", [
-    (torch.bfloat16, 64, 16, True), (torch.bfloat16, 64, 8, False), (torch.bfloat16, 48, 16, False),
-    (torch.float32, 64, 16, False),
-])
+@pytest.mark.parametrize(
+    "dtype,head_size,block_size,packed",
+    [
+        (torch.bfloat16, 64, 16, True),
+        (torch.bfloat16, 64, 8, False),
+        (torch.bfloat16, 48, 16, False),
+        (torch.float32, 64, 16, False),
+    ],
+)
 def test_gather_and_scatter_kv_follow_the_layout(dtype, head_size, block_size, packed):
     """gather_kv / scatter_kv read and write the slots where the kernels expect them."""
     spec = AttentionSpec(kind=MHA, num_heads=4, num_kv_heads=2, head_size=head_size, scale=0.125)
@@ -260,8 +364,19 @@ def test_native_cache_write_packed_refuses_a_slot_outside_the_cache():
 
 @pytest.mark.parametrize("fused_qkv", [False, True])
 def test_long_and_short_chunks_and_decodes_in_one_batch(path, fused_qkv):
-    run_case(seed=22, context_lens=[0, 40, 7, 100], query_lens=[48, 1, 5, 20], num_heads=4, num_kv_heads=2,
-             head_size=64, block_size=16, window=None, dtype=torch.bfloat16, path=path, fused_qkv=fused_qkv)
+    run_case(
+        seed=22,
+        context_lens=[0, 40, 7, 100],
+        query_lens=[48, 1, 5, 20],
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=64,
+        block_size=16,
+        window=None,
+        dtype=torch.bfloat16,
+        path=path,
+        fused_qkv=fused_qkv,
+    )
 
 
 def test_native_cache_write_refuses_a_slot_outside_the_cache():

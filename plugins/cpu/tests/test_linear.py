@@ -96,8 +96,12 @@ def test_gemv_rejects_what_it_cannot_do():
     kernels = native.load()
     packed = pack_gemv_weight(torch.zeros(16, 8, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="rows differ"):
-        kernels.gemv(torch.empty(5, 16, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16), packed,
-                     torch.empty(0, dtype=torch.bfloat16))
+        kernels.gemv(
+            torch.empty(5, 16, dtype=torch.bfloat16),
+            torch.zeros(4, 8, dtype=torch.bfloat16),
+            packed,
+            torch.empty(0, dtype=torch.bfloat16),
+        )
     with pytest.raises(RuntimeError, match="bf16"):
         kernels.gemv(torch.empty(1, 16), torch.zeros(1, 8), packed, torch.empty(0))
 

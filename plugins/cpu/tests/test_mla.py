@@ -100,12 +100,15 @@ def test_validate_requires_a_latent_spec():
         with pytest.raises(ValueError, match=reason):
             CpuMlaAttention(bad, 16, torch.float32, torch.device("cpu"))
     mha = AttentionSpec(MHA, 8, 8, 64, 0.125)
-    assert any("attention kind 'mha'" in r for r in CpuMlaAttention.validate(
-        mha, platform="cpu", dtype="float16", block_size=16))
+    assert any(
+        "attention kind 'mha'" in r
+        for r in CpuMlaAttention.validate(mha, platform="cpu", dtype="float16", block_size=16)
+    )
 
 
 def test_cpu_platform_selects_cpu_mla():
     components = get_plugin_manager(["cpu"]).components()
-    backend = select_attention_backend(components.attention_backends, CpuPlatform(), mla_spec(), dtype="bfloat16",
-                                       block_size=16)
+    backend = select_attention_backend(
+        components.attention_backends, CpuPlatform(), mla_spec(), dtype="bfloat16", block_size=16
+    )
     assert backend is CpuMlaAttention

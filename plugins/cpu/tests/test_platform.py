@@ -65,7 +65,7 @@ def test_kv_cache_is_zeroed_and_advised_onto_huge_pages(monkeypatch):
     cache = CpuPlatform().allocate_kv_cache(shape, torch.bfloat16)
     assert cache.shape == shape and cache.dtype == torch.bfloat16 and cache.is_contiguous()
     assert not cache.any()
-    (address, length, advice), = calls
+    ((address, length, advice),) = calls
     assert advice == memory.MADV_HUGEPAGE
     assert address % memory.HUGE_PAGE == 0 and address == cache.data_ptr()
     assert length == cache.numel() * 2 // memory.HUGE_PAGE * memory.HUGE_PAGE

@@ -55,8 +55,9 @@ EFFORTS = ("minimal", "low", "medium", "high", "max")
 OPTIONS = ("thinking", "thinking_mode", "reasoning_effort", "drop_thinking")
 
 
-def encode_chat(messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                options: dict[str, Any] | None = None) -> str:
+def encode_chat(
+    messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, options: dict[str, Any] | None = None
+) -> str:
     """The prompt text of ``messages`` (``role``, ``content`` and, for assistant turns,
     optional ``reasoning_content``). Raises ``ValueError`` for options or messages the format
     cannot express."""

@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.interfaces.attention import INDEXER, MLA, SPARSE_MLA, AttentionSpec
+from engine.interfaces.forward_context import ForwardContext
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.decoder import DecoderStack, GatedMLP, PreNormDecoderLayer, require_silu
 from engine.layers.linear import Linear, ParallelLMHead, gather_logits
@@ -35,7 +36,6 @@ from engine.layers.mla import MLADims, MLAttention
 from engine.layers.moe import MoE, MoEDims, load_named_tensors
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
 from engine.model_config import HFConfig
-from engine.interfaces.forward_context import ForwardContext
 
 logger = logging.getLogger("engine.deepseek")
 
@@ -90,8 +90,12 @@ class Dims(MLADims, MoEDims):
         head_dim = int(config.get("index_head_dim", 128))
         if head_dim < self.qk_rope_head_dim:
             raise ValueError(f"index_head_dim={head_dim} is smaller than qk_rope_head_dim={self.qk_rope_head_dim}.")
-        return replace(self, index_n_heads=int(config.get("index_n_heads", 64)), index_head_dim=head_dim,
-                       index_topk=int(config.get("index_topk", 2048)))
+        return replace(
+            self,
+            index_n_heads=int(config.get("index_n_heads", 64)),
+            index_head_dim=head_dim,
+            index_topk=int(config.get("index_topk", 2048)),
+        )
 
     def is_moe(self, layer_index: int) -> bool:
         """Whether layer ``layer_index`` routes experts (``mlp_layer_types`` when listed, else
@@ -134,8 +138,9 @@ class Indexer(nn.Module):
         self.weights_proj = Fp32Projection(d.hidden_size, d.index_n_heads)
         self.layer_index = layer_index
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, ctx: ForwardContext,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+    def forward(
+        self, x: torch.Tensor, q_latent: torch.Tensor, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor | None:
         """x [T, hidden], q_latent [T, q_lora_rank] (after q_a_layernorm) -> the selected
         positions [T, index_topk] (-1 padding), or None for all."""
         d, num_tokens = self.dims, x.shape[0]
@@ -151,16 +156,24 @@ class Indexer(nn.Module):
 
 def indexer_spec(dims: Dims) -> AttentionSpec:
     """The KV-cache spec of V3.2's indexer keys."""
-    return AttentionSpec(kind=INDEXER, num_heads=dims.index_n_heads, num_kv_heads=1, head_size=dims.index_head_dim,
-                         scale=dims.index_head_dim**-0.5, index_topk=dims.index_topk)
+    return AttentionSpec(
+        kind=INDEXER,
+        num_heads=dims.index_n_heads,
+        num_kv_heads=1,
+        head_size=dims.index_head_dim,
+        scale=dims.index_head_dim**-0.5,
+        index_topk=dims.index_topk,
+    )
 
 
 def attention_spec(dims: Dims, rope: dict, *, tp: TensorParallel) -> AttentionSpec:
     """The KV-cache spec of the MLA layers (sparse MLA when the dims have an indexer) on a rank of ``tp``."""
     return AttentionSpec(  # this rank's heads; every rank caches the whole latent
         kind=MLA if dims.index_topk is None else SPARSE_MLA,
-        num_heads=tp.split(dims.num_heads, "num_attention_heads")[1], num_kv_heads=1,
-        head_size=dims.kv_lora_rank + dims.qk_rope_head_dim, scale=softmax_scale(dims, rope),
+        num_heads=tp.split(dims.num_heads, "num_attention_heads")[1],
+        num_kv_heads=1,
+        head_size=dims.kv_lora_rank + dims.qk_rope_head_dim,
+        scale=softmax_scale(dims, rope),
         latent_size=dims.kv_lora_rank,
     )
 
@@ -182,9 +195,10 @@ class DeepseekV3ForCausalLM(Model):
         n = d.num_layers
         with torch.device(init.device):
             # the indexers' keys are KV-cache layers n .. 2n - 1
-            layers = [decoder_layer(d, self.spec, i, i, interleaved, dtype, n + i if self.sparse_attention else None,
-                                    tp=tp)
-                      for i in range(n)]
+            layers = [
+                decoder_layer(d, self.spec, i, i, interleaved, dtype, n + i if self.sparse_attention else None, tp=tp)
+                for i in range(n)
+            ]
             self.model = DecoderStack(d.vocab_size, d.hidden_size, d.rms_norm_eps, layers, dtype, tp=tp)
             self.rotary = RotaryEmbedding(d.qk_rope_head_dim, int(config.get("max_position_embeddings", 4096)), rope)
             self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
@@ -231,13 +245,30 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     supports_tensor_parallel = False  # its indexer is not sharded yet
 
 
-def decoder_layer(dims: Dims, spec: AttentionSpec, layer_index: int, attention_index: int, interleaved_rope: bool,
-                  dtype: torch.dtype, index_layer: int | None = None, *, tp: TensorParallel) -> PreNormDecoderLayer:
+def decoder_layer(
+    dims: Dims,
+    spec: AttentionSpec,
+    layer_index: int,
+    attention_index: int,
+    interleaved_rope: bool,
+    dtype: torch.dtype,
+    index_layer: int | None = None,
+    *,
+    tp: TensorParallel,
+) -> PreNormDecoderLayer:
     """Decoder layer ``layer_index`` of the network (a dense MLP or routed experts, see
     :meth:`Dims.is_moe`), its attention at ``attention_index`` of the KV-cache specs and, for
     sparse MLA, its indexer's keys at ``index_layer``; this rank's part of it under ``tp``."""
-    mlp = (MoE(dims, dtype, tp=tp) if dims.is_moe(layer_index)
-           else GatedMLP(dims.hidden_size, dims.intermediate_size, False, dtype, tp=tp))
+    mlp = (
+        MoE(dims, dtype, tp=tp)
+        if dims.is_moe(layer_index)
+        else GatedMLP(dims.hidden_size, dims.intermediate_size, False, dtype, tp=tp)
+    )
     indexer = Indexer(dims, index_layer, dtype) if spec.kind == SPARSE_MLA else None
-    return PreNormDecoderLayer(MLAttention(dims, spec, attention_index, interleaved_rope, dtype, indexer, tp=tp), mlp,
-                               dims.hidden_size, dims.rms_norm_eps, dtype)
+    return PreNormDecoderLayer(
+        MLAttention(dims, spec, attention_index, interleaved_rope, dtype, indexer, tp=tp),
+        mlp,
+        dims.hidden_size,
+        dims.rms_norm_eps,
+        dtype,
+    )

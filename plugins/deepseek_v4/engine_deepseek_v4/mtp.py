@@ -31,24 +31,28 @@ from engine.interfaces.model import Model
 from engine.interfaces.spec_proposer import (
     FINAL_HIDDEN_STATES,
     PRE_HEAD_HIDDEN_STATES,
-    Drafts,
     DraftRequest,
+    Drafts,
     ProposerInit,
     SpecProposer,
 )
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, VocabEmbedding
-from engine.layers.rotary import RotaryEmbedding, rope_parameters
-from engine.model_loader.dequant import CheckpointDequantizer, dequantizable, dequantize_stream
-from engine.model_config import HFConfig
 from engine.layers.moe import load_named_tensors
+from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.model_config import HFConfig
+from engine.model_loader.dequant import CheckpointDequantizer, dequantizable, dequantize_stream
 from engine_deepseek_v4.deepseek_v3 import Dims, attention_spec, decoder_layer, indexer_spec
 
 SPARSE_ARCHITECTURE = "DeepseekV32ForCausalLM"
 V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 # the target's tensors V4's MTP block shares, under the names its loader takes
-V4_SHARED_TENSORS = {"embed.weight": "embed.weight", "model.embed_tokens.weight": "embed.weight",
-                     "head.weight": "head.weight", "lm_head.weight": "head.weight"}
+V4_SHARED_TENSORS = {
+    "embed.weight": "embed.weight",
+    "model.embed_tokens.weight": "embed.weight",
+    "head.weight": "head.weight",
+    "lm_head.weight": "head.weight",
+}
 
 LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")  # of the decoder layer
 
@@ -76,8 +80,16 @@ class MtpLayer(Model):
         self.spec = attention_spec(d, rope, tp=SINGLE)
         # the MTP layer follows the main ones (dense or experts by the same rule); its attention is
         # the only one of its own cache
-        self.layer = decoder_layer(d, self.spec, d.num_layers, 0, bool(config.get("rope_interleave", True)), dtype,
-                                   1 if self.sparse_attention else None, tp=SINGLE)
+        self.layer = decoder_layer(
+            d,
+            self.spec,
+            d.num_layers,
+            0,
+            bool(config.get("rope_interleave", True)),
+            dtype,
+            1 if self.sparse_attention else None,
+            tp=SINGLE,
+        )
         self.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype, tp=SINGLE)
         self.enorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype)
         self.hnorm = RMSNorm(d.hidden_size, d.rms_norm_eps, dtype)
@@ -111,7 +123,9 @@ class MtpLayer(Model):
 
     def load_weights(self, weights):
         """Tensors named as in the checkpoint after ``model.layers.{num_hidden_layers}.``."""
-        return load_named_tensors(self, ((f"layer.{n}" if n.split(".")[0] in LAYER_PARTS else n, t) for n, t in weights))
+        return load_named_tensors(
+            self, ((f"layer.{n}" if n.split(".")[0] in LAYER_PARTS else n, t) for n, t in weights)
+        )
 
 
 class MtpProposer(SpecProposer):
@@ -161,7 +175,7 @@ class MtpProposer(SpecProposer):
                 with safe_open(str(path), framework="pt", device="cpu") as handle:
                     for name in handle.keys():
                         if name.startswith(prefix):
-                            yield name[len(prefix):], handle.get_tensor(name)
+                            yield name[len(prefix) :], handle.get_tensor(name)
                         elif name in shared:
                             yield shared[name], handle.get_tensor(name)
 
@@ -172,8 +186,15 @@ class MtpProposer(SpecProposer):
         load_tensors(self.layer, tensors)
         dtype_name = str(init.dtype).removeprefix("torch.")
         self.kv_cache = build_kv_cache(
-            self.layer, init.components, init.platform, dtype_name, init.device, init.block_size,
-            int(memory * 2**30), max_model_len=self.layer.max_positions, max_num_seqs=256,
+            self.layer,
+            init.components,
+            init.platform,
+            dtype_name,
+            init.device,
+            init.block_size,
+            int(memory * 2**30),
+            max_model_len=self.layer.max_positions,
+            max_num_seqs=256,
         )
         self.kv_manager = KVCacheManager(self.kv_cache.num_blocks, init.block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(self.layer, self.kv_cache, init.device)
@@ -191,8 +212,11 @@ class MtpProposer(SpecProposer):
         if found is not None:
             shadow, first = found
             keep = 0
-            while (keep < shadow.num_computed_tokens and first + keep < newest
-                   and shadow.token_ids[keep] == tokens[first + keep]):
+            while (
+                keep < shadow.num_computed_tokens
+                and first + keep < newest
+                and shadow.token_ids[keep] == tokens[first + keep]
+            ):
                 keep += 1
             if keep:
                 shadow.token_ids = shadow.token_ids[:keep]
@@ -225,8 +249,12 @@ class MtpProposer(SpecProposer):
                 rows.append((i, position))
             if not rows:
                 break
-            out = self._run([states[i][0] for i, _ in rows], torch.tensor([p for _, p in rows]),
-                            torch.tensor([inputs[i] for i, _ in rows]), torch.stack([previous[i] for i, _ in rows]))
+            out = self._run(
+                [states[i][0] for i, _ in rows],
+                torch.tensor([p for _, p in rows]),
+                torch.tensor([inputs[i] for i, _ in rows]),
+                torch.stack([previous[i] for i, _ in rows]),
+            )
             logits = self.layer.compute_logits(out)
             tokens = logits.argmax(dim=-1).tolist()
             for (i, _), token, h in zip(rows, tokens, self.layer.chain_hidden(out)):
@@ -236,8 +264,9 @@ class MtpProposer(SpecProposer):
             active = [i for i, _ in rows]
         return Drafts(drafts)
 
-    def _run(self, shadows: list[Any], positions: torch.Tensor, input_ids: torch.Tensor,
-             previous: torch.Tensor) -> torch.Tensor:
+    def _run(
+        self, shadows: list[Any], positions: torch.Tensor, input_ids: torch.Tensor, previous: torch.Tensor
+    ) -> torch.Tensor:
         """One token for each shadow at its next cache slot, with rope at the real ``positions``."""
         from engine.runtime.scheduler import ScheduledBatch
 

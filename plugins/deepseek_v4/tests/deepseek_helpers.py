@@ -11,8 +11,9 @@ PLUGINS = ["cpu", "deepseek_v4"]
 
 def make_llm(path, **kwargs) -> LLM:
     """The engine on the checkpoint at ``path``, in fp32, with a small KV cache."""
-    return LLM(str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.05, "progress": False,
-                             **kwargs})
+    return LLM(
+        str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.05, "progress": False, **kwargs}
+    )
 
 
 def prompts(seed: int, lengths=(3, 11, 20, 37)) -> list[list[int]]:

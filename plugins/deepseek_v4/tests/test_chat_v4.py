@@ -35,9 +35,7 @@ def test_earlier_reasoning_is_dropped_unless_asked_to_keep_it():
         {"role": "assistant", "content": "Hi!", "reasoning_content": "greet back"},
         {"role": "user", "content": "1+1=?"},
     ]
-    assert encode_chat(messages, options={"thinking": True}) == (
-        f"{B}{U}hello{A}</think>Hi!{E}{U}1+1=?{A}<think>"
-    )
+    assert encode_chat(messages, options={"thinking": True}) == (f"{B}{U}hello{A}</think>Hi!{E}{U}1+1=?{A}<think>")
     assert encode_chat(messages, options={"thinking": True, "drop_thinking": False}) == (
         f"{B}{U}hello{A}<think>greet back</think>Hi!{E}{U}1+1=?{A}<think>"
     )
@@ -51,19 +49,25 @@ def test_a_final_assistant_turn_keeps_its_reasoning_and_generation_prompt_is_opt
 
 
 def test_developer_messages_are_user_turns_and_consecutive_user_turns_join():
-    messages = [{"role": "developer", "content": "rules"}, {"role": "user", "content": "a"},
-                {"role": "user", "content": "b"}]
+    messages = [
+        {"role": "developer", "content": "rules"},
+        {"role": "user", "content": "a"},
+        {"role": "user", "content": "b"},
+    ]
     assert encode_chat(messages) == f"{B}{U}rules\n\na\n\nb{A}</think>"
 
 
-@pytest.mark.parametrize("messages, options, match", [
-    ([{"role": "user", "content": "x"}], {"temperature": 1}, "unknown: temperature"),
-    ([{"role": "user", "content": "x"}], {"reasoning_effort": "extreme"}, "reasoning_effort must be one of"),
-    ([{"role": "user", "content": "x"}], {"thinking": True, "thinking_mode": "chat"}, "contradicts"),
-    ([{"role": "user", "content": "x"}], {"thinking": "yes"}, "thinking must be true or false"),
-    ([{"role": "user", "content": f"x{A}fake"}], {}, "control token"),
-    ([{"role": "tool", "content": "x"}], {}, "role 'tool' is not supported"),
-])
+@pytest.mark.parametrize(
+    "messages, options, match",
+    [
+        ([{"role": "user", "content": "x"}], {"temperature": 1}, "unknown: temperature"),
+        ([{"role": "user", "content": "x"}], {"reasoning_effort": "extreme"}, "reasoning_effort must be one of"),
+        ([{"role": "user", "content": "x"}], {"thinking": True, "thinking_mode": "chat"}, "contradicts"),
+        ([{"role": "user", "content": "x"}], {"thinking": "yes"}, "thinking must be true or false"),
+        ([{"role": "user", "content": f"x{A}fake"}], {}, "control token"),
+        ([{"role": "tool", "content": "x"}], {}, "role 'tool' is not supported"),
+    ],
+)
 def test_what_the_format_cannot_express_is_refused(messages, options, match):
     with pytest.raises(ValueError, match=match):
         encode_chat(messages, options=options)
@@ -101,6 +105,10 @@ def test_the_chat_endpoint_encodes_v4_conversations_with_the_models_format(v4_se
     offline = LLM(str(path), plugins=["cpu", "deepseek_v4"], dtype="float32", kv_cache_memory=0.05, progress=False)
     expected = offline.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
     assert reply.json()["choices"][0]["message"]["content"] == expected[0].outputs[0].text
-    bad = httpx.post(server.base_url + "/v1/chat/completions", headers=headers, timeout=60,
-                     json={**body, "chat_template_kwargs": {"thinking": "sometimes"}})
+    bad = httpx.post(
+        server.base_url + "/v1/chat/completions",
+        headers=headers,
+        timeout=60,
+        json={**body, "chat_template_kwargs": {"thinking": "sometimes"}},
+    )
     assert bad.status_code == 400 and "thinking must be true or false" in bad.json()["error"]["message"]

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from deepseek_helpers import greedy, make_llm, prompts
 
 SMALL_TOPK = 5
@@ -38,7 +37,7 @@ def test_24_greedy_tokens_of_a_batch_match_transformers(dense):
     for prompt, tokens in zip(batch, greedy(make_llm(path), batch, 24)):
         with torch.no_grad():
             out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-        assert tokens == out[0, len(prompt):].tolist()
+        assert tokens == out[0, len(prompt) :].tolist()
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +120,7 @@ def test_a_small_index_topk_matches_a_dense_masked_reference(sparse):
         sequence = list(prompt)
         for _ in range(24):
             sequence.append(int(reference_logits(hf_model, sequence)[-1].argmax()))
-        assert tokens == sequence[len(prompt):]
+        assert tokens == sequence[len(prompt) :]
 
 
 def test_preemption_and_prefix_caching_leave_outputs_unchanged(sparse):

@@ -9,9 +9,8 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from deepseek_helpers import greedy, make_llm, prompts
+from safetensors.torch import load_file, save_file
 
 
 def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
@@ -45,7 +44,7 @@ def test_24_greedy_tokens_of_a_batch_match_transformers(checkpoint):
     for prompt, tokens in zip(batch, greedy(make_llm(path), batch, 24)):
         with torch.no_grad():
             out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
-        assert tokens == out[0, len(prompt):].tolist()
+        assert tokens == out[0, len(prompt) :].tolist()
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,8 +66,11 @@ def pool(kv: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor, ratio: int, s
             slots, gates = kv[now], gate[now] + bias
         else:
             before = slice((w - 1) * ratio, w * ratio)
-            previous = (kv[before, :size], gate[before, :size] + bias[:, :size]) if w else (
-                torch.zeros(ratio, size), torch.full((ratio, size), float("-inf")))
+            previous = (
+                (kv[before, :size], gate[before, :size] + bias[:, :size])
+                if w
+                else (torch.zeros(ratio, size), torch.full((ratio, size), float("-inf")))
+            )
             slots = torch.cat([previous[0], kv[now, size:]])
             gates = torch.cat([previous[1], gate[now, size:] + bias[:, size:]])
         entries.append((slots * gates.softmax(dim=0)).sum(dim=0))
@@ -87,20 +89,40 @@ def dense_attention(attn, x: torch.Tensor, config, rotary) -> torch.Tensor:
     q = rotate(q * torch.rsqrt(q.square().mean(-1, keepdim=True) + config.rms_norm_eps), cos, sin)
     kv = rotate(attn.kv_norm(attn.kv_proj(x)), cos, sin)
     keys = [kv]
-    masks = [(positions[None, :] <= positions[:, None]) & (positions[:, None] - positions[None, :] < config.sliding_window)]
+    masks = [
+        (positions[None, :] <= positions[:, None]) & (positions[:, None] - positions[None, :] < config.sliding_window)
+    ]
     if attn.compressor is not None:
         compressor, ratio = attn.compressor, config.compress_rates[attn.layer_type]
         overlap = attn.layer_type == "compressed_sparse_attention"
-        entries = pool(compressor.kv_proj(x), compressor.gate_proj(x), compressor.position_bias, ratio, head_dim,
-                       overlap, compressor.kv_norm)
+        entries = pool(
+            compressor.kv_proj(x),
+            compressor.gate_proj(x),
+            compressor.position_bias,
+            ratio,
+            head_dim,
+            overlap,
+            compressor.kv_norm,
+        )
         window_starts = torch.arange(entries.shape[0]) * ratio
         c_cos, c_sin = [t[0] for t in rotary(x[None], window_starts[None], layer_type="compress")]
         entries = rotate(entries, c_cos, c_sin)
         visible = window_starts[None, :] + ratio - 1 <= positions[:, None]  # [n, entries]
         if overlap and entries.shape[0]:  # the lightning indexer
             indexer, index_dim = compressor.indexer, config.index_head_dim
-            index_keys = rotate(pool(indexer.kv_proj(x), indexer.gate_proj(x), indexer.position_bias, ratio,
-                                     index_dim, True, indexer.kv_norm), c_cos, c_sin)
+            index_keys = rotate(
+                pool(
+                    indexer.kv_proj(x),
+                    indexer.gate_proj(x),
+                    indexer.position_bias,
+                    ratio,
+                    index_dim,
+                    True,
+                    indexer.kv_norm,
+                ),
+                c_cos,
+                c_sin,
+            )
             index_q = rotate(indexer.q_b_proj(q_latent).view(n, -1, index_dim), *angles["compress"])
             per_head = torch.einsum("ihd,wd->ihw", index_q, index_keys).relu() * index_dim**-0.5
             weights = indexer.scorer.weights_proj(x) * config.index_n_heads**-0.5
@@ -117,8 +139,9 @@ def dense_attention(attn, x: torch.Tensor, config, rotary) -> torch.Tensor:
     probs = torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]  # the sink takes weight, gives nothing
     out = rotate(torch.einsum("hij,jd->ihd", probs, keys), cos, -sin)  # [n, heads, head_dim]
     groups = config.o_groups
-    grouped = torch.einsum("tgi,goi->tgo", out.reshape(n, groups, -1),
-                           attn.o_a_proj.weight.view(groups, config.o_lora_rank, -1))
+    grouped = torch.einsum(
+        "tgi,goi->tgo", out.reshape(n, groups, -1), attn.o_a_proj.weight.view(groups, config.o_lora_rank, -1)
+    )
     return attn.o_b_proj(grouped.flatten(1))
 
 
@@ -160,7 +183,7 @@ def test_a_small_index_topk_matches_a_dense_masked_reference(sparse, tmp_path):
         sequence = list(prompt)
         for _ in range(24):
             sequence.append(int(dense_reference_logits(hf_model, sequence)[-1].argmax()))
-        assert tokens == sequence[len(prompt):]
+        assert tokens == sequence[len(prompt) :]
 
 
 def test_preemption_and_prefix_caching_leave_outputs_unchanged(sparse):

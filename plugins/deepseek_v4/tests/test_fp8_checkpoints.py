@@ -9,9 +9,8 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from deepseek_helpers import make_llm
+from safetensors.torch import load_file, save_file
 
 BLOCK = (16, 16)
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -79,19 +78,31 @@ def quantize_checkpoint(path, reference_path, quantized: str, scale_suffix: str,
     weight_map.update({n: "model-00002-of-00002.safetensors" for n in scales})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": list(BLOCK)}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(BLOCK),
+    }
     (path / "config.json").write_text(json.dumps(config))
     save_file(dense, str(reference_path / "model.safetensors"))
     architecture = config["architectures"][0]
     return getattr(transformers, architecture).from_pretrained(reference_path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("architecture, quantized, suffix, fp4", [
-    pytest.param("DeepseekV3ForCausalLM", r"(proj|proj_with_mqa)\.weight$", ".weight_scale_inv", None, id="v3"),
-    pytest.param("DeepseekV4ForCausalLM", r"\.attn\.(wq_a|wq_b|wkv|wo_b)\.weight$|shared_experts", ".scale",
-                 r"\.experts\.\d+\.w[123]\.weight$", id="v4-fp4-experts"),
-])
+@pytest.mark.parametrize(
+    "architecture, quantized, suffix, fp4",
+    [
+        pytest.param("DeepseekV3ForCausalLM", r"(proj|proj_with_mqa)\.weight$", ".weight_scale_inv", None, id="v3"),
+        pytest.param(
+            "DeepseekV4ForCausalLM",
+            r"\.attn\.(wq_a|wq_b|wkv|wo_b)\.weight$|shared_experts",
+            ".scale",
+            r"\.experts\.\d+\.w[123]\.weight$",
+            id="v4-fp4-experts",
+        ),
+    ],
+)
 def test_fp8_checkpoints_load_dequantized_and_match_transformers(tmp_path, architecture, quantized, suffix, fp4):
     from engine.testing.checkpoints import make_tiny_checkpoint
 

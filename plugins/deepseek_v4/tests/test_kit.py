@@ -20,10 +20,18 @@ class TestDeepseekV3YarnKit(ModelTests):
     plugin = "deepseek_v4"
     architecture = "DeepseekV3ForCausalLM"
     config_overrides: ClassVar[dict[str, Any]] = {
-        "q_lora_rank": None, "rope_interleave": False,
-        "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 1.0,
-                            "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
-                            "original_max_position_embeddings": 64},
+        "q_lora_rank": None,
+        "rope_interleave": False,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 64,
+        },
     }
 
 
@@ -34,8 +42,13 @@ class TestKimiK2StyleKit(ModelTests):
     plugin = "deepseek_v4"
     architecture = "DeepseekV3ForCausalLM"
     config_overrides: ClassVar[dict[str, Any]] = {
-        "n_group": 1, "topk_group": 1, "num_experts_per_tok": 3, "routed_scaling_factor": 2.827,
-        "first_k_dense_replace": 0, "n_shared_experts": 2, "norm_topk_prob": True,
+        "n_group": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 3,
+        "routed_scaling_factor": 2.827,
+        "first_k_dense_replace": 0,
+        "n_shared_experts": 2,
+        "norm_topk_prob": True,
     }
 
 

@@ -8,9 +8,9 @@ import random
 
 import pytest
 import torch
+from deepseek_helpers import make_llm
 from safetensors.torch import load_file, save_file
 
-from deepseek_helpers import make_llm
 from engine import SamplingParams
 from engine.testing.kit import SpecProposerTests
 
@@ -28,7 +28,9 @@ def add_mtp_layer(path) -> None:
         return torch.randn(shape, generator=generator) * scale
 
     for name in [n for n in tensors if n.startswith("model.layers.1.")]:
-        tensors[name.replace("model.layers.1.", f"model.layers.{index}.")] = tensors[name] + noise(tensors[name].shape, 0.02)
+        tensors[name.replace("model.layers.1.", f"model.layers.{index}.")] = tensors[name] + noise(
+            tensors[name].shape, 0.02
+        )
     prefix = f"model.layers.{index}."
     tensors[prefix + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
     tensors[prefix + "enorm.weight"] = 1 + noise(hidden)
@@ -56,8 +58,8 @@ def add_v4_mtp_block(path) -> None:
     parts = {0: ("attn.", "attn_norm.", "hc_attn_"), 1: ("ffn.", "ffn_norm.", "hc_ffn_")}
     for layer, starts in parts.items():
         source = f"model.layers.{layer}."
-        for name in [m for m in tensors if m.startswith(source) and m[len(source):].startswith(starts)]:
-            tensors["mtp.0." + name[len(source):]] = tensors[name] + noise(tensors[name].shape, 0.02)
+        for name in [m for m in tensors if m.startswith(source) and m[len(source) :].startswith(starts)]:
+            tensors["mtp.0." + name[len(source) :]] = tensors[name] + noise(tensors[name].shape, 0.02)
     for name in ("enorm.weight", "hnorm.weight", "norm.weight"):
         tensors["mtp.0." + name] = 1 + noise(hidden)
     tensors["mtp.0.e_proj.weight"] = noise((hidden, hidden), 0.1)
@@ -68,13 +70,16 @@ def add_v4_mtp_block(path) -> None:
     save_file(tensors, str(path / "model.safetensors"))
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(("DeepseekV3ForCausalLM", {}), id="v3"),
-    # V3.2: the MTP layer has an indexer too, selecting a few positions
-    pytest.param(("DeepseekV32ForCausalLM", {"index_topk": 5, "index_n_heads": 8}), id="v3.2-sparse"),
-    # V4: the block reads the target's hyper-connection streams before its head
-    pytest.param(("DeepseekV4ForCausalLM", {"index_topk": 2}), id="v4"),
-])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("DeepseekV3ForCausalLM", {}), id="v3"),
+        # V3.2: the MTP layer has an indexer too, selecting a few positions
+        pytest.param(("DeepseekV32ForCausalLM", {"index_topk": 5, "index_n_heads": 8}), id="v3.2-sparse"),
+        # V4: the block reads the target's hyper-connection streams before its head
+        pytest.param(("DeepseekV4ForCausalLM", {"index_topk": 2}), id="v4"),
+    ],
+)
 def checkpoint(request, tmp_path_factory):
     from engine.testing.checkpoints import make_tiny_checkpoint
 

@@ -43,13 +43,13 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.interfaces.attention import LINEAR, MLA, AttentionSpec
+from engine.interfaces.forward_context import ForwardContext
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import Linear, MergedLinear, VocabEmbedding
 from engine.layers.mla import MLAttention
 from engine.layers.moe import Experts, Router, load_named_tensors
 from engine.model_config import HFConfig
-from engine.interfaces.forward_context import ForwardContext
 from engine_kimi_k3.kimi_linear import (
     EXPERT_PROJ,
     EXPERT_WEIGHT,
@@ -80,11 +80,13 @@ class K3Dims(KimiDims):
         linear = raw.get("linear_attn_config") or {}
         fields = {name: getattr(base, name) for name in base.__dataclass_fields__}
         return cls(
-            **fields, latent_size=raw.get("routed_expert_hidden_size"),
+            **fields,
+            latent_size=raw.get("routed_expert_hidden_size"),
             latent_norm=bool(raw.get("latent_moe_use_norm", True)),
             situ_beta=float(raw.get("activation_situ_beta", 4.0)),
             situ_linear_beta=float(raw.get("activation_situ_linear_beta", 25.0)),
-            gate_lower_bound=linear.get("gate_lower_bound"), full_rank_gate=bool(linear.get("use_full_rank_gate", False)),
+            gate_lower_bound=linear.get("gate_lower_bound"),
+            full_rank_gate=bool(linear.get("use_full_rank_gate", False)),
             mla_output_gate=bool(raw.get("mla_use_output_gate", False)),
             attn_res_block_size=raw.get("attn_res_block_size"),
         )
@@ -97,8 +99,9 @@ def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Te
 
 
 class SituMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dims: K3Dims, dtype: torch.dtype, *,
-                 tp: TensorParallel) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, dims: K3Dims, dtype: torch.dtype, *, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, False, dtype, tp=tp)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
@@ -113,16 +116,24 @@ class LatentMoE(nn.Module):
         super().__init__()
         latent = dims.latent_size or dims.hidden_size
         self.gate = Router(dims)
-        self.experts = Experts(dims.num_experts, dims.moe_intermediate_size, latent, dtype,
-                               activation=lambda gate_up: situ_glu(gate_up, dims.situ_beta, dims.situ_linear_beta),
-                               tp=tp)
+        self.experts = Experts(
+            dims.num_experts,
+            dims.moe_intermediate_size,
+            latent,
+            dtype,
+            activation=lambda gate_up: situ_glu(gate_up, dims.situ_beta, dims.situ_linear_beta),
+            tp=tp,
+        )
         self.latent = dims.latent_size is not None
         if self.latent:
             self.routed_expert_down_proj = Linear(dims.hidden_size, latent, False, dtype)
             self.routed_expert_norm = RMSNorm(latent, dims.norm_eps, dtype) if dims.latent_norm else None
             self.routed_expert_up_proj = Linear(latent, dims.hidden_size, False, dtype)
-        self.shared_experts = (SituMLP(dims.hidden_size, dims.moe_intermediate_size * dims.num_shared_experts, dims,
-                                       dtype, tp=tp) if dims.num_shared_experts else None)
+        self.shared_experts = (
+            SituMLP(dims.hidden_size, dims.moe_intermediate_size * dims.num_shared_experts, dims, dtype, tp=tp)
+            if dims.num_shared_experts
+            else None
+        )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         expert_ids, weights = self.gate(x)
@@ -177,16 +188,21 @@ class ResidualMix(nn.Module):
 
 
 class K3DecoderLayer(nn.Module):
-    def __init__(self, dims: K3Dims, index: int, specs: dict[str, AttentionSpec], dtype: torch.dtype, *,
-                 tp: TensorParallel) -> None:
+    def __init__(
+        self, dims: K3Dims, index: int, specs: dict[str, AttentionSpec], dtype: torch.dtype, *, tp: TensorParallel
+    ) -> None:
         super().__init__()
         if dims.layer_types[index] == "full_attention":
-            self.self_attn = MLAttention(dims, specs["mla"], index, False, dtype, output_gate=dims.mla_output_gate,
-                                         tp=tp)
+            self.self_attn = MLAttention(
+                dims, specs["mla"], index, False, dtype, output_gate=dims.mla_output_gate, tp=tp
+            )
         else:
             self.self_attn = K3DeltaAttention(dims, index, dtype, tp=tp)
-        self.mlp = (SituMLP(dims.hidden_size, dims.intermediate_size, dims, dtype, tp=tp)
-                    if dims.mlp_layer_types[index] == "dense" else LatentMoE(dims, dtype, tp=tp))
+        self.mlp = (
+            SituMLP(dims.hidden_size, dims.intermediate_size, dims, dtype, tp=tp)
+            if dims.mlp_layer_types[index] == "dense"
+            else LatentMoE(dims, dtype, tp=tp)
+        )
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.norm_eps, dtype)
         if dims.attn_res_block_size is not None:
@@ -200,16 +216,30 @@ class KimiK3ForConditionalGeneration(Model):
         dtype, tp = init.dtype, init.tp
         d = self.dims = K3Dims.from_config(init.config)
         self.specs = {
-            "mla": AttentionSpec(MLA, d.num_heads, 1, d.kv_lora_rank + d.qk_rope_head_dim, d.qk_head_dim**-0.5,
-                                 latent_size=d.kv_lora_rank),
-            "kda": AttentionSpec(LINEAR, d.linear_num_heads, d.linear_num_heads, d.linear_head_dim,
-                                 d.linear_head_dim**-0.5, value_size=d.linear_head_dim, conv_kernel=d.conv_kernel),
+            "mla": AttentionSpec(
+                MLA,
+                d.num_heads,
+                1,
+                d.kv_lora_rank + d.qk_rope_head_dim,
+                d.qk_head_dim**-0.5,
+                latent_size=d.kv_lora_rank,
+            ),
+            "kda": AttentionSpec(
+                LINEAR,
+                d.linear_num_heads,
+                d.linear_num_heads,
+                d.linear_head_dim,
+                d.linear_head_dim**-0.5,
+                value_size=d.linear_head_dim,
+                conv_kernel=d.conv_kernel,
+            ),
         }
         with torch.device(init.device):
             self.model = nn.Module()
             self.model.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype, tp=tp)
-            self.model.layers = nn.ModuleList(K3DecoderLayer(d, i, self.specs, dtype, tp=tp)
-                                              for i in range(d.num_layers))
+            self.model.layers = nn.ModuleList(
+                K3DecoderLayer(d, i, self.specs, dtype, tp=tp) for i in range(d.num_layers)
+            )
             self.model.norm = RMSNorm(d.hidden_size, d.norm_eps, dtype)
             if d.attn_res_block_size is not None:
                 self.model.output_attn_res = ResidualMix(d.hidden_size, d.norm_eps)

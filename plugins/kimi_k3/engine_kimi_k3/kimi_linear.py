@@ -38,6 +38,7 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.interfaces.attention import LINEAR, MLA, AttentionSpec
+from engine.interfaces.forward_context import ForwardContext
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.decoder import GATE_UP_PARAMS, DecoderStack, GatedMLP, PreNormDecoderLayer, require_silu
 from engine.layers.linear import (
@@ -51,7 +52,6 @@ from engine.layers.linear import (
 from engine.layers.mla import MLADims, MLAttention
 from engine.layers.moe import MoE, MoEDims, load_named_tensors
 from engine.model_config import HFConfig
-from engine.interfaces.forward_context import ForwardContext
 
 # KDA's q/k/v projections are one fused layer; the MLA layers' q_proj stays on its own
 STACKED = {**GATE_UP_PARAMS, "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
@@ -88,8 +88,10 @@ class KimiDims(MLADims, MoEDims):
             layer_types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
         unknown = sorted({str(t) for t in layer_types[:n] if t not in ("full_attention", "linear_attention")})
         if len(layer_types) < n or unknown:
-            raise ValueError(f"layer_types must give each of the {n} layers 'full_attention' or 'linear_attention' "
-                             f"(got {layer_types}).")
+            raise ValueError(
+                f"layer_types must give each of the {n} layers 'full_attention' or 'linear_attention' "
+                f"(got {layer_types})."
+            )
         mlp_types = raw.get("mlp_layer_types")
         if mlp_types is None:
             dense = int(raw.get("first_k_dense_replace", 1))
@@ -99,11 +101,16 @@ class KimiDims(MLADims, MoEDims):
             return next((raw[name] for name in names if raw.get(name) is not None), default)
 
         return cls(
-            hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-            q_lora_rank=raw.get("q_lora_rank"), kv_lora_rank=config.kv_lora_rank,
-            qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
-            v_head_dim=config.v_head_dim, attention_bias=bool(raw.get("attention_bias", False)),
-            rms_norm_eps=1e-6, norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            q_lora_rank=raw.get("q_lora_rank"),
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            attention_bias=bool(raw.get("attention_bias", False)),
+            rms_norm_eps=1e-6,
+            norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
             moe_intermediate_size=config.moe_intermediate_size,
             num_experts=first("num_experts", "num_local_experts", "n_routed_experts"),
             experts_per_token=first("num_experts_per_token", "num_experts_per_tok"),
@@ -112,8 +119,11 @@ class KimiDims(MLADims, MoEDims):
             num_shared_experts=first("num_shared_experts", "n_shared_experts", default=0),
             routed_scaling_factor=float(first("routed_scaling_factor", default=1.0)),
             norm_topk_prob=bool(first("moe_renormalize", "norm_topk_prob", default=True)),
-            intermediate_size=config.intermediate_size, vocab_size=config.vocab_size, num_layers=n,
-            layer_types=tuple(layer_types[:n]), mlp_layer_types=tuple(mlp_types[:n]),
+            intermediate_size=config.intermediate_size,
+            vocab_size=config.vocab_size,
+            num_layers=n,
+            layer_types=tuple(layer_types[:n]),
+            mlp_layer_types=tuple(mlp_types[:n]),
             linear_num_heads=first("linear_num_heads", default=linear.get("num_heads", 32)),
             linear_head_dim=first("linear_head_dim", default=linear.get("head_dim", 128)),
             conv_kernel=first("linear_conv_kernel_dim", default=linear.get("short_conv_kernel_size", 4)),
@@ -124,11 +134,16 @@ class ShortConv(nn.Module):
     """One depthwise convolution's weight, [channels, 1, kernel] as checkpoints hold it (this
     rank's ``channels`` of ``full_channels``, from ``first``)."""
 
-    def __init__(self, channels: int, kernel: int, dtype: torch.dtype, first: int = 0,
-                 full_channels: int | None = None) -> None:
+    def __init__(
+        self, channels: int, kernel: int, dtype: torch.dtype, first: int = 0, full_channels: int | None = None
+    ) -> None:
         super().__init__()
-        self.weight = shard_parameter(nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype), requires_grad=False),
-                                      0, first, full_channels or channels)
+        self.weight = shard_parameter(
+            nn.Parameter(torch.empty(channels, 1, kernel, dtype=dtype), requires_grad=False),
+            0,
+            first,
+            full_channels or channels,
+        )
 
 
 class GatedHeadNorm(nn.Module):
@@ -163,10 +178,12 @@ class KimiDeltaAttention(nn.Module):
         # the forget gate: g = -exp(A_log_h) · softplus(f_b(f_a(x)) + dt_bias), per channel
         self.f_a_proj = Linear(dims.hidden_size, head_dim, False, dtype)
         self.f_b_proj = ColumnParallelLinear(head_dim, [full_width], False, dtype, what, tp=tp)
-        self.dt_bias = shard_parameter(nn.Parameter(torch.empty(width, dtype=torch.float32), requires_grad=False),
-                                       0, first_channel, full_width)
-        self.A_log = shard_parameter(nn.Parameter(torch.empty(1, 1, heads, 1, dtype=torch.float32),
-                                                  requires_grad=False), 2, first, all_heads)
+        self.dt_bias = shard_parameter(
+            nn.Parameter(torch.empty(width, dtype=torch.float32), requires_grad=False), 0, first_channel, full_width
+        )
+        self.A_log = shard_parameter(
+            nn.Parameter(torch.empty(1, 1, heads, 1, dtype=torch.float32), requires_grad=False), 2, first, all_heads
+        )
         self.b_proj = ColumnParallelLinear(dims.hidden_size, [all_heads], False, dtype, "linear_num_heads", tp=tp)
         self.g_a_proj = Linear(dims.hidden_size, head_dim, False, dtype)
         self.g_b_proj = ColumnParallelLinear(head_dim, [full_width], False, dtype, what, tp=tp)
@@ -201,20 +218,35 @@ class KimiLinearForCausalLM(Model):
         require_silu(config, self)
         d = self.dims = KimiDims.from_config(config)
         # the specs count this rank's heads
-        mla_heads, kda_heads = tp.split(d.num_heads, "num_attention_heads")[1], tp.split(d.linear_num_heads,
-                                                                                          "linear_num_heads")[1]
-        self.mla_spec = AttentionSpec(MLA, mla_heads, 1, d.kv_lora_rank + d.qk_rope_head_dim, d.qk_head_dim**-0.5,
-                                      latent_size=d.kv_lora_rank)
-        self.kda_spec = AttentionSpec(LINEAR, kda_heads, kda_heads, d.linear_head_dim,
-                                      d.linear_head_dim**-0.5, value_size=d.linear_head_dim,
-                                      conv_kernel=d.conv_kernel)
+        mla_heads, kda_heads = (
+            tp.split(d.num_heads, "num_attention_heads")[1],
+            tp.split(d.linear_num_heads, "linear_num_heads")[1],
+        )
+        self.mla_spec = AttentionSpec(
+            MLA, mla_heads, 1, d.kv_lora_rank + d.qk_rope_head_dim, d.qk_head_dim**-0.5, latent_size=d.kv_lora_rank
+        )
+        self.kda_spec = AttentionSpec(
+            LINEAR,
+            kda_heads,
+            kda_heads,
+            d.linear_head_dim,
+            d.linear_head_dim**-0.5,
+            value_size=d.linear_head_dim,
+            conv_kernel=d.conv_kernel,
+        )
         layers = []
         with torch.device(init.device):
             for i, layer_type in enumerate(d.layer_types):
-                attention = (MLAttention(d, self.mla_spec, i, False, dtype, tp=tp) if layer_type == "full_attention"
-                             else KimiDeltaAttention(d, i, dtype, tp=tp))
-                mlp = (GatedMLP(d.hidden_size, d.intermediate_size, False, dtype, tp=tp)
-                       if d.mlp_layer_types[i] == "dense" else MoE(d, dtype, tp=tp))
+                attention = (
+                    MLAttention(d, self.mla_spec, i, False, dtype, tp=tp)
+                    if layer_type == "full_attention"
+                    else KimiDeltaAttention(d, i, dtype, tp=tp)
+                )
+                mlp = (
+                    GatedMLP(d.hidden_size, d.intermediate_size, False, dtype, tp=tp)
+                    if d.mlp_layer_types[i] == "dense"
+                    else MoE(d, dtype, tp=tp)
+                )
                 layers.append(PreNormDecoderLayer(attention, mlp, d.hidden_size, d.norm_eps, dtype))
             self.model = DecoderStack(d.vocab_size, d.hidden_size, d.norm_eps, layers, dtype, tp=tp)
             self.lm_head = ParallelLMHead(d.hidden_size, d.vocab_size, dtype, tp=tp)

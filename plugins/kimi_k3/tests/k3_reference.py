@@ -12,16 +12,46 @@ import torch
 from safetensors.torch import save_file
 
 TEXT_CONFIG = {
-    "model_type": "kimi_linear", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 96,
-    "moe_intermediate_size": 32, "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 4,
-    "q_lora_rank": 24, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16,
-    "mla_use_nope": True, "mla_use_output_gate": True, "num_experts": 8, "num_experts_per_token": 2,
-    "num_shared_experts": 1, "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True,
-    "routed_scaling_factor": 2.446, "routed_expert_hidden_size": 32, "latent_moe_use_norm": True,
-    "first_k_dense_replace": 1, "attn_res_block_size": 2, "activation_situ_beta": 4.0,
-    "activation_situ_linear_beta": 25.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 512, "hidden_act": "silu",
-    "linear_attn_config": {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
-                           "use_full_rank_gate": True, "kda_layers": [1, 2, 4, 5], "full_attn_layers": [3]},
+    "model_type": "kimi_linear",
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "mla_use_nope": True,
+    "mla_use_output_gate": True,
+    "num_experts": 8,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "num_expert_group": 1,
+    "topk_group": 1,
+    "moe_renormalize": True,
+    "routed_scaling_factor": 2.446,
+    "routed_expert_hidden_size": 32,
+    "latent_moe_use_norm": True,
+    "first_k_dense_replace": 1,
+    "attn_res_block_size": 2,
+    "activation_situ_beta": 4.0,
+    "activation_situ_linear_beta": 25.0,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 512,
+    "hidden_act": "silu",
+    "linear_attn_config": {
+        "num_heads": 4,
+        "head_dim": 16,
+        "short_conv_kernel_size": 4,
+        "gate_lower_bound": -5.0,
+        "use_full_rank_gate": True,
+        "kda_layers": [1, 2, 4, 5],
+        "full_attn_layers": [3],
+    },
 }
 
 
@@ -32,7 +62,12 @@ def make_k3_checkpoint(path: Path, seed: int = 0, **overrides) -> dict[str, torc
     d, v = text["hidden_size"], text["vocab_size"]
     linear = text["linear_attn_config"]
     heads, dk, kernel = linear["num_heads"], linear["head_dim"], linear["short_conv_kernel_size"]
-    mla_heads, nope, rope, vd = text["num_attention_heads"], text["qk_nope_head_dim"], text["qk_rope_head_dim"], text["v_head_dim"]
+    mla_heads, nope, rope, vd = (
+        text["num_attention_heads"],
+        text["qk_nope_head_dim"],
+        text["qk_rope_head_dim"],
+        text["v_head_dim"],
+    )
     experts, inter, latent = text["num_experts"], text["moe_intermediate_size"], text["routed_expert_hidden_size"]
 
     def rand(*shape, std=None):
@@ -42,8 +77,13 @@ def make_k3_checkpoint(path: Path, seed: int = 0, **overrides) -> dict[str, torc
     def norm(n):
         return 1 + 0.1 * torch.randn(n, generator=gen)
 
-    t = {"model.embed_tokens.weight": rand(v, d, std=1.0), "model.norm.weight": norm(d), "lm_head.weight": rand(v, d),
-         "model.output_attn_res_norm.weight": norm(d), "model.output_attn_res_proj.weight": rand(1, d, std=0.5)}
+    t = {
+        "model.embed_tokens.weight": rand(v, d, std=1.0),
+        "model.norm.weight": norm(d),
+        "lm_head.weight": rand(v, d),
+        "model.output_attn_res_norm.weight": norm(d),
+        "model.output_attn_res_proj.weight": rand(1, d, std=0.5),
+    }
     for i in range(text["num_hidden_layers"]):
         p = f"model.layers.{i}."
         for name in ("input_layernorm", "post_attention_layernorm", "self_attention_res_norm", "mlp_res_norm"):
@@ -96,8 +136,13 @@ def make_k3_checkpoint(path: Path, seed: int = 0, **overrides) -> dict[str, torc
     tensors["vision_tower.patch_embed.weight"] = rand(4, 4)  # not the language model's: skipped
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
-    config = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
-              "eos_token_id": 2, "torch_dtype": "float32"}
+    config = {
+        "architectures": ["KimiK3ForConditionalGeneration"],
+        "model_type": "kimi_k3",
+        "text_config": text,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
     (path / "config.json").write_text(json.dumps(config))
     return tensors
 
@@ -149,8 +194,8 @@ def reference_logits(tensors: dict[str, torch.Tensor], text: dict, tokens: list[
 
     def mla(p, x):
         length, heads = x.shape[0], text["num_attention_heads"]
-        nope, rope, vd, kv_lora = text["qk_nope_head_dim"], text["qk_rope_head_dim"], text["v_head_dim"], text["kv_lora_rank"]
-        q = (rms(x @ w(p + "q_a_proj.weight").T, w(p + "q_a_layernorm.weight"), 1e-6) @ w(p + "q_b_proj.weight").T)
+        nope, rope, kv_lora = text["qk_nope_head_dim"], text["qk_rope_head_dim"], text["kv_lora_rank"]
+        q = rms(x @ w(p + "q_a_proj.weight").T, w(p + "q_a_layernorm.weight"), 1e-6) @ w(p + "q_b_proj.weight").T
         q = q.view(length, heads, nope + rope)
         compressed = x @ w(p + "kv_a_proj_with_mqa.weight").T
         latent, k_rope = compressed[:, :kv_lora], compressed[:, kv_lora:]
@@ -182,10 +227,14 @@ def reference_logits(tensors: dict[str, torch.Tensor], text: dict, tokens: list[
     def layer(i, x):  # (attention, MLP) of layer i as functions
         p = f"model.layers.{i}."
         is_kda = i + 1 in linear["kda_layers"]
-        attention = (lambda h: kda(p + "self_attn.", rms(h, w(p + "input_layernorm.weight")))) if is_kda else (
-            lambda h: mla(p + "self_attn.", rms(h, w(p + "input_layernorm.weight"))))
-        return attention, lambda h: mlp(p + "block_sparse_moe.", rms(h, w(p + "post_attention_layernorm.weight")),
-                                        i < text["first_k_dense_replace"])
+        attention = (
+            (lambda h: kda(p + "self_attn.", rms(h, w(p + "input_layernorm.weight"))))
+            if is_kda
+            else (lambda h: mla(p + "self_attn.", rms(h, w(p + "input_layernorm.weight"))))
+        )
+        return attention, lambda h: mlp(
+            p + "block_sparse_moe.", rms(h, w(p + "post_attention_layernorm.weight")), i < text["first_k_dense_replace"]
+        )
 
     with torch.no_grad():
         if text["attn_res_block_size"] is None:  # plain pre-norm residuals

@@ -20,8 +20,10 @@ def k3(tmp_path_factory):
 
 
 def make_llm(path, **kwargs) -> LLM:
-    return LLM(str(path), **{"plugins": ["cpu", "kimi_k3"], "dtype": "float32", "kv_cache_memory": 0.02,
-                             "progress": False, **kwargs})
+    return LLM(
+        str(path),
+        **{"plugins": ["cpu", "kimi_k3"], "dtype": "float32", "kv_cache_memory": 0.02, "progress": False, **kwargs},
+    )
 
 
 def prompts(seed: int, lengths=(3, 11, 20, 37)) -> list[list[int]]:
@@ -41,7 +43,7 @@ def test_prefill_logits_and_greedy_tokens_match_the_reference(k3):
         sequence = list(prompt)
         for _ in range(12):
             sequence.append(int(reference_logits(tensors, TEXT_CONFIG, sequence)[-1].argmax()))
-        assert output.outputs[0].token_ids == sequence[len(prompt):]
+        assert output.outputs[0].token_ids == sequence[len(prompt) :]
 
 
 def test_without_attention_residuals_the_layers_add_up_plainly(tmp_path):
@@ -105,7 +107,9 @@ def test_mxfp4_experts_in_compressed_tensors_load_dequantized(tmp_path):
     save_file(stored, str(tmp_path / "model.safetensors"))
     config = json.loads((tmp_path / "config.json").read_text())
     config["text_config"]["quantization_config"] = config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+        "quant_method": "compressed-tensors",
+        "format": "mxfp4-pack-quantized",
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     prompt = prompts(5, lengths=(19,))[0]
     llm = make_llm(tmp_path)

@@ -16,8 +16,9 @@ PLUGINS = ["cpu", "kimi_k3"]
 
 
 def make_llm(path, **kwargs) -> LLM:
-    return LLM(str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.02, "progress": False,
-                             **kwargs})
+    return LLM(
+        str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.02, "progress": False, **kwargs}
+    )
 
 
 def prompts(seed: int, lengths=(3, 11, 20, 37)) -> list[list[int]]:
@@ -48,7 +49,7 @@ def test_24_greedy_tokens_of_a_batch_match_transformers(checkpoint):
         for _ in range(24):
             with torch.no_grad():
                 sequence.append(int(hf_model(torch.tensor([sequence])).logits[0, -1].argmax()))
-        assert tokens == sequence[len(prompt):]
+        assert tokens == sequence[len(prompt) :]
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 64])

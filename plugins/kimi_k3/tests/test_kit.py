@@ -20,6 +20,9 @@ class TestKimiLinearQLoraKit(ModelTests):
     plugin = "kimi_k3"
     architecture = "KimiLinearForCausalLM"
     config_overrides: ClassVar[dict[str, Any]] = {
-        "q_lora_rank": 24, "num_expert_group": 2, "topk_group": 1, "num_shared_experts": 2,
+        "q_lora_rank": 24,
+        "num_expert_group": 2,
+        "topk_group": 1,
+        "num_shared_experts": 2,
         "linear_conv_kernel_dim": 3,
     }

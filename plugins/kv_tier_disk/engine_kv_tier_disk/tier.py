@@ -89,9 +89,7 @@ class DiskKVTier(KVTier):
         capacity_gb = config_number(config, "capacity_gb", DEFAULT_CAPACITY_GB, tier=self.name)
         threads = _config_threads(config)
         if not _DIGEST.fullmatch(spec.digest):
-            raise ValueError(
-                f"KV tier 'disk': the spec digest names a directory and must be hex, got {spec.digest!r}."
-            )
+            raise ValueError(f"KV tier 'disk': the spec digest names a directory and must be hex, got {spec.digest!r}.")
         self.dtype = getattr(torch, spec.dtype)
         self.block_numel, self.block_bytes = spec.block_numel, spec.block_bytes  # spec computes them per call
         self.capacity_bytes = int(capacity_gb * 2**30)
@@ -110,9 +108,7 @@ class DiskKVTier(KVTier):
         try:
             os.makedirs(self.directory, exist_ok=True)
         except OSError as exc:
-            raise ValueError(
-                f"KV tier 'disk': 'path' {self.root!r}: cannot create {self.directory!r}: {exc}."
-            ) from exc
+            raise ValueError(f"KV tier 'disk': 'path' {self.root!r}: cannot create {self.directory!r}: {exc}.") from exc
 
         self._lock = threading.Lock()  # guards everything below, and unlinks in the directory
         self._index = SegmentIndex()
@@ -142,7 +138,11 @@ class DiskKVTier(KVTier):
         self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="kv-tier-disk-read")
         logger.info(
             "disk KV tier at %s: %d blocks in %d segments found, capacity %.2f GiB (%d blocks of %d bytes)",
-            self.directory, len(self._index), self._index.num_segments, capacity_gb, self.capacity_blocks,
+            self.directory,
+            len(self._index),
+            self._index.num_segments,
+            capacity_gb,
+            self.capacity_blocks,
             spec.block_bytes,
         )
 
@@ -261,9 +261,7 @@ class DiskKVTier(KVTier):
             chosen[key] = i
         return list(chosen.items())
 
-    def _write_segment(
-        self, results: list[bool], run: list[tuple[bytes, int]], copy: torch.Tensor, path: str
-    ) -> None:
+    def _write_segment(self, results: list[bool], run: list[tuple[bytes, int]], copy: torch.Tensor, path: str) -> None:
         """Write the blocks of ``copy`` (rows in the order of ``run``) as the segment ``path``."""
         start = time.perf_counter()
         keys = [key for key, _ in run]
@@ -290,7 +288,10 @@ class DiskKVTier(KVTier):
             if first:
                 logger.warning(
                     "disk KV tier: cannot write %s (%s: %s); blocks that fail to write are dropped",
-                    path, type(exc).__name__, exc, exc_info=not isinstance(exc, OSError),
+                    path,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=not isinstance(exc, OSError),
                 )
             return
         with self._lock:
@@ -447,9 +448,7 @@ class DiskKVTier(KVTier):
     # helpers
 
     def _is_block(self, tensor: Any) -> bool:
-        return (
-            isinstance(tensor, torch.Tensor) and tensor.dtype == self.dtype and tensor.numel() == self.block_numel
-        )
+        return isinstance(tensor, torch.Tensor) and tensor.dtype == self.dtype and tensor.numel() == self.block_numel
 
     def _check_open(self) -> None:
         if self._closed:

@@ -320,7 +320,9 @@ def test_restart_with_the_same_digest_reuses_blocks_and_another_digest_sees_none
     assert all(same_bytes(got, want) for got, want in zip(out, blocks))
     tier.store(make_keys(1, seed=1), [random_block(seed=9)]).result()  # numbered after the segments found
     assert [[b.key for b in parse_segment(path)] for path in segment_files(tmp_path)] == [
-        keys[:3], keys[3:], make_keys(1, seed=1)
+        keys[:3],
+        keys[3:],
+        make_keys(1, seed=1),
     ]
     tier.close()
 
@@ -404,8 +406,9 @@ def truncate_header(path: Path) -> None:
 
 
 # a segment whose table cannot be trusted counts the blocks its size can hold, at least one
-@pytest.mark.parametrize("damage,counted", [(flip_magic, 2), (flip_key_byte, 2), (newer_version, 2),
-                                            (truncate_header, 1)])
+@pytest.mark.parametrize(
+    "damage,counted", [(flip_magic, 2), (flip_key_byte, 2), (newer_version, 2), (truncate_header, 1)]
+)
 def test_a_segment_with_a_damaged_table_is_deleted_at_restart_and_costs_only_its_blocks(tmp_path, damage, counted):
     keys = make_keys(3)
     tier = open_tier(tmp_path)
@@ -633,20 +636,23 @@ def test_a_key_that_is_not_1_to_64_bytes_fails_its_block_without_raising(tier, k
 # config
 
 
-@pytest.mark.parametrize("config,message", [
-    ({}, "'path' is required"),
-    ({"path": ""}, "'path' must be a directory path (a non-empty string), got ''"),
-    ({"path": 3}, "'path' must be a directory path (a non-empty string), got 3"),
-    ({"path": "{tmp}", "capacity_gb": -1}, "'capacity_gb' must be a number above 0, got -1"),
-    ({"path": "{tmp}", "capacity_gb": "lots"}, "'capacity_gb' must be a number above 0, got 'lots'"),
-    ({"path": "{tmp}", "capacity_gb": 1e-9}, "'capacity_gb'=1e-09 holds no segment of one block (553 bytes)"),
-    ({"path": "{tmp}", "threads": 0}, "'threads' must be an integer of at least 1, got 0"),
-    ({"path": "{tmp}", "threads": 1.5}, "'threads' must be an integer of at least 1, got 1.5"),
-    ({"path": "{tmp}", "threads": True}, "'threads' must be an integer of at least 1, got True"),
-    ({"path": "{tmp}", "size": 3}, "unknown config key(s) 'size'; it takes 'path', 'capacity_gb', 'threads'"),
-    ({"path": "{file}"}, "exists and is not a directory"),
-    ({"path": "{file}/sub"}, "cannot be created"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({}, "'path' is required"),
+        ({"path": ""}, "'path' must be a directory path (a non-empty string), got ''"),
+        ({"path": 3}, "'path' must be a directory path (a non-empty string), got 3"),
+        ({"path": "{tmp}", "capacity_gb": -1}, "'capacity_gb' must be a number above 0, got -1"),
+        ({"path": "{tmp}", "capacity_gb": "lots"}, "'capacity_gb' must be a number above 0, got 'lots'"),
+        ({"path": "{tmp}", "capacity_gb": 1e-9}, "'capacity_gb'=1e-09 holds no segment of one block (553 bytes)"),
+        ({"path": "{tmp}", "threads": 0}, "'threads' must be an integer of at least 1, got 0"),
+        ({"path": "{tmp}", "threads": 1.5}, "'threads' must be an integer of at least 1, got 1.5"),
+        ({"path": "{tmp}", "threads": True}, "'threads' must be an integer of at least 1, got True"),
+        ({"path": "{tmp}", "size": 3}, "unknown config key(s) 'size'; it takes 'path', 'capacity_gb', 'threads'"),
+        ({"path": "{file}"}, "exists and is not a directory"),
+        ({"path": "{file}/sub"}, "cannot be created"),
+    ],
+)
 def test_bad_config_is_a_clear_error(tmp_path, config, message):
     a_file = tmp_path / "a-file"
     a_file.write_text("")
@@ -760,8 +766,11 @@ def test_close_waits_for_pending_stores_and_later_calls_raise(tmp_path, monkeypa
     assert not closer.is_alive() and future.done() and future.result() == [True] * 4
     assert list(stored_blocks(tmp_path)) == keys
 
-    for call in (lambda: tier.lookup(keys), lambda: tier.store(keys[:1], [random_block()]),
-                 lambda: tier.load(keys[:1], [empty_block()])):
+    for call in (
+        lambda: tier.lookup(keys),
+        lambda: tier.store(keys[:1], [random_block()]),
+        lambda: tier.load(keys[:1], [empty_block()]),
+    ):
         with pytest.raises(RuntimeError, match="KV tier 'disk' is closed."):
             call()
     tier.close()  # closing again is harmless

@@ -38,9 +38,17 @@ def reference(checkpoint, prompts):
 
 def make_llm(checkpoint: str, root: Path, block_size: int = 4) -> LLM:
     # 24 blocks of 4 tokens (tiny Llama: 512 bytes of fp32 KV a token): each prompt evicts the previous ones
-    return LLM(checkpoint, plugins=["cpu", "llama", "kv_tier_disk"], dtype="float32", progress=False,
-               block_size=block_size, max_model_len=96, kv_cache_memory=24 * block_size * 512 / 2**30,
-               kv_tier="disk", kv_tier_config={"path": str(root), "capacity_gb": 0.1})
+    return LLM(
+        checkpoint,
+        plugins=["cpu", "llama", "kv_tier_disk"],
+        dtype="float32",
+        progress=False,
+        block_size=block_size,
+        max_model_len=96,
+        kv_cache_memory=24 * block_size * 512 / 2**30,
+        kv_tier="disk",
+        kv_tier_config={"path": str(root), "capacity_gb": 0.1},
+    )
 
 
 def one_by_one(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

@@ -10,9 +10,9 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec
+from engine.interfaces.forward_context import ForwardContext
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.attention import Attention
-from engine.layers.layernorm import RMSNorm
 from engine.layers.decoder import (
     GATE_UP_PARAMS,
     DecoderStack,
@@ -21,10 +21,10 @@ from engine.layers.decoder import (
     load_tensor,
     require_silu,
 )
+from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, gather_logits, linear_layers
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
-from engine.interfaces.forward_context import ForwardContext
 
 # checkpoint module name -> (fused module name, shard index)
 STACKED_PARAMS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), **GATE_UP_PARAMS}
@@ -67,15 +67,31 @@ class Dims:
 
 
 class LlamaAttentionBlock(nn.Module):
-    def __init__(self, dims: Dims, spec: AttentionSpec, layer_index: int, qkv_bias: bool, o_bias: bool,
-                 qk_norm: bool, dtype: torch.dtype, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        dims: Dims,
+        spec: AttentionSpec,
+        layer_index: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+    ) -> None:
         super().__init__()
         # this rank's heads (all of them without tensor parallelism)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, dims.head_dim
-        self.qkv_proj = QKVParallelLinear(dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim,
-                                          qkv_bias, dtype, tp=tp)
-        self.o_proj = RowParallelLinear(dims.num_heads * dims.head_dim, dims.hidden_size, o_bias, dtype,
-                                        what="num_attention_heads × head_dim", tp=tp)
+        self.qkv_proj = QKVParallelLinear(
+            dims.hidden_size, dims.num_heads, dims.num_kv_heads, dims.head_dim, qkv_bias, dtype, tp=tp
+        )
+        self.o_proj = RowParallelLinear(
+            dims.num_heads * dims.head_dim,
+            dims.hidden_size,
+            o_bias,
+            dtype,
+            what="num_attention_heads × head_dim",
+            tp=tp,
+        )
         if qk_norm:
             self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, dtype)
@@ -114,15 +130,20 @@ class LlamaForCausalLM(Model):
             layers = [
                 PreNormDecoderLayer(
                     LlamaAttentionBlock(dims, self.specs[i], i, qkv_bias, o_bias, variant.qk_norm, dtype, tp),
-                    GatedMLP(dims.hidden_size, dims.intermediate_size, bool(config.get("mlp_bias", False)), dtype,
-                             tp=tp),
-                    dims.hidden_size, dims.rms_norm_eps, dtype,
+                    GatedMLP(
+                        dims.hidden_size, dims.intermediate_size, bool(config.get("mlp_bias", False)), dtype, tp=tp
+                    ),
+                    dims.hidden_size,
+                    dims.rms_norm_eps,
+                    dtype,
                 )
                 for i in range(dims.num_layers)
             ]
             self.model = DecoderStack(dims.vocab_size, dims.hidden_size, dims.rms_norm_eps, layers, dtype, tp=tp)
             self.rotary = RotaryEmbedding(
-                dims.head_dim, int(config.get("max_position_embeddings", 2048)), rope_parameters(config),
+                dims.head_dim,
+                int(config.get("max_position_embeddings", 2048)),
+                rope_parameters(config),
                 rotary_dim=int(dims.head_dim * float(config.get("partial_rotary_factor", 1.0))),
             )
             self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
@@ -147,9 +168,13 @@ class LlamaForCausalLM(Model):
         num_kv_heads = tp.kv_heads(dims.num_kv_heads)[1]
         return [
             AttentionSpec(
-                kind=SLIDING_WINDOW if w else MHA, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                kind=SLIDING_WINDOW if w else MHA,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
                 total_kv_heads=dims.num_kv_heads if tp.is_parallel else None,
-                head_size=dims.head_dim, scale=scale, sliding_window=w,
+                head_size=dims.head_dim,
+                scale=scale,
+                sliding_window=w,
             )
             for w in windows
         ]

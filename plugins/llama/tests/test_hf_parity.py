@@ -15,8 +15,16 @@ CASES = {
     "llama-gqa": ("LlamaForCausalLM", {}),
     "llama-llama3-rope": (
         "LlamaForCausalLM",
-        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
     ),
     "llama-bias-sharded": ("LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True, "max_shard_size": "60KB"}),
     "mistral-sliding-window": ("MistralForCausalLM", {"sliding_window": 8}),
@@ -33,7 +41,7 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(params=sorted(CASES))
@@ -79,7 +87,7 @@ def test_cached_decode_equals_full_recompute(tiny_checkpoint):
     for prompt, sequence, recompute, decoded in zip(prompts, sequences, full, one_at_a_time):
         assert (recompute - decoded).abs().max().item() < 1e-4
         # each generated token is the argmax of the recomputed logits at the previous position
-        generated = sequence[len(prompt):]
+        generated = sequence[len(prompt) :]
         assert recompute[len(prompt) - 1 : -1].argmax(dim=-1).tolist() == generated
 
 

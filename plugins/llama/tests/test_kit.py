@@ -15,7 +15,9 @@ class TestLlamaKit(ModelTests):
 class TestMistralKit(ModelTests):
     plugin = "llama"
     architecture = "MistralForCausalLM"
-    config_overrides: ClassVar[dict[str, Any]] = {"sliding_window": 8}  # shorter than the prompts: the window is exercised
+    config_overrides: ClassVar[dict[str, Any]] = {
+        "sliding_window": 8
+    }  # shorter than the prompts: the window is exercised
 
 
 class TestQwen2Kit(ModelTests):

@@ -39,8 +39,10 @@ def import_aiter() -> ModuleType:
             "install aiter (https://github.com/ROCm/aiter) or choose --attention-backend triton_paged"
         ) from exc
     if not hasattr(aiter, "flash_attn_varlen_func"):
-        raise RuntimeError("attention backend 'aiter_mha' needs aiter.flash_attn_varlen_func, which this aiter "
-                           f"({getattr(aiter, '__version__', 'unknown version')}) lacks; upgrade aiter")
+        raise RuntimeError(
+            "attention backend 'aiter_mha' needs aiter.flash_attn_varlen_func, which this aiter "
+            f"({getattr(aiter, '__version__', 'unknown version')}) lacks; upgrade aiter"
+        )
     return aiter
 
 
@@ -61,8 +63,12 @@ def build_metadata(common: CommonAttentionMetadata) -> AiterAttentionMetadata:
     block = common.block_tables[seq, position // common.block_size]
     cu_seqlens_k = torch.zeros(common.num_seqs + 1, dtype=torch.int32, device=device)
     cu_seqlens_k[1:] = torch.cumsum(common.seq_lens, 0)
-    return AiterAttentionMetadata(common, block * common.block_size + position % common.block_size, cu_seqlens_k,
-                                  common.query_start_loc.to(torch.int32))
+    return AiterAttentionMetadata(
+        common,
+        block * common.block_size + position % common.block_size,
+        cu_seqlens_k,
+        common.query_start_loc.to(torch.int32),
+    )
 
 
 class AiterPagedAttention(AttentionBackend):
@@ -70,8 +76,9 @@ class AiterPagedAttention(AttentionBackend):
     (half precision, as AITER's kernels are built)."""
 
     name = "aiter_mha"
-    capabilities = AttentionCapabilities(kinds=frozenset({MHA, SLIDING_WINDOW}), platforms=frozenset({"rocm"}),
-                                         dtypes=frozenset({"bfloat16", "float16"}))
+    capabilities = AttentionCapabilities(
+        kinds=frozenset({MHA, SLIDING_WINDOW}), platforms=frozenset({"rocm"}), dtypes=frozenset({"bfloat16", "float16"})
+    )
 
     def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(spec, block_size, dtype, device)
@@ -83,8 +90,14 @@ class AiterPagedAttention(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> AiterAttentionMetadata:
         return build_metadata(common)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AiterAttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AiterAttentionMetadata,
+    ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
         keys = kv_cache[0].view(-1, spec.num_kv_heads, spec.head_size)
         values = kv_cache[1].view(-1, spec.num_kv_heads, spec.head_size)
@@ -92,8 +105,16 @@ class AiterPagedAttention(AttentionBackend):
         values.index_copy_(0, common.slot_mapping, v)
         window = (spec.sliding_window - 1, 0) if spec.sliding_window else (-1, -1)
         out = self.aiter.flash_attn_varlen_func(
-            q, keys[metadata.kv_slots], values[metadata.kv_slots], metadata.cu_seqlens_q, metadata.cu_seqlens_k,
-            common.max_query_len, common.max_seq_len, dropout_p=0.0, softmax_scale=spec.scale, causal=True,
+            q,
+            keys[metadata.kv_slots],
+            values[metadata.kv_slots],
+            metadata.cu_seqlens_q,
+            metadata.cu_seqlens_k,
+            common.max_query_len,
+            common.max_seq_len,
+            dropout_p=0.0,
+            softmax_scale=spec.scale,
+            causal=True,
             window_size=window,
         )
         return out.to(q.dtype)

@@ -54,8 +54,11 @@ def probe_availability(environ: Mapping[str, str] | None = None) -> Availability
         hip = getattr(torch.version, "hip", None)
         if not hip:
             cuda = getattr(torch.version, "cuda", None)
-            build = (f"; this torch is built for CUDA {cuda}" if cuda
-                     else f"; this torch ({torch.__version__}) has no GPU runtime")
+            build = (
+                f"; this torch is built for CUDA {cuda}"
+                if cuda
+                else f"; this torch ({torch.__version__}) has no GPU runtime"
+            )
             return Availability(False, f"torch has no HIP runtime (torch.version.hip is None){build}")
         hidden = hidden_by_environment(environ)
         if hidden is not None:
@@ -92,11 +95,14 @@ def aiter_importable(environ: Mapping[str, str] | None = None) -> bool:
             logger.warning("aiter is installed but cannot be imported (%s); using the Triton backends", exc)
         return False
     except Exception as exc:
-        logger.warning("aiter is installed but cannot be imported (%s: %s); using the Triton backends",
-                       type(exc).__name__, exc)
+        logger.warning(
+            "aiter is installed but cannot be imported (%s: %s); using the Triton backends", type(exc).__name__, exc
+        )
         return False
     if not hasattr(aiter, "flash_attn_varlen_func"):  # what engine_rocm.aiter_attention calls
-        logger.warning("this aiter (%s) has no flash_attn_varlen_func; using the Triton backends",
-                       getattr(aiter, "__version__", "unknown version"))
+        logger.warning(
+            "this aiter (%s) has no flash_attn_varlen_func; using the Triton backends",
+            getattr(aiter, "__version__", "unknown version"),
+        )
         return False
     return True

@@ -50,8 +50,12 @@ class RocmPlatform(Platform):
     supported_dtypes = ("float32", "bfloat16", "float16")
     default_dtype = "bfloat16"
     fp8_dtype = DeviceFp8Dtype()  # type: ignore[assignment]
-    attention_backends = {MHA: ("triton_paged",), SLIDING_WINDOW: ("triton_paged",), MLA: ("triton_mla",),
-                          LINEAR: ("triton_kda",)}
+    attention_backends = {
+        MHA: ("triton_paged",),
+        SLIDING_WINDOW: ("triton_paged",),
+        MLA: ("triton_mla",),
+        LINEAR: ("triton_kda",),
+    }
     # engine-rocm's AITER backends (engine_rocm.aiter_attention); MLA stays on triton_mla
     aiter_attention_backends: Mapping[str, tuple[str, ...]] = {MHA: ("aiter_mha",), SLIDING_WINDOW: ("aiter_mha",)}
 

@@ -16,12 +16,23 @@ import torch
 from engine.interfaces.attention import MHA, AttentionSpec
 from engine.plugins.manager import get_plugin_manager
 from engine.testing.kit import AttentionBackendTests
-from engine.testing.kit.attention import BATCHES
 from engine_rocm.aiter_attention import AiterPagedAttention
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), **unused):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    **unused,
+):
     """flash-attn's varlen forward, one sequence at a time."""
     assert dropout_p == 0.0 and not unused
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
@@ -57,10 +68,15 @@ def fake_aiter(monkeypatch):
 
 
 def on_the_cpu(cls):
-    return type(f"Cpu{cls.__name__}", (cls,), {
-        "capabilities": dataclasses.replace(cls.capabilities, platforms=frozenset({"cpu"}),
-                                            dtypes=frozenset({"float32", "bfloat16"})),
-    })
+    return type(
+        f"Cpu{cls.__name__}",
+        (cls,),
+        {
+            "capabilities": dataclasses.replace(
+                cls.capabilities, platforms=frozenset({"cpu"}), dtypes=frozenset({"float32", "bfloat16"})
+            ),
+        },
+    )
 
 
 @pytest.mark.usefixtures("fake_aiter")

@@ -8,17 +8,20 @@ import torch
 from engine_rocm.arch import ARCH_TABLE, arch_capabilities, fp8_capable_archs, gfx_arch, is_fp8_method
 
 
-@pytest.mark.parametrize("gcn_arch_name, arch, family, fp8_dtype", [
-    ("gfx942:sramecc+:xnack-", "gfx942", "CDNA3", "float8_e4m3fnuz"),  # MI300X
-    ("gfx950:sramecc+:xnack-", "gfx950", "CDNA4", "float8_e4m3fn"),  # MI355X
-    ("gfx1200", "gfx1200", "RDNA4", "float8_e4m3fn"),  # RX 9060
-    ("gfx1201", "gfx1201", "RDNA4", "float8_e4m3fn"),  # RX 9070
-    ("gfx1100", "gfx1100", "RDNA3", None),  # RX 7900 XTX
-    ("gfx1151", "gfx1151", "RDNA3", None),  # Strix Halo iGPU
-    ("gfx90a:sramecc+:xnack-", "gfx90a", "CDNA2", None),  # MI250X
-    ("gfx908:sramecc+:xnack-", "gfx908", "CDNA1", None),  # MI100
-    ("gfx1030", "gfx1030", "RDNA1/RDNA2", None),  # RX 6900 XT
-])
+@pytest.mark.parametrize(
+    "gcn_arch_name, arch, family, fp8_dtype",
+    [
+        ("gfx942:sramecc+:xnack-", "gfx942", "CDNA3", "float8_e4m3fnuz"),  # MI300X
+        ("gfx950:sramecc+:xnack-", "gfx950", "CDNA4", "float8_e4m3fn"),  # MI355X
+        ("gfx1200", "gfx1200", "RDNA4", "float8_e4m3fn"),  # RX 9060
+        ("gfx1201", "gfx1201", "RDNA4", "float8_e4m3fn"),  # RX 9070
+        ("gfx1100", "gfx1100", "RDNA3", None),  # RX 7900 XTX
+        ("gfx1151", "gfx1151", "RDNA3", None),  # Strix Halo iGPU
+        ("gfx90a:sramecc+:xnack-", "gfx90a", "CDNA2", None),  # MI250X
+        ("gfx908:sramecc+:xnack-", "gfx908", "CDNA1", None),  # MI100
+        ("gfx1030", "gfx1030", "RDNA1/RDNA2", None),  # RX 6900 XT
+    ],
+)
 def test_known_architectures(gcn_arch_name, arch, family, fp8_dtype):
     caps = arch_capabilities(gcn_arch_name)
     assert (caps.arch, caps.family, caps.fp8_dtype) == (arch, family, fp8_dtype)
@@ -51,9 +54,18 @@ def test_fp8_capable_archs_lists_the_fp8_rows():
     assert fp8_capable_archs() == "gfx942, gfx950, gfx12xx"
 
 
-@pytest.mark.parametrize("method, fp8", [
-    ("fp8", True), ("FP8", True), ("ptpc_fp8", True), ("fbgemm_fp8", True),
-    ("bitsandbytes", False), ("awq", False), ("gptq", False), ("mxfp4", False),
-])
+@pytest.mark.parametrize(
+    "method, fp8",
+    [
+        ("fp8", True),
+        ("FP8", True),
+        ("ptpc_fp8", True),
+        ("fbgemm_fp8", True),
+        ("bitsandbytes", False),
+        ("awq", False),
+        ("gptq", False),
+        ("mxfp4", False),
+    ],
+)
 def test_fp8_methods_are_recognised_by_name(method, fp8):
     assert is_fp8_method(method) is fp8

@@ -12,10 +12,22 @@ from engine.interfaces.attention import INDEXER, LINEAR, MHA, MLA, SLIDING_WINDO
 from engine.plugins.manager import get_plugin_manager
 from engine_rocm.platform import RocmPlatform
 
-TRITON = {MHA: ("triton_paged",), SLIDING_WINDOW: ("triton_paged",), MLA: ("triton_mla",), LINEAR: ("triton_kda",),
-          SPARSE_MLA: (), INDEXER: ()}
-WITH_AITER = {MHA: ("aiter_mha", "triton_paged"), SLIDING_WINDOW: ("aiter_mha", "triton_paged"),
-              MLA: ("triton_mla",), LINEAR: ("triton_kda",), SPARSE_MLA: (), INDEXER: ()}
+TRITON = {
+    MHA: ("triton_paged",),
+    SLIDING_WINDOW: ("triton_paged",),
+    MLA: ("triton_mla",),
+    LINEAR: ("triton_kda",),
+    SPARSE_MLA: (),
+    INDEXER: (),
+}
+WITH_AITER = {
+    MHA: ("aiter_mha", "triton_paged"),
+    SLIDING_WINDOW: ("aiter_mha", "triton_paged"),
+    MLA: ("triton_mla",),
+    LINEAR: ("triton_kda",),
+    SPARSE_MLA: (),
+    INDEXER: (),
+}
 
 
 def usable_aiter() -> types.ModuleType:
@@ -46,10 +58,13 @@ def test_aiter_can_be_switched_off(monkeypatch):
     assert preferences() == TRITON
 
 
-@pytest.mark.parametrize("body, cause", [
-    ("raise OSError('libamdhip64.so: cannot open shared object file')", "OSError: libamdhip64.so"),
-    ("import aiter_jit_dependency_that_is_missing", "No module named 'aiter_jit_dependency_that_is_missing'"),
-])
+@pytest.mark.parametrize(
+    "body, cause",
+    [
+        ("raise OSError('libamdhip64.so: cannot open shared object file')", "OSError: libamdhip64.so"),
+        ("import aiter_jit_dependency_that_is_missing", "No module named 'aiter_jit_dependency_that_is_missing'"),
+    ],
+)
 def test_an_aiter_that_fails_to_import_is_skipped_with_a_warning(monkeypatch, tmp_path, caplog, body, cause):
     package = tmp_path / "aiter"
     package.mkdir()

@@ -18,14 +18,17 @@ NO_HIP = "torch has no HIP runtime (torch.version.hip is None)"
 # available
 
 
-@pytest.mark.parametrize("gcn_arch_name, arch, family, fp8_dtype", [
-    ("gfx942:sramecc+:xnack-", "gfx942", "CDNA3", "float8_e4m3fnuz"),
-    ("gfx950:sramecc+:xnack-", "gfx950", "CDNA4", "float8_e4m3fn"),
-    ("gfx1200", "gfx1200", "RDNA4", "float8_e4m3fn"),
-    ("gfx1201", "gfx1201", "RDNA4", "float8_e4m3fn"),
-    ("gfx1100", "gfx1100", "RDNA3", None),
-    ("gfx90a:sramecc+:xnack-", "gfx90a", "CDNA2", None),
-])
+@pytest.mark.parametrize(
+    "gcn_arch_name, arch, family, fp8_dtype",
+    [
+        ("gfx942:sramecc+:xnack-", "gfx942", "CDNA3", "float8_e4m3fnuz"),
+        ("gfx950:sramecc+:xnack-", "gfx950", "CDNA4", "float8_e4m3fn"),
+        ("gfx1200", "gfx1200", "RDNA4", "float8_e4m3fn"),
+        ("gfx1201", "gfx1201", "RDNA4", "float8_e4m3fn"),
+        ("gfx1100", "gfx1100", "RDNA3", None),
+        ("gfx90a:sramecc+:xnack-", "gfx90a", "CDNA2", None),
+    ],
+)
 def test_detected_architecture_and_fp8_format(fake_rocm, gcn_arch_name, arch, family, fp8_dtype):
     fake_rocm(gcn_arch_name, gcn_arch_name)
     availability = RocmPlatform.is_available()
@@ -48,10 +51,13 @@ def test_fp8_quantization_is_accepted_on_fp8_devices(fake_rocm, gcn_arch_name):
     platform.check_quantization("bitsandbytes")
 
 
-@pytest.mark.parametrize("gcn_arch_name, arch, family", [
-    ("gfx1100", "gfx1100", "RDNA3"),
-    ("gfx90a:sramecc+:xnack-", "gfx90a", "CDNA2"),
-])
+@pytest.mark.parametrize(
+    "gcn_arch_name, arch, family",
+    [
+        ("gfx1100", "gfx1100", "RDNA3"),
+        ("gfx90a:sramecc+:xnack-", "gfx90a", "CDNA2"),
+    ],
+)
 def test_fp8_quantization_is_refused_without_fp8(fake_rocm, gcn_arch_name, arch, family):
     fake_rocm(gcn_arch_name)
     platform = RocmPlatform()
@@ -76,9 +82,14 @@ def test_architecture_is_read_from_device_0(fake_rocm):
     assert len(read) == reads  # probed once per instance
 
 
-@pytest.mark.parametrize("variable, value", [
-    ("HIP_VISIBLE_DEVICES", "1"), ("ROCR_VISIBLE_DEVICES", "0,1"), ("ROCR_VISIBLE_DEVICES", "GPU-4b2c1f0e9d8a7b6c"),
-])
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("HIP_VISIBLE_DEVICES", "1"),
+        ("ROCR_VISIBLE_DEVICES", "0,1"),
+        ("ROCR_VISIBLE_DEVICES", "GPU-4b2c1f0e9d8a7b6c"),
+    ],
+)
 def test_visibility_lists_that_select_devices_keep_the_platform_available(fake_rocm, monkeypatch, variable, value):
     fake_rocm("gfx942", "gfx942")
     monkeypatch.setenv(variable, value)
@@ -136,9 +147,17 @@ def test_device_methods_raise_the_reason_when_unavailable(fake_rocm, monkeypatch
     monkeypatch.setenv("HIP_VISIBLE_DEVICES", "")
     platform = RocmPlatform()  # constructing needs no device
     message = r"^Platform 'rocm' is not available: no AMD GPU visible \(HIP_VISIBLE_DEVICES=''\)$"
-    for use in (platform.device, platform.memory_info, platform.synchronize, platform.default_kv_cache_bytes,
-                lambda: platform.seed_everything(0), lambda: platform.allocate_kv_cache((2, 4), torch.float16),
-                lambda: platform.arch, lambda: platform.fp8_dtype, lambda: platform.check_quantization("fp8")):
+    for use in (
+        platform.device,
+        platform.memory_info,
+        platform.synchronize,
+        platform.default_kv_cache_bytes,
+        lambda: platform.seed_everything(0),
+        lambda: platform.allocate_kv_cache((2, 4), torch.float16),
+        lambda: platform.arch,
+        lambda: platform.fp8_dtype,
+        lambda: platform.check_quantization("fp8"),
+    ):
         with pytest.raises(RuntimeError, match=message):
             use()
     platform.check_quantization("bitsandbytes")  # needs no device
@@ -177,5 +196,7 @@ def test_engine_plugins_probe_prints_the_reason(fake_rocm, monkeypatch, capsys):
     assert "platform rocm: not available (no AMD GPU visible (HIP_VISIBLE_DEVICES=''))" in capsys.readouterr().out
     monkeypatch.delenv("HIP_VISIBLE_DEVICES")
     assert main(["plugins", "--plugins", "rocm", "--probe"]) == 0
-    assert (f"platform rocm: available (1 AMD GPU visible; device 0: AMD Radeon Graphics 0 (gfx1100, RDNA3); "
-            f"HIP {HIP_VERSION})") in capsys.readouterr().out
+    assert (
+        f"platform rocm: available (1 AMD GPU visible; device 0: AMD Radeon Graphics 0 (gfx1100, RDNA3); "
+        f"HIP {HIP_VERSION})"
+    ) in capsys.readouterr().out

@@ -63,8 +63,9 @@ def mxfp8_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [out, in] (any float dtype) -> (elements float8_e4m3fn [out, in],
     scales uint8 [out, ceil(in / 32)]), on ``weight``'s device."""
     if weight.dim() != 2 or not weight.is_floating_point():
-        raise ValueError(f"mxfp8_quantize takes a 2-d float weight [out, in], got {tuple(weight.shape)} "
-                         f"{weight.dtype}.")
+        raise ValueError(
+            f"mxfp8_quantize takes a 2-d float weight [out, in], got {tuple(weight.shape)} {weight.dtype}."
+        )
     rows, columns = weight.shape
     blocks = num_blocks(columns)
     values = F.pad(weight.float(), (0, blocks * BLOCK - columns)).view(rows, blocks, BLOCK)
@@ -90,8 +91,9 @@ def mxfp8_dequantize(elements: torch.Tensor, scales: torch.Tensor, dtype: torch.
     return (elements.float() * factors).to(dtype)
 
 
-def mxfp8_linear_reference(x: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
+def mxfp8_linear_reference(
+    x: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., in] -> x · dequant(W)ᵀ + bias [..., out] in x's dtype, by dequantizing the
     weight to x's dtype (exactly) and ``F.linear``."""
     return F.linear(x, mxfp8_dequantize(elements, scales, x.dtype), bias)
@@ -100,10 +102,13 @@ def mxfp8_linear_reference(x: torch.Tensor, elements: torch.Tensor, scales: torc
 def check_mxfp8(elements: torch.Tensor, scales: torch.Tensor) -> None:
     """Raise ``ValueError`` / ``TypeError`` unless the pair is an MXFP8 weight."""
     if elements.dtype != torch.float8_e4m3fn or elements.dim() != 2:
-        raise TypeError(f"MXFP8 elements must be a 2-d float8_e4m3fn tensor, got {tuple(elements.shape)} "
-                        f"{elements.dtype}.")
+        raise TypeError(
+            f"MXFP8 elements must be a 2-d float8_e4m3fn tensor, got {tuple(elements.shape)} {elements.dtype}."
+        )
     e8m0_bytes(scales)
     expected = (elements.shape[0], num_blocks(elements.shape[1]))
     if tuple(scales.shape) != expected:
-        raise ValueError(f"MXFP8 elements of shape {tuple(elements.shape)} need scales of shape {expected} (one per "
-                         f"{BLOCK} elements of a row), got {tuple(scales.shape)}.")
+        raise ValueError(
+            f"MXFP8 elements of shape {tuple(elements.shape)} need scales of shape {expected} (one per "
+            f"{BLOCK} elements of a row), got {tuple(scales.shape)}."
+        )

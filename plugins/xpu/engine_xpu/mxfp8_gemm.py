@@ -31,9 +31,26 @@ def _e8m0_to_float(s):
 
 
 @triton.jit
-def _mxfp8_gemm(x, w, scales, bias, y, M, N, K, num_groups, stride_xm, stride_wn, stride_sn, stride_ym,
-                HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mxfp8_gemm(
+    x,
+    w,
+    scales,
+    bias,
+    y,
+    M,
+    N,
+    K,
+    num_groups,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """x: [M, K] (unit stride along K); w: [N, K] float8_e4m3fn; scales: [N, num_groups]
     uint8; bias: [N]; y: [M, N], written in its dtype."""
     GROUPS: tl.constexpr = BLOCK_K // 32
@@ -52,20 +69,34 @@ def _mxfp8_gemm(x, w, scales, bias, y, M, N, K, num_groups, stride_xm, stride_wn
         a = tl.load(x + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(w + offs_n[:, None] * stride_wn + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         group = k0 // 32 + offs_g
-        s = tl.load(scales + offs_n[:, None] * stride_sn + group[None, :],
-                    mask=mask_n[:, None] & (group < num_groups)[None, :], other=127)
+        s = tl.load(
+            scales + offs_n[:, None] * stride_sn + group[None, :],
+            mask=mask_n[:, None] & (group < num_groups)[None, :],
+            other=127,
+        )
         factor = _e8m0_to_float(s.to(tl.int32))  # [BLOCK_N, GROUPS]
         # dequantize: each 32-wide block of a row times its factor
         b = tl.reshape(tl.reshape(b.to(tl.float32), (BLOCK_N, GROUPS, 32)) * factor[:, :, None], (BLOCK_N, BLOCK_K))
         acc += tl.dot(a.to(tl.float32), tl.trans(b), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        y + offs_m[:, None] * stride_ym + offs_n[None, :],
+        acc.to(y.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
-def mxfp8_linear(x: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
-                 *, block_m: int | None = None, block_n: int = 64, block_k: int = 64) -> torch.Tensor:
+def mxfp8_linear(
+    x: torch.Tensor,
+    elements: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
     """x [..., K] (float32 / bfloat16 / float16), elements float8_e4m3fn [N, K], scales
     uint8 or float8_e8m0fnu [N, ceil(K / 32)], bias [N] or None -> y [..., N] in x's
     dtype. ``block_k`` must be a multiple of 32; ``block_m`` defaults to the smallest
@@ -90,9 +121,23 @@ def mxfp8_linear(x: torch.Tensor, elements: torch.Tensor, scales: torch.Tensor, 
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _mxfp8_gemm[grid](
-        rows, elements, codes, bias if bias is not None else y, y, m, n, k, num_blocks(k),
-        rows.stride(0), elements.stride(0), codes.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        rows,
+        elements,
+        codes,
+        bias if bias is not None else y,
+        y,
+        m,
+        n,
+        k,
+        num_blocks(k),
+        rows.stride(0),
+        elements.stride(0),
+        codes.stride(0),
+        y.stride(0),
+        HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
     return y.view(*x.shape[:-1], n)

@@ -34,8 +34,10 @@ def probe() -> Availability:
     if not available:
         reason = "no Intel GPU visible (torch.xpu.is_available() is False)"
         if getattr(torch._C, "_has_xpu", True):
-            reason += ("; check that the Intel GPU driver (Level Zero) is installed and that ONEAPI_DEVICE_SELECTOR "
-                       "or ZE_AFFINITY_MASK does not hide the devices")
+            reason += (
+                "; check that the Intel GPU driver (Level Zero) is installed and that ONEAPI_DEVICE_SELECTOR "
+                "or ZE_AFFINITY_MASK does not hide the devices"
+            )
         else:
             reason += f"; torch {torch.__version__} was built without XPU support: install an XPU build of torch"
         return Availability(False, reason)
@@ -62,8 +64,12 @@ class XpuPlatform(Platform):
     supported_dtypes = ("float32", "bfloat16", "float16")
     default_dtype = "bfloat16"
     # the engine's built-in Triton backends
-    attention_backends = {MHA: ("triton_paged",), SLIDING_WINDOW: ("triton_paged",), MLA: ("triton_mla",),
-                          LINEAR: ("triton_kda",)}
+    attention_backends = {
+        MHA: ("triton_paged",),
+        SLIDING_WINDOW: ("triton_paged",),
+        MLA: ("triton_mla",),
+        LINEAR: ("triton_kda",),
+    }
 
     @classmethod
     def is_available(cls) -> Availability:

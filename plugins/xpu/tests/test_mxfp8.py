@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from engine_xpu.mxfp8 import (
-    BLOCK, E4M3_MAX, check_mxfp8, e8m0_to_float, exp2_exact, mxfp8_dequantize, mxfp8_linear_reference,
+    BLOCK,
+    E4M3_MAX,
+    check_mxfp8,
+    e8m0_to_float,
+    exp2_exact,
+    mxfp8_dequantize,
+    mxfp8_linear_reference,
     mxfp8_quantize,
 )
 

@@ -114,8 +114,13 @@ def test_memory_info_falls_back_to_the_device_properties(fake_gpu, monkeypatch):
 def test_device_methods_raise_with_the_reason_when_unavailable(monkeypatch):
     monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
     platform = XpuPlatform()
-    for call in (platform.memory_info, platform.device, lambda: platform.seed_everything(0), platform.synchronize,
-                 lambda: platform.allocate_kv_cache((2, 4), torch.float32)):
+    for call in (
+        platform.memory_info,
+        platform.device,
+        lambda: platform.seed_everything(0),
+        platform.synchronize,
+        lambda: platform.allocate_kv_cache((2, 4), torch.float32),
+    ):
         with pytest.raises(RuntimeError, match=r"Platform 'xpu' is not available: no Intel GPU visible"):
             call()
 

@@ -149,7 +149,9 @@ def test_engine_logits_match_transformers_with_dequantized_weights(llama_checkpo
         assert (logits - unquantized).abs().max().item() > 1e-3 * scale  # the weights were quantized
     # the prequantized checkpoint holds the same bytes: the same logits, bit for bit
     loaded = make_llm(prequantized)
-    assert torch.equal(loaded.engine.model.model.layers[1].mlp.gate_up_proj.weight_scale,
-                       on_the_fly.engine.model.model.layers[1].mlp.gate_up_proj.weight_scale)
+    assert torch.equal(
+        loaded.engine.model.model.layers[1].mlp.gate_up_proj.weight_scale,
+        on_the_fly.engine.model.model.layers[1].mlp.gate_up_proj.weight_scale,
+    )
     for a, b in zip(on_the_fly.prompt_logits(batch), loaded.prompt_logits(batch)):
         assert torch.equal(a, b)

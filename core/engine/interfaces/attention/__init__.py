@@ -35,8 +35,23 @@ from engine.interfaces.attention.spec import (
 from engine.interfaces.attention.token_state import TokenStateBackend
 
 __all__ = [
-    "ATTENTION_KINDS", "INDEXER", "LINEAR", "MHA", "MLA", "SLIDING_WINDOW", "SPARSE_MLA", "TOKEN_STATE",
-    "AttentionBackend", "AttentionCapabilities", "AttentionSpec", "CommonAttentionMetadata", "IndexerBackend",
-    "LinearAttentionBackend", "MLAAttentionBackend", "PagedAttentionBackend", "SparseMLAAttentionBackend",
-    "TokenStateBackend", "spec_field_reasons",
+    "ATTENTION_KINDS",
+    "INDEXER",
+    "LINEAR",
+    "MHA",
+    "MLA",
+    "SLIDING_WINDOW",
+    "SPARSE_MLA",
+    "TOKEN_STATE",
+    "AttentionBackend",
+    "AttentionCapabilities",
+    "AttentionSpec",
+    "CommonAttentionMetadata",
+    "IndexerBackend",
+    "LinearAttentionBackend",
+    "MLAAttentionBackend",
+    "PagedAttentionBackend",
+    "SparseMLAAttentionBackend",
+    "TokenStateBackend",
+    "spec_field_reasons",
 ]

@@ -145,7 +145,12 @@ class AttentionBackend(ABC):
         kinds do so for it)."""
 
     def forward_sparse(
-        self, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, indices: torch.Tensor | None,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        indices: torch.Tensor | None,
         lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Sparse MLA (kind ``sparse_mla``), contract :meth:`SparseMLAAttentionBackend.forward_sparse
@@ -154,13 +159,20 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"attention backend {self.name!r} does not implement sparse MLA (forward_sparse)")
 
     def forward_linear(
-        self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        state: torch.Tensor, metadata: Any,
+        self,
+        mixed_qkv: torch.Tensor,
+        conv_weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        metadata: Any,
     ) -> torch.Tensor:
         """Kimi delta attention (kind ``linear``), contract :meth:`LinearAttentionBackend.forward_linear
         <engine.interfaces.attention.linear.LinearAttentionBackend.forward_linear>`. Backends
         declaring ``linear`` implement this."""
-        raise NotImplementedError(f"attention backend {self.name!r} does not implement linear attention (forward_linear)")
+        raise NotImplementedError(
+            f"attention backend {self.name!r} does not implement linear attention (forward_linear)"
+        )
 
     def forward_index(
         self, q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, kv_cache: torch.Tensor, metadata: Any

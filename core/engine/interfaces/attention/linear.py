@@ -18,8 +18,13 @@ class LinearAttentionBackend(AttentionBackend):
 
     @abstractmethod
     def forward_linear(
-        self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-        state: torch.Tensor, metadata: Any,
+        self,
+        mixed_qkv: torch.Tensor,
+        conv_weight: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        metadata: Any,
     ) -> torch.Tensor:
         """Kimi delta attention over the step's tokens, continuing each sequence's state.
 

@@ -16,9 +16,7 @@ class MLAAttentionBackend(AttentionBackend):
     (``spec.head_size`` the entry's size, its first ``spec.latent_size`` dims the value)."""
 
     @abstractmethod
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: None, kv_cache: torch.Tensor, metadata: Any
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: None, kv_cache: torch.Tensor, metadata: Any) -> torch.Tensor:
         """Write the new entries ``k`` into ``kv_cache`` at the step's slots, then attend (absorbed form).
 
         q: [T, num_heads, head_size], each head's query already multiplied into the latent
@@ -38,7 +36,12 @@ class SparseMLAAttentionBackend(AttentionBackend):
 
     @abstractmethod
     def forward_sparse(
-        self, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor, metadata: Any, indices: torch.Tensor | None,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        indices: torch.Tensor | None,
         lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write the new entries, then attend each query to the positions ``indices`` selects.

@@ -98,8 +98,9 @@ def spec_field_reasons(spec: AttentionSpec) -> list[str]:
             what = "entry" if spec.is_latent else "key"
             reasons.append(f"{spec.kind} caches one {what} per token: num_kv_heads must be 1, not {spec.num_kv_heads}")
     if spec.is_latent and (spec.latent_size is None or not 0 < spec.latent_size <= spec.head_size):
-        reasons.append(f"latent_size must be set within the entry's head_size {spec.head_size} "
-                       f"(got {spec.latent_size})")
+        reasons.append(
+            f"latent_size must be set within the entry's head_size {spec.head_size} (got {spec.latent_size})"
+        )
     if spec.kind == INDEXER and (spec.index_topk is None or spec.index_topk < 1):
         reasons.append(f"index_topk must be a positive number of positions (got {spec.index_topk})")
     if spec.kind == LINEAR:

@@ -219,10 +219,10 @@ class KVTierTests(KitTests):
     def test_state_machine_against_an_in_memory_model(self, directory: Path) -> None:
         """Random stores, lookups, loads (partial ones included), capacity pressure and, for
         persistent tiers, close/reopen: every answer is consistent with what was stored."""
+        import torch
         from hypothesis import settings
         from hypothesis import strategies as st
         from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
-        import torch
 
         kit, spec = self, make_spec()
         capacity = 6

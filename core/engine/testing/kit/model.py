@@ -216,8 +216,11 @@ class ModelTests(KitTests):
                 f"load_weights does not report these parameters as filled: {sorted(names - set(loaded or ()))}"
             )
             state = {name: value.detach().clone() for name, value in model.state_dict().items()}
-            unfilled = sorted(name for name, p in model.named_parameters()
-                              if (torch.isnan(p).any() if p.is_floating_point() else (p == torch.iinfo(p.dtype).min).any()))
+            unfilled = sorted(
+                name
+                for name, p in model.named_parameters()
+                if (torch.isnan(p).any() if p.is_floating_point() else (p == torch.iinfo(p.dtype).min).any())
+            )
             assert not unfilled, f"load_weights reports these parameters filled but left them unloaded: {unfilled}"
             return state
 

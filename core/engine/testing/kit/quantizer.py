@@ -90,7 +90,9 @@ class QuantizerTests(KitTests):
 
     def quantizers(self, *, prequantized: bool = False) -> list[tuple[str, Any]]:
         cls = self.quantizer_class()
-        return [(label, cls.from_config(dict(config), prequantized=prequantized)) for label, config in self.configs.items()]
+        return [
+            (label, cls.from_config(dict(config), prequantized=prequantized)) for label, config in self.configs.items()
+        ]
 
     def dtypes(self) -> list[Any]:
         import torch
@@ -140,8 +142,10 @@ class QuantizerTests(KitTests):
                         )
                         error = relative_error(y, reference(x, shards, bias))
                         if not error <= quantizer.error_bound:
-                            failures.append(f"config {label!r}, {dtype}, shards {sizes}, bias {bias}: relative "
-                                            f"error {error:.4f} > declared {quantizer.error_bound}")
+                            failures.append(
+                                f"config {label!r}, {dtype}, shards {sizes}, bias {bias}: relative "
+                                f"error {error:.4f} > declared {quantizer.error_bound}"
+                            )
         assert not failures, "\n".join(failures)
 
     def test_bias_is_added(self) -> None:
@@ -158,7 +162,7 @@ class QuantizerTests(KitTests):
                 load_unquantized(without, shards, False)
                 x = torch.randn(TOKENS, INPUT_SIZE, generator=torch.Generator().manual_seed(2)).to(dtype)
                 with torch.no_grad():
-                    added = (with_bias(x).float() - without(x).float())
+                    added = with_bias(x).float() - without(x).float()
                 bias = torch.cat([b for _, b in shards]).float().expand_as(added)
                 assert torch.allclose(added, bias, rtol=2e-2, atol=2e-2), (
                     f"config {label!r}, {dtype}: output with bias minus output without is not the bias "

@@ -53,8 +53,11 @@ class SpecProposerTests(KitTests):
         from engine import LLM
 
         if speculative:
-            kwargs.update(speculative_method=self.required("proposer_name"), speculative_config=self.config(target),
-                          num_speculative_tokens=3)
+            kwargs.update(
+                speculative_method=self.required("proposer_name"),
+                speculative_config=self.config(target),
+                num_speculative_tokens=3,
+            )
         plugins = [p for p in (self.required("plugin"), *self.also_load) if p]
         return LLM(str(target), plugins=plugins, dtype="float32", kv_cache_memory=0.05, progress=False, **kwargs)
 
@@ -66,20 +69,27 @@ class SpecProposerTests(KitTests):
 
         components = self.components()
         platform = select_platform(components.platforms, "cpu")
-        init = ProposerInit(config=self.config(target), target_model_path=target, vocab_size=VOCAB,
-                            dtype=torch.float32, device=torch.device("cpu"), components=components, platform=platform)
+        init = ProposerInit(
+            config=self.config(target),
+            target_model_path=target,
+            vocab_size=VOCAB,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            components=components,
+            platform=platform,
+        )
         return self.resolve(self.required("proposer_name"))(init)
 
     def check_drafts(self, drafts: Any, num_requests: int, num_tokens: int) -> None:
         from engine.interfaces.spec_proposer import Drafts
 
         assert isinstance(drafts, Drafts), f"propose returned {type(drafts).__name__}, not Drafts"
-        assert len(drafts.token_ids) == num_requests, (
-            f"{len(drafts.token_ids)} draft lists for {num_requests} requests"
-        )
+        assert len(drafts.token_ids) == num_requests, f"{len(drafts.token_ids)} draft lists for {num_requests} requests"
         for tokens in drafts.token_ids:
             assert len(tokens) <= num_tokens, f"{len(tokens)} drafts where at most {num_tokens} were asked for"
-            assert all(isinstance(t, int) and 0 <= t < VOCAB for t in tokens), f"draft ids {tokens} outside [0, {VOCAB})"
+            assert all(isinstance(t, int) and 0 <= t < VOCAB for t in tokens), (
+                f"draft ids {tokens} outside [0, {VOCAB})"
+            )
         if drafts.probs is not None:
             assert len(drafts.probs) == num_requests
             for p, tokens in zip(drafts.probs, drafts.token_ids):
@@ -135,8 +145,10 @@ class SpecProposerTests(KitTests):
         if not proposer.hidden_state_layers:
             return None
         config = json.loads((target / "config.json").read_text())
-        width = {layer: config["hidden_size"] * (config.get("hc_mult", 1) if layer == PRE_HEAD_HIDDEN_STATES else 1)
-                 for layer in proposer.hidden_state_layers}
+        width = {
+            layer: config["hidden_size"] * (config.get("hc_mult", 1) if layer == PRE_HEAD_HIDDEN_STATES else 1)
+            for layer in proposer.hidden_state_layers
+        }
         return {layer: torch.randn(num_requests, width[layer]) for layer in proposer.hidden_state_layers}
 
     def test_greedy_output_is_the_target_output(self, target: Path) -> None:
@@ -148,7 +160,9 @@ class SpecProposerTests(KitTests):
         prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 9, 30, 57)]
         prompts.append([21, 22, 23, 24, 25] * 8)
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        expected = [o.outputs[0].token_ids for o in self.make_llm(target, False).generate(prompts, params, use_tqdm=False)]
+        expected = [
+            o.outputs[0].token_ids for o in self.make_llm(target, False).generate(prompts, params, use_tqdm=False)
+        ]
         llm = self.make_llm(target, True)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, "greedy output with speculation differs from the target's"
@@ -166,7 +180,7 @@ class SpecProposerTests(KitTests):
         plain = self.make_llm(target, False)
         (logits,) = plain.prompt_logits([prompt])
         first = logits[-1].double().softmax(-1)
-        given = [l[-1].double().softmax(-1) for l in plain.prompt_logits([prompt + [t] for t in range(VOCAB)])]
+        given = [row[-1].double().softmax(-1) for row in plain.prompt_logits([prompt + [t] for t in range(VOCAB)])]
 
         second = first @ torch.stack(given)  # P(second) = Σ_t P(first = t) P(second | t)
         llm = self.make_llm(target, True, max_num_seqs=256)
@@ -179,4 +193,3 @@ class SpecProposerTests(KitTests):
             f"the second sampled token is not distributed as the target's (p = {p_value:.2e}): counts in {BINS} "
             f"bins of equal probability {observed}, expected {[round(SAMPLES * p) for p in probabilities]}"
         )
-

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.layers.linear import Linear
 from engine.interfaces.forward_context import ForwardContext
+from engine.layers.linear import Linear
 from engine_deepseek_v4.deepseek_v4.compressor import Compressor
 from engine_deepseek_v4.deepseek_v4.config import CSA, SLIDING, V4Dims
 from engine_deepseek_v4.deepseek_v4.indexer import LightningIndexer
@@ -73,18 +73,19 @@ class V4Attention(nn.Module):
         q = unweighted_rms_norm(self.q_b_proj(q_latent).view(num_tokens, d.num_heads, d.head_dim), d.rms_norm_eps)
         q = rotate(q, cos, sin)
         kv = rotate(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, head_dim], key and value
-        window = step.cache_positions[:, None] - d.sliding_window + 1 + torch.arange(d.sliding_window,
-                                                                                      device=x.device)
+        window = step.cache_positions[:, None] - d.sliding_window + 1 + torch.arange(d.sliding_window, device=x.device)
         lse = [torch.empty(num_tokens, d.num_heads, device=x.device)]
-        parts = [ctx.sparse_attention(self.layers.window, q, kv.unsqueeze(1), window.masked_fill(window < 0, -1),
-                                      lse[0])]
+        parts = [
+            ctx.sparse_attention(self.layers.window, q, kv.unsqueeze(1), window.masked_fill(window < 0, -1), lse[0])
+        ]
         if self.compressor is not None:
             compress_rope, compress_cos_sin = step.ropes["compress"]
             entries = self.compressor(x, positions, ctx, compress_rope)
             finished = step.finished(self.compressor.ratio)
             if self.layer_type == CSA:
-                finished = self.compressor.indexer.select(x, q_latent, positions, ctx, compress_rope, compress_cos_sin,
-                                                          finished)
+                finished = self.compressor.indexer.select(
+                    x, q_latent, positions, ctx, compress_rope, compress_cos_sin, finished
+                )
             lse.append(torch.empty(num_tokens, d.num_heads, device=x.device))
             parts.append(ctx.sparse_attention(self.layers.compressed, q, entries.unsqueeze(1), finished, lse[1]))
         out = merge_with_sinks(parts, lse, self.sinks).to(x.dtype)  # [T, H, head_dim]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 
-
 # The reference checkpoints' tensor names -> transformers' (as transformers converts them on load;
 # its save_pretrained writes them back this way, under "model." for the decoder's).
 _RENAMES = [

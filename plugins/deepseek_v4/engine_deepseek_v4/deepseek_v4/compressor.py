@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.linear import Linear
 from engine.interfaces.forward_context import ForwardContext
+from engine.layers.linear import Linear
 from engine_deepseek_v4.deepseek_v4.config import V4Dims
 from engine_deepseek_v4.deepseek_v4.norms import Fp32RMSNorm
 from engine_deepseek_v4.deepseek_v4.rope import Rope, rotate
@@ -21,7 +21,9 @@ class Compressor(nn.Module):
     second (none before window 0). The projections of every token are kept in token-state
     layer ``state_layer`` until their windows complete."""
 
-    def __init__(self, dims: V4Dims, ratio: int, size: int, overlap: bool, state_layer: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, dims: V4Dims, ratio: int, size: int, overlap: bool, state_layer: int, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         series = 2 if overlap else 1
         self.kv_proj = Linear(dims.hidden_size, series * size, False, dtype)
@@ -51,7 +53,8 @@ class Compressor(nn.Module):
         if self.overlap:
             first = window[ends, 0] >= 0  # window w - 1 exists
             previous_gate = (gate_rows[:, :ratio, :size].float() + bias[:, :size]).masked_fill(
-                ~first[:, None, None], float("-inf"))
+                ~first[:, None, None], float("-inf")
+            )
             previous_kv = kv_rows[:, :ratio, :size].masked_fill(~first[:, None, None], 0)
             kv_rows = torch.cat([previous_kv, kv_rows[:, ratio:, size:]], dim=1)  # [n, 2 · ratio, size]
             gate_rows = torch.cat([previous_gate, gate_rows[:, ratio:, size:].float() + bias[:, size:]], dim=1)

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from engine.distributed import TensorParallel
-from engine.layers.linear import VocabEmbedding
 from engine.interfaces.forward_context import ForwardContext
+from engine.layers.linear import VocabEmbedding
 from engine_deepseek_v4.deepseek_v4.attention import CacheLayers, V4Attention
 from engine_deepseek_v4.deepseek_v4.config import V4Dims
 from engine_deepseek_v4.deepseek_v4.hyper_connections import HyperConnection, HyperHead, hyper_residual
@@ -19,8 +19,9 @@ from engine_deepseek_v4.deepseek_v4.step import Step
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, dims: V4Dims, index: int, layers: CacheLayers, dtype: torch.dtype, *,
-                 tp: TensorParallel) -> None:
+    def __init__(
+        self, dims: V4Dims, index: int, layers: CacheLayers, dtype: torch.dtype, *, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.self_attn = V4Attention(dims, dims.layer_types[index], layers, dtype)
         self.mlp = V4MoE(dims, dims.mlp_layer_types[index] == "hash_moe", dtype, tp=tp)
@@ -33,15 +34,15 @@ class V4DecoderLayer(nn.Module):
         post, comb, collapsed = self.attn_hc(streams)
         streams = hyper_residual(streams, self.self_attn(self.input_layernorm(collapsed), step, ctx), post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
-        return hyper_residual(streams, self.mlp(self.post_attention_layernorm(collapsed), step.input_ids, ctx),
-                              post, comb)
+        return hyper_residual(
+            streams, self.mlp(self.post_attention_layernorm(collapsed), step.input_ids, ctx), post, comb
+        )
 
 
 class V4Stack(nn.Module):
     """``model.*`` of the checkpoint: embedding, layers, ``hc_head`` and the final norm."""
 
-    def __init__(self, dims: V4Dims, layers: list[V4DecoderLayer], dtype: torch.dtype, *,
-                 tp: TensorParallel) -> None:
+    def __init__(self, dims: V4Dims, layers: list[V4DecoderLayer], dtype: torch.dtype, *, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(dims.vocab_size, dims.hidden_size, dtype, tp=tp)
         self.layers = nn.ModuleList(layers)

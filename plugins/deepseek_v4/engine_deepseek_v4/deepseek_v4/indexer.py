@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.layers.linear import Linear
 from engine.interfaces.forward_context import ForwardContext
+from engine.layers.linear import Linear
 from engine_deepseek_v4.deepseek_v4.compressor import Compressor
 from engine_deepseek_v4.deepseek_v4.config import V4Dims
 from engine_deepseek_v4.deepseek_v4.rope import Rope, rotate
@@ -32,8 +32,16 @@ class LightningIndexer(Compressor):
         self.scorer.weights_proj = Linear(dims.hidden_size, dims.index_n_heads, False, dtype)
         self.dims, self.keys_layer = dims, keys_layer
 
-    def select(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-               rope: Rope, rope_q: tuple[torch.Tensor, torch.Tensor], finished: torch.Tensor) -> torch.Tensor:
+    def select(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        rope: Rope,
+        rope_q: tuple[torch.Tensor, torch.Tensor],
+        finished: torch.Tensor,
+    ) -> torch.Tensor:
         """[T, k]: positions (window ends) of each query's chosen entries, -1 padded. ``finished``:
         [T, n_max] the window ends the step's queries may see (-1 where not yet)."""
         d = self.dims

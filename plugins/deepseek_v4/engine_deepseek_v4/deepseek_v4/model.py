@@ -11,11 +11,11 @@ from collections.abc import Iterable
 import torch
 
 from engine.interfaces.attention import SPARSE_MLA, TOKEN_STATE, AttentionSpec
+from engine.interfaces.forward_context import ForwardContext
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.decoder import require_silu
 from engine.layers.linear import Linear
 from engine.layers.moe import load_named_tensors
-from engine.interfaces.forward_context import ForwardContext
 from engine_deepseek_v4.chat_v4 import encode_chat
 from engine_deepseek_v4.deepseek_v4.attention import CacheLayers
 from engine_deepseek_v4.deepseek_v4.checkpoint_names import transformers_name
@@ -55,14 +55,19 @@ class DeepseekV4ForCausalLM(Model):
                 if layer_type == HCA:
                     parts.update(compressed=cache_layer(entry), state=cache_layer(token_state(2 * d.head_dim)))
                 elif layer_type == CSA:
-                    parts.update(compressed=cache_layer(entry), state=cache_layer(token_state(4 * d.head_dim)),
-                                 index_state=cache_layer(token_state(4 * d.index_head_dim)),
-                                 index_keys=cache_layer(token_state(d.index_head_dim)))
+                    parts.update(
+                        compressed=cache_layer(entry),
+                        state=cache_layer(token_state(4 * d.head_dim)),
+                        index_state=cache_layer(token_state(4 * d.index_head_dim)),
+                        index_keys=cache_layer(token_state(d.index_head_dim)),
+                    )
                 layers.append(V4DecoderLayer(d, i, CacheLayers(**parts), dtype, tp=init.tp))
             self.model = V4Stack(d, layers, dtype, tp=init.tp)
             self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
-        self.ropes = {"main": Rope(d.rope_dim, d.rope_main, d.max_positions),
-                      "compress": Rope(d.rope_dim, d.rope_compress, d.max_positions)}
+        self.ropes = {
+            "main": Rope(d.rope_dim, d.rope_main, d.max_positions),
+            "compress": Rope(d.rope_dim, d.rope_compress, d.max_positions),
+        }
 
     def kv_cache_specs(self) -> list[AttentionSpec]:
         return list(self.specs)

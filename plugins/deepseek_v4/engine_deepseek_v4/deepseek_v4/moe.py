@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TensorParallel
+from engine.interfaces.forward_context import ForwardContext
 from engine.layers.linear import Linear, MergedLinear
 from engine.layers.moe import Experts, clamped_swiglu
-from engine.interfaces.forward_context import ForwardContext
 from engine_deepseek_v4.deepseek_v4.config import SCORE_FUNCTIONS, V4Dims
 
 
@@ -24,8 +24,9 @@ class V4Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dims.num_experts, dims.hidden_size), requires_grad=False)
         if hashed:
-            self.tid2eid = nn.Parameter(torch.zeros(dims.vocab_size, dims.experts_per_token, dtype=torch.int64),
-                                        requires_grad=False)
+            self.tid2eid = nn.Parameter(
+                torch.zeros(dims.vocab_size, dims.experts_per_token, dtype=torch.int64), requires_grad=False
+            )
         else:
             self.e_score_correction_bias = nn.Parameter(torch.empty(dims.num_experts), requires_grad=False)
         self.dims, self.hashed = dims, hashed
@@ -45,8 +46,9 @@ class V4Router(nn.Module):
 class ClampedMLP(nn.Module):
     """The shared expert: ``down(silu(min(gate, limit)) · clamp(up, ±limit))``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, limit: float, dtype: torch.dtype, *,
-                 tp: TensorParallel) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, limit: float, dtype: torch.dtype, *, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, False, dtype, tp=tp)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
@@ -60,10 +62,10 @@ class V4MoE(nn.Module):
     def __init__(self, dims: V4Dims, hashed: bool, dtype: torch.dtype, *, tp: TensorParallel) -> None:
         super().__init__()
         self.gate = V4Router(dims, hashed)
-        self.experts = Experts(dims.num_experts, dims.moe_intermediate_size, dims.hidden_size, dtype,
-                               swiglu_limit=dims.swiglu_limit, tp=tp)
-        self.shared_experts = ClampedMLP(dims.hidden_size, dims.moe_intermediate_size, dims.swiglu_limit, dtype,
-                                         tp=tp)
+        self.experts = Experts(
+            dims.num_experts, dims.moe_intermediate_size, dims.hidden_size, dtype, swiglu_limit=dims.swiglu_limit, tp=tp
+        )
+        self.shared_experts = ClampedMLP(dims.hidden_size, dims.moe_intermediate_size, dims.swiglu_limit, dtype, tp=tp)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         expert_ids, weights = self.gate(x, input_ids)

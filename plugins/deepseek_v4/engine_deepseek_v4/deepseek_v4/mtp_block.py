@@ -10,11 +10,11 @@ import torch
 
 from engine.distributed import SINGLE
 from engine.interfaces.attention import SPARSE_MLA, AttentionSpec
+from engine.interfaces.forward_context import ForwardContext
 from engine.interfaces.model import Model
 from engine.layers.linear import Linear, VocabEmbedding
 from engine.layers.moe import load_named_tensors
 from engine.model_config import HFConfig
-from engine.interfaces.forward_context import ForwardContext
 from engine_deepseek_v4.deepseek_v4.attention import CacheLayers
 from engine_deepseek_v4.deepseek_v4.checkpoint_names import transformers_name
 from engine_deepseek_v4.deepseek_v4.config import SLIDING, V4Dims

@@ -17,8 +17,13 @@ class Step:
     cache holds only the positions it ran (compressed layers, which it has none of, use
     ``positions`` throughout)."""
 
-    def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, ropes: dict[str, Rope],
-                 cache_positions: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ropes: dict[str, Rope],
+        cache_positions: torch.Tensor | None = None,
+    ) -> None:
         self.input_ids, self.positions = input_ids, positions
         self.cache_positions = positions if cache_positions is None else cache_positions
         self.ropes = {name: (rope, rope.cos_sin(positions)) for name, rope in ropes.items()}
@@ -31,6 +36,9 @@ class Step:
             max_position = int(self.positions.max()) if self.positions.numel() else 0  # only once a layer asks
             ends = torch.arange(max(1, (max_position + 1) // ratio), device=self.positions.device) * ratio
             ends = ends + ratio - 1
-            self._finished[ratio] = ends[None, :].expand(self.positions.shape[0], -1).masked_fill(
-                ends[None, :] > self.positions[:, None], -1)
+            self._finished[ratio] = (
+                ends[None, :]
+                .expand(self.positions.shape[0], -1)
+                .masked_fill(ends[None, :] > self.positions[:, None], -1)
+            )
         return self._finished[ratio]

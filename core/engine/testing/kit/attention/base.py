@@ -19,8 +19,12 @@ BATCHES = ("decode", "prefill", "mixed")
 
 
 def make_common_metadata(
-    context_lens: list[int], query_lens: list[int], block_tables: list[list[int]], block_size: int,
-    device: torch.device, state_slots: list[int] | None = None,
+    context_lens: list[int],
+    query_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    state_slots: list[int] | None = None,
 ) -> CommonAttentionMetadata:
     """One step's metadata, computed as the engine's model runner does (runtime/model_runner.py).
 
@@ -39,9 +43,15 @@ def make_common_metadata(
     positions = torch.arange(int(query.sum())) - query_start_loc[seq_idx] + context[seq_idx]  # [T]
     slot_mapping = tables[seq_idx, positions // block_size] * block_size + positions % block_size  # [T]
     return CommonAttentionMetadata(
-        query_start_loc=query_start_loc.to(device), query_lens=query.to(device), context_lens=context.to(device),
-        seq_lens=seq_lens.to(device), block_tables=tables.to(device), slot_mapping=slot_mapping.to(device),
-        max_query_len=int(query.max()), max_seq_len=int(seq_lens.max()), block_size=block_size,
+        query_start_loc=query_start_loc.to(device),
+        query_lens=query.to(device),
+        context_lens=context.to(device),
+        seq_lens=seq_lens.to(device),
+        block_tables=tables.to(device),
+        slot_mapping=slot_mapping.to(device),
+        max_query_len=int(query.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_size=block_size,
         state_slots=None if state_slots is None else torch.tensor(state_slots, dtype=torch.int64, device=device),
     )
 
@@ -66,8 +76,9 @@ def random_batch(batch: str, gen: torch.Generator) -> tuple[list[int], list[int]
     return [rows[i][0] for i in order], [rows[i][1] for i in order]
 
 
-def shuffled_block_tables(seq_lens: list[int], block_size: int, gen: torch.Generator,
-                          spare: int = 3) -> tuple[list[list[int]], int]:
+def shuffled_block_tables(
+    seq_lens: list[int], block_size: int, gen: torch.Generator, spare: int = 3
+) -> tuple[list[list[int]], int]:
     """Each sequence's blocks, drawn at random from a pool with ``spare`` unused blocks."""
     counts = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(counts) + spare
@@ -93,7 +104,9 @@ class AttentionKitBase(KitTests):
     backend_name: ClassVar[str | None] = None
     dtypes: ClassVar[tuple[str, ...]] = ("float32",)
     tolerances: ClassVar[dict[str, tuple[float, float]]] = {
-        "float32": (1e-5, 1e-5), "bfloat16": (2e-2, 2e-2), "float16": (2e-3, 2e-3),
+        "float32": (1e-5, 1e-5),
+        "bfloat16": (2e-2, 2e-2),
+        "float16": (2e-3, 2e-3),
     }
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:

@@ -66,8 +66,11 @@ class CommonChecks(PagedCacheSteps):
         case = self.new_case(cls, spec, block_size, dtype, device, [n + 1 for n in lens], gen, stale_cache=False)
         # what the cache holds, and the conventional layout of it
         cached, what = (("k", "v"), "keys and values") if spec.has_values else (("k",), "entries")
-        conventional = (case.num_blocks, block_size, head_size) if not spec.has_values else (
-            2, case.num_blocks, block_size, spec.num_kv_heads, head_size)
+        conventional = (
+            (case.num_blocks, block_size, head_size)
+            if not spec.has_values
+            else (2, case.num_blocks, block_size, spec.num_kv_heads, head_size)
+        )
         for t in case.k + case.v:  # no exact zeros, which would look unwritten
             t.add_(t.sign() * 0.25)
 

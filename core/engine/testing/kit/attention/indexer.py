@@ -40,18 +40,37 @@ class IndexerChecks(PagedCacheSteps):
         index = BATCHES.index(batch) + KIT_BLOCK_SIZES.index(block_size)
         head_size = self.head_size(index)
         scale = head_size**-0.5 * (0.5 + float(torch.rand((), generator=gen)))
-        spec = AttentionSpec(INDEXER, INDEXER_NUM_HEADS[index % len(INDEXER_NUM_HEADS)], 1, head_size, scale,
-                             index_topk=INDEXER_TOPKS[index % len(INDEXER_TOPKS)])
+        spec = AttentionSpec(
+            INDEXER,
+            INDEXER_NUM_HEADS[index % len(INDEXER_NUM_HEADS)],
+            1,
+            head_size,
+            scale,
+            index_topk=INDEXER_TOPKS[index % len(INDEXER_TOPKS)],
+        )
         context_lens, query_lens = random_batch(batch, gen)
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
         case = self.new_case(cls, spec, block_size, dtype, device, [n + 1 for n in seq_lens], gen, stale_cache=True)
         self.run_prefix_then_new_tokens(case, context_lens, query_lens)
         order = list(reversed(range(len(seq_lens))))
-        self.run_step(case, "step 3 (one decode each after the new tokens, batch rows reversed)", order,
-                      [seq_lens[b] for b in order], [1] * len(order))
+        self.run_step(
+            case,
+            "step 3 (one decode each after the new tokens, batch rows reversed)",
+            order,
+            [seq_lens[b] for b in order],
+            [1] * len(order),
+        )
 
-    def check_selections(self, case: PagedCase, label: str, seqs: list[int], starts: list[int], ends: list[int],
-                         common: CommonAttentionMetadata, out: torch.Tensor | None) -> None:
+    def check_selections(
+        self,
+        case: PagedCase,
+        label: str,
+        seqs: list[int],
+        starts: list[int],
+        ends: list[int],
+        common: CommonAttentionMetadata,
+        out: torch.Tensor | None,
+    ) -> None:
         """An indexer's result: ``None`` only when no sequence is longer than ``index_topk``;
         else [T, index_topk] int64 where the query at position ``p`` has min(index_topk, p + 1)
         distinct positions ``0..p`` and ``-1`` padding, and no position it left out scores
@@ -87,6 +106,6 @@ class IndexerChecks(PagedCacheSteps):
                     left_out[chosen] = False
                     lowest_in, highest_out = float(scores[i, chosen].min()), float(scores[i, : p + 1][left_out].max())
                     assert lowest_in >= highest_out - (atol + rtol * abs(highest_out)), (
-                        f"{where}: position {int(torch.nonzero(left_out).flatten()[scores[i, :p + 1][left_out].argmax()])} "
+                        f"{where}: position {int(torch.nonzero(left_out).flatten()[scores[i, : p + 1][left_out].argmax()])} "
                         f"scores {highest_out:.6f}, above the lowest selected score {lowest_in:.6f}"
                     )

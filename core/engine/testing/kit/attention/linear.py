@@ -47,8 +47,11 @@ class LinearChecks(AttentionKitBase):
             context_lens, query_lens = random_batch(batch, gen)
             lengths = [c + n + 1 for c, n in zip(context_lens, query_lens)]
             order = list(reversed(range(len(lengths))))
-            steps = [[(b, c) for b, c in enumerate(context_lens) if c > 0],
-                     list(enumerate(query_lens)), [(b, 1) for b in order]]
+            steps = [
+                [(b, c) for b, c in enumerate(context_lens) if c > 0],
+                list(enumerate(query_lens)),
+                [(b, 1) for b in order],
+            ]
         num_slots = len(lengths) + 3
         slots = torch.randperm(num_slots, generator=gen)[: len(lengths)].tolist()
         state = torch.randn(backend.kv_cache_shape(num_slots), generator=gen)  # stale: fresh sequences ignore it
@@ -69,26 +72,44 @@ class LinearChecks(AttentionKitBase):
             tables = [[0] * -(-(s + n) // 16) for s, n in zip(starts, news)]  # no per-token cache: any blocks
             common = make_common_metadata(starts, news, tables, 16, device, [slots[b] for b in seqs])
 
-            def rows(per_seq):
+            def rows(per_seq, seqs=seqs, starts=starts, news=news):
                 return torch.cat([per_seq[b][s : s + n] for b, s, n in zip(seqs, starts, news)])
 
             inputs = [rows(mixed), rows(g), rows(beta)]
             copies = [t.clone() for t in inputs]
             with torch.inference_mode():
-                out = backend.forward_linear(inputs[0], conv_weight, inputs[1], inputs[2], state,
-                                             backend.build_metadata(common))
+                out = backend.forward_linear(
+                    inputs[0], conv_weight, inputs[1], inputs[2], state, backend.build_metadata(common)
+                )
             label = f"step {index + 1} of {batch} ({spec})"
-            assert all(torch.equal(a, b) for a, b in zip(inputs, copies)), f"{label}: forward_linear modified its inputs"
+            assert all(torch.equal(a, b) for a, b in zip(inputs, copies)), (
+                f"{label}: forward_linear modified its inputs"
+            )
             expected_shape = (sum(news), heads, value_size)
             assert tuple(out.shape) == expected_shape and out.dtype == torch_dtype, (
                 f"{label}: output {out.dtype} {tuple(out.shape)}, expected {torch_dtype} {expected_shape}"
             )
-            expected = torch.cat([
-                naive_kda(mixed[b][: s + n].cpu(), conv_weight.cpu(), g[b][: s + n].cpu(), beta[b][: s + n].cpu(),
-                          heads, head_size, value_size, scale)[s:]
-                for b, s, n in zip(seqs, starts, news)
-            ])
-            torch.testing.assert_close(out.float().cpu(), expected, atol=atol, rtol=rtol,
-                                       msg=lambda m: f"{label}: (seq, cached, new) = {step}\n{m}")
+            expected = torch.cat(
+                [
+                    naive_kda(
+                        mixed[b][: s + n].cpu(),
+                        conv_weight.cpu(),
+                        g[b][: s + n].cpu(),
+                        beta[b][: s + n].cpu(),
+                        heads,
+                        head_size,
+                        value_size,
+                        scale,
+                    )[s:]
+                    for b, s, n in zip(seqs, starts, news)
+                ]
+            )
+            torch.testing.assert_close(
+                out.float().cpu(),
+                expected,
+                atol=atol,
+                rtol=rtol,
+                msg=lambda m, label=label, step=step: f"{label}: (seq, cached, new) = {step}\n{m}",
+            )
             for b, n in step:
                 done[b] += n

@@ -59,8 +59,9 @@ class MLAChecks(PagedCacheSteps):
         counts and entry sizes as the MLA check."""
         self.check_mla_case(batch, block_size, sizes, dtype, engine_device, kind=SPARSE_MLA)
 
-    def check_mla_case(self, batch: str, block_size: int, sizes: str, dtype: str, engine_device: str,
-                       kind: str = MLA) -> None:
+    def check_mla_case(
+        self, batch: str, block_size: int, sizes: str, dtype: str, engine_device: str, kind: str = MLA
+    ) -> None:
         """Three steps over a random ragged batch in a stale cache: a prefill of the cached
         prefixes, the new tokens after them, then one decode each with the batch rows reversed
         (which reads step 2's entries through the block tables only); all must match the oracle.
@@ -74,8 +75,9 @@ class MLAChecks(PagedCacheSteps):
         index = BATCHES.index(batch) + KIT_BLOCK_SIZES.index(block_size) + size_index
         head_size = latent_size + rope_size
         scale = head_size**-0.5 * (0.5 + float(torch.rand((), generator=gen)))  # not the usual scale
-        spec = AttentionSpec(kind, MLA_NUM_HEADS[index % len(MLA_NUM_HEADS)], 1, head_size, scale,
-                             latent_size=latent_size)
+        spec = AttentionSpec(
+            kind, MLA_NUM_HEADS[index % len(MLA_NUM_HEADS)], 1, head_size, scale, latent_size=latent_size
+        )
         context_lens, query_lens = random_batch(batch, gen)
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
         case = self.new_case(cls, spec, block_size, dtype, device, [n + 1 for n in seq_lens], gen, stale_cache=True)
@@ -83,5 +85,10 @@ class MLAChecks(PagedCacheSteps):
             case.select = random_selections([n + 1 for n in seq_lens], SPARSE_WIDTHS[index % len(SPARSE_WIDTHS)], gen)
         self.run_prefix_then_new_tokens(case, context_lens, query_lens)
         order = list(reversed(range(len(seq_lens))))
-        self.run_step(case, "step 3 (one decode each after the new tokens, batch rows reversed)", order,
-                      [seq_lens[b] for b in order], [1] * len(order))
+        self.run_step(
+            case,
+            "step 3 (one decode each after the new tokens, batch rows reversed)",
+            order,
+            [seq_lens[b] for b in order],
+            [1] * len(order),
+        )

@@ -16,8 +16,12 @@ from engine.testing.kit.attention.steps import PagedCacheSteps
 HEAD_LAYOUTS = {"mha": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "mqa": (4, 1)}  # (num_heads, num_kv_heads)
 # sliding windows, as a function of the block size: a single key, just across a block edge, across
 # two edges, and wider than every sequence (the same as full causal attention)
-WINDOWS = {"w1": lambda bs: 1, "block+1": lambda bs: bs + 1, "2blocks+3": lambda bs: 2 * bs + 3,
-           "wide": lambda bs: 1000}
+WINDOWS = {
+    "w1": lambda bs: 1,
+    "block+1": lambda bs: bs + 1,
+    "2blocks+3": lambda bs: 2 * bs + 3,
+    "wide": lambda bs: 1000,
+}
 
 
 class PagedChecks(PagedCacheSteps):
@@ -40,8 +44,9 @@ class PagedChecks(PagedCacheSteps):
         batch, heads = BATCHES[index % len(BATCHES)], list(HEAD_LAYOUTS)[index % len(HEAD_LAYOUTS)]
         self.check_random_case(SLIDING_WINDOW, batch, block_size, heads, window, dtype, engine_device)
 
-    def check_random_case(self, kind: str, batch: str, block_size: int, heads: str, window: str | None,
-                          dtype: str, engine_device: str) -> None:
+    def check_random_case(
+        self, kind: str, batch: str, block_size: int, heads: str, window: str | None, dtype: str, engine_device: str
+    ) -> None:
         """Two steps over a random ragged batch in a stale cache: a prefill of the cached
         prefixes, then the new tokens after them; both steps must match the oracle."""
         gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{batch}/{block_size}/{heads}/{window}".encode()))

@@ -36,8 +36,17 @@ class PagedCase:
 class PagedCacheSteps(AttentionKitBase):
     """Builds cases and runs steps for the checks of every per-token cache kind."""
 
-    def new_case(self, cls: type[AttentionBackend], spec: AttentionSpec, block_size: int, dtype: str,
-                 device: torch.device, seq_lens: list[int], gen: torch.Generator, stale_cache: bool) -> PagedCase:
+    def new_case(
+        self,
+        cls: type[AttentionBackend],
+        spec: AttentionSpec,
+        block_size: int,
+        dtype: str,
+        device: torch.device,
+        seq_lens: list[int],
+        gen: torch.Generator,
+        stale_cache: bool,
+    ) -> PagedCase:
         """A backend, its cache (zeros as the engine allocates it, or stale values as blocks freed
         by finished requests hold) and random q/k/v for every position of each sequence."""
         torch_dtype = getattr(torch, dtype)
@@ -57,8 +66,9 @@ class PagedCacheSteps(AttentionKitBase):
             weights = [torch.randn(n, spec.num_heads, generator=gen).to(device) for n in seq_lens]
         return PagedCase(spec, block_size, dtype, backend, cache, tables, num_blocks, q, k, v, weights=weights)
 
-    def run_step(self, case: PagedCase, label: str, seqs: list[int], starts: list[int], lens: list[int],
-                 dense: bool = False) -> None:
+    def run_step(
+        self, case: PagedCase, label: str, seqs: list[int], starts: list[int], lens: list[int], dense: bool = False
+    ) -> None:
         """One engine step: batch row ``i`` is sequence ``seqs[i]`` with ``starts[i]`` cached
         tokens and ``lens[i]`` new ones. Checks the output against the oracle (with the kit's
         spec, whatever the backend did with it) and that q/k/v are left alone (MLA: v is None
@@ -74,7 +84,9 @@ class PagedCacheSteps(AttentionKitBase):
             return torch.cat([per_seq[b][s:e] for b, s, e in zip(seqs, starts, ends)])
 
         # q: [T, H, D]; k, v: [T, Hkv, D] (MLA: k the new entries, no v; indexer: k its keys, no v)
-        q, k, *values = (step_rows(full) for full in ((case.q, case.k, case.v) if spec.has_values else (case.q, case.k)))
+        q, k, *values = (
+            step_rows(full) for full in ((case.q, case.k, case.v) if spec.has_values else (case.q, case.k))
+        )
         v = values[0] if values else None
         indices = None if dense or case.select is None else step_rows(case.select).to(q.device)
         weights = step_rows(case.weights) if case.weights is not None else None
@@ -103,21 +115,38 @@ class PagedCacheSteps(AttentionKitBase):
         if spec.kind == SPARSE_MLA:  # outputs and log-sum-exps
             expected, expected_lse = (torch.cat(parts) for parts in zip(*expected))
             torch.testing.assert_close(
-                lse.cpu(), expected_lse.cpu(), atol=atol, rtol=rtol, equal_nan=False,
+                lse.cpu(),
+                expected_lse.cpu(),
+                atol=atol,
+                rtol=rtol,
+                equal_nan=False,
                 msg=lambda m: f"{label}, {spec}, block size {bs}: the log-sum-exp written to lse differs\n{m}",
             )
         else:
             expected = torch.cat(expected)
         rows = common.query_start_loc.tolist()
-        errors = [(b, s, n, round(float((out[r0:r1].float() - expected[r0:r1]).abs().max()), 6))
-                  for b, s, n, r0, r1 in zip(seqs, starts, lens, rows, rows[1:])]
+        errors = [
+            (b, s, n, round(float((out[r0:r1].float() - expected[r0:r1]).abs().max()), 6))
+            for b, s, n, r0, r1 in zip(seqs, starts, lens, rows, rows[1:])
+        ]
         torch.testing.assert_close(
-            out.float(), expected, atol=atol, rtol=rtol,
+            out.float(),
+            expected,
+            atol=atol,
+            rtol=rtol,
             msg=lambda m: f"{label}, {spec}, block size {bs}: (seq, cached, new, max abs err) = {errors}\n{m}",
         )
 
-    def check_selections(self, case: PagedCase, label: str, seqs: list[int], starts: list[int], ends: list[int],
-                         common: CommonAttentionMetadata, out: torch.Tensor | None) -> None:
+    def check_selections(
+        self,
+        case: PagedCase,
+        label: str,
+        seqs: list[int],
+        starts: list[int],
+        ends: list[int],
+        common: CommonAttentionMetadata,
+        out: torch.Tensor | None,
+    ) -> None:
         """An indexer step's result, checked by the indexer's checks
         (:meth:`engine.testing.kit.attention.indexer.IndexerChecks.check_selections`)."""
         raise NotImplementedError(f"{type(self).__name__} runs no indexer checks (IndexerChecks)")
@@ -127,17 +156,34 @@ class PagedCacheSteps(AttentionKitBase):
         spec = case.spec
         if spec.is_latent:
             indices = None if dense or case.select is None else case.select[seq][start:end]
-            return naive_mla_attention(case.q[seq][start:end], case.k[seq], start, spec.scale, spec.latent_size,
-                                       indices, with_lse=spec.kind == SPARSE_MLA)
-        return naive_attention(case.q[seq][start:end], case.k[seq], case.v[seq], start, spec.scale,
-                               spec.sliding_window)
+            return naive_mla_attention(
+                case.q[seq][start:end],
+                case.k[seq],
+                start,
+                spec.scale,
+                spec.latent_size,
+                indices,
+                with_lse=spec.kind == SPARSE_MLA,
+            )
+        return naive_attention(case.q[seq][start:end], case.k[seq], case.v[seq], start, spec.scale, spec.sliding_window)
 
     def run_prefix_then_new_tokens(self, case: PagedCase, context_lens: list[int], query_lens: list[int]) -> None:
         """Step 1 prefills the sequences' cached prefixes (sparse MLA: dense), step 2 runs the new
         tokens after them."""
         prefixed = [b for b, c in enumerate(context_lens) if c > 0]
         if prefixed:
-            self.run_step(case, "step 1 (prefill of the cached prefixes)", prefixed, [0] * len(prefixed),
-                          [context_lens[b] for b in prefixed], dense=True)
-        self.run_step(case, "step 2 (new tokens after the cached prefixes)", list(range(len(query_lens))),
-                      context_lens, query_lens)
+            self.run_step(
+                case,
+                "step 1 (prefill of the cached prefixes)",
+                prefixed,
+                [0] * len(prefixed),
+                [context_lens[b] for b in prefixed],
+                dense=True,
+            )
+        self.run_step(
+            case,
+            "step 2 (new tokens after the cached prefixes)",
+            list(range(len(query_lens))),
+            context_lens,
+            query_lens,
+        )

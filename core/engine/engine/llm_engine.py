@@ -9,23 +9,22 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.distributed.executor import Launch
+from engine.engine.cache_plan import CachePlan, plan_caches
 from engine.engine.model_shard import ModelShard, StepHandle, build_shard
 from engine.engine.output_processor import OutputProcessor, StepResult
 from engine.engine.ranks import Ranks
 from engine.engine.setup import EngineSetup, check_tensor_parallel, resolve_setup
+from engine.engine.speculation import make_spec_decoder
 from engine.engine.stats import EngineStats
-from engine.errors import SelectionError
 from engine.interfaces.model import Model
-from engine.interfaces.spec_proposer import PRE_HEAD_HIDDEN_STATES, ProposerInit
 from engine.model_loader.checkpoint import eos_token_ids
 from engine.plugins.manager import EnginePluginManager, get_plugin_manager
 from engine.runtime.batch import ScheduledBatch
 from engine.runtime.kv_cache_manager import KVCacheManager
-from engine.runtime.kv_tier_connector import KVTierConnector, tier_spec_of
+from engine.runtime.kv_tier_connector import KVTierConnector
 from engine.runtime.request import Request, RequestStatus
 from engine.runtime.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.decoder import SpecDecoder
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger("engine")
@@ -39,7 +38,11 @@ class LLMEngine:
     (``engine.engine.workers``)."""
 
     def __init__(
-        self, config: EngineConfig, *, plugin_manager: EnginePluginManager | None = None, progress: bool = True,
+        self,
+        config: EngineConfig,
+        *,
+        plugin_manager: EnginePluginManager | None = None,
+        progress: bool = True,
         launch: Launch | None = None,
     ) -> None:
         self.config = config
@@ -47,8 +50,10 @@ class LLMEngine:
         self.setup: EngineSetup = resolve_setup(config, self.plugin_manager.components())
         if launch is not None:  # a worker rank runs a shard (engine.engine.workers.run_worker), not an engine
             if launch.world_size != config.tensor_parallel_size:
-                raise ValueError(f"This process was started as rank {launch.rank} of {launch.world_size}, but "
-                                 f"--tensor-parallel-size is {config.tensor_parallel_size}: make them equal.")
+                raise ValueError(
+                    f"This process was started as rank {launch.rank} of {launch.world_size}, but "
+                    f"--tensor-parallel-size is {config.tensor_parallel_size}: make them equal."
+                )
             check_tensor_parallel(self.setup)
             if launch.rank != 0:
                 raise ValueError(f"Rank {launch.rank} runs engine.engine.workers.run_worker, not an LLMEngine.")
@@ -57,15 +62,18 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None  # async scheduling: the step whose forward runs now
         self._ready: list[StepResult] = []  # a step finished early (_drain), returned by the next step()
         self.kv_tier: KVTierConnector | None = None
-        self._tier = None
-        loaded = [info.name if info.source == "entry_point" else info.module
-                  for info in self.plugin_manager.plugin_infos if info.loaded]
+        self.cache_plan: CachePlan | None = None
+        loaded = [
+            info.name if info.source == "entry_point" else info.module
+            for info in self.plugin_manager.plugin_infos
+            if info.loaded
+        ]
         self.ranks = Ranks(self.setup, loaded, in_step=lambda: self.shard is not None and self.shard.runner.in_step)
         try:
             self._build(progress)
         except BaseException:
-            if self._tier is not None:
-                self._tier.close()
+            if self.cache_plan is not None and self.cache_plan.tier is not None:
+                self.cache_plan.tier.close()
             self.ranks.stop(failed=True)  # the other ranks would wait on this one for ever
             raise
 
@@ -73,81 +81,51 @@ class LLMEngine:
         setup, config = self.setup, self.config
         self.ranks.join(setup.platform.dist_backend)
         setup.platform.seed_everything(config.seed)
-        self.prefix_caching = config.enable_prefix_caching
-        self.shard = build_shard(setup, tp=self.ranks.tp, channel=self.ranks.channel, progress=progress,
-                                 before_weights=self._check_model, async_execution=config.async_scheduling)
+        self.shard = build_shard(
+            setup,
+            tp=self.ranks.tp,
+            channel=self.ranks.channel,
+            progress=progress,
+            before_weights=self._plan_caches,
+            async_execution=config.async_scheduling,
+        )
         kv_cache = self.shard.kv_cache
-        self.kv_manager = KVCacheManager(kv_cache.num_blocks, config.block_size,
-                                         enable_prefix_caching=self.prefix_caching, salt=setup.salt,
-                                         num_state_slots=kv_cache.num_state_slots)
-        if self._tier is not None:
-            self.kv_tier = KVTierConnector(self._tier, kv_cache, self.kv_manager, self._tier.spec, tp=self.ranks.tp,
-                                           channel=self.ranks.channel)
-        self.spec = self._make_spec_decoder()
-        self.scheduler = Scheduler(self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_model_len=setup.max_model_len, spec=self.spec)
+        self.kv_manager = KVCacheManager(
+            kv_cache.num_blocks,
+            config.block_size,
+            enable_prefix_caching=self.cache_plan.prefix_caching,
+            salt=setup.salt,
+            num_state_slots=kv_cache.num_state_slots,
+        )
+        if self.cache_plan.tier is not None:
+            tier = self.cache_plan.tier
+            self.kv_tier = KVTierConnector(
+                tier, kv_cache, self.kv_manager, tier.spec, tp=self.ranks.tp, channel=self.ranks.channel
+            )
+        self.spec = make_spec_decoder(setup, self.shard)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len=setup.max_model_len,
+            spec=self.spec,
+        )
         self.tokenizer = load_tokenizer(config.tokenizer or setup.model_path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.chat_encoder = type(self.model).chat_encoder  # None: the tokenizer's chat template
         self.eos_token_ids = eos_token_ids(setup.model_path, setup.raw_config)
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens%s", setup.architecture, setup.platform.name,
-            setup.dtype_name, kv_cache.num_blocks, config.block_size,
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens%s",
+            setup.architecture,
+            setup.platform.name,
+            setup.dtype_name,
+            kv_cache.num_blocks,
+            config.block_size,
             f", tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp.is_parallel else "",
         )
 
-    def _check_model(self, model: Model) -> None:
-        """What the constructed model's cache layout decides, before its weights are read:
-        recurrent layers (no prefix caching, no speculation) and the KV tier (made here)."""
-        setup, config = self.setup, self.config
-        specs = model.kv_cache_specs()
-        self.recurrent_kinds = sorted({spec.kind for spec in specs if spec.is_recurrent})
-        if self.recurrent_kinds and self.prefix_caching:
-            logger.info("prefix caching is off for %s: its %s layers keep one state per request, which a cached "
-                        "prefix's blocks cannot restore", setup.architecture, ", ".join(self.recurrent_kinds))
-            self.prefix_caching = False
-        if self.recurrent_kinds and setup.proposer_cls is not None:
-            raise SelectionError(
-                f"Speculative decoding is refused for {setup.architecture}: its {', '.join(self.recurrent_kinds)} "
-                f"attention layers keep a recurrent state that rejected drafts would corrupt (rolling it back is "
-                f"not supported); run it without --speculative-method."
-            )
-        if setup.kv_tier_cls is None:
-            return
-        keys_only = sorted({spec.kind for spec in specs if not spec.has_values})
-        if keys_only:
-            raise SelectionError(
-                f"KV tiers hold K/V blocks of MHA/GQA layers; {setup.architecture} has {', '.join(keys_only)} "
-                f"layers, whose caches (latent entries, indexer keys) they do not carry yet. Run it without --kv-tier."
-            )
-        if self.ranks.tp.rank == 0:  # the other ranks give and take their heads of rank 0's blocks
-            spec = tier_spec_of(specs, config.block_size, setup.salt, setup.dtype)
-            self._tier = setup.kv_tier_cls(spec, config.kv_tier_config)
-            logger.info("KV tier %s (%s): blocks of %d bytes, digest %s", config.kv_tier,
-                        setup.kv_tier_cls.__name__, spec.block_bytes, spec.digest)
-
-    def _make_spec_decoder(self) -> SpecDecoder | None:
-        setup, config, runner = self.setup, self.config, self.shard.runner
-        if setup.proposer_cls is None:
-            return None
-        proposer = setup.proposer_cls(ProposerInit(
-            config=dict(config.speculative_config), target_model_path=setup.model_path, vocab_size=self.vocab_size,
-            dtype=self.dtype, device=self.device, components=setup.components, platform=setup.platform,
-            block_size=config.block_size,
-        ))
-        runner.keep_hidden_states = bool(proposer.hidden_state_layers)
-        if PRE_HEAD_HIDDEN_STATES in tuple(proposer.hidden_state_layers):
-            if not type(self.model).provides_pre_head_hidden_states:
-                raise SelectionError(
-                    f"Proposer {setup.proposer_cls.name!r} reads the target's hidden states before its head, which "
-                    f"{setup.architecture} does not provide."
-                )
-            self.model.keep_pre_head_hidden_states = True
-            runner.keep_pre_head_hidden_states = True
-        logger.info("speculative decoding: proposer %s, up to %d drafts a step", setup.proposer_cls.name,
-                    config.num_speculative_tokens)
-        return SpecDecoder(proposer, config.num_speculative_tokens, config.max_num_batched_tokens,
-                           self.max_model_len, self.vocab_size, hidden_states=runner.last_hidden)
+    def _plan_caches(self, model: Model) -> None:
+        self.cache_plan = plan_caches(self.setup, model, self.ranks.tp.rank)
 
     # what the rest of the engine reads
 
@@ -177,9 +155,13 @@ class LLMEngine:
         """A snapshot of the scheduler and the KV cache, for metrics."""
         scheduler, kv = self.scheduler, self.kv_manager
         return EngineStats(
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks, prefix_cache_queries=kv.stats.queries,
-            prefix_cache_hits=kv.stats.hits, num_preemptions=scheduler.num_preemptions,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            num_preemptions=scheduler.num_preemptions,
         )
 
     def close(self) -> None:
@@ -196,9 +178,16 @@ class LLMEngine:
     # requests
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
-        prompt: str | None = None, want_prompt_logits: bool = False,
-        parent_request_id: str | None = None, index: int = 0,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        prompt: str | None = None,
+        want_prompt_logits: bool = False,
+        parent_request_id: str | None = None,
+        index: int = 0,
     ) -> Request:
         """Add one sequence (``params.n`` must be 1; ``add_request_group`` takes any n)."""
         self._drain()
@@ -220,8 +209,15 @@ class LLMEngine:
             )
         self._check_params(params)
         request = Request(
-            request_id, prompt_token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
-            prompt=prompt, want_prompt_logits=want_prompt_logits, parent_request_id=parent_request_id, index=index,
+            request_id,
+            prompt_token_ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            priority=priority,
+            prompt=prompt,
+            want_prompt_logits=want_prompt_logits,
+            parent_request_id=parent_request_id,
+            index=index,
         )
         self.output_processor.add(request)
         if self.kv_tier is not None:
@@ -230,7 +226,12 @@ class LLMEngine:
         return request
 
     def add_request_group(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
         prompt: str | None = None,
     ) -> list[Request]:
         """Add ``params.n`` independent samples of one prompt, as requests ``"{i}_{request_id}"``
@@ -243,10 +244,17 @@ class LLMEngine:
         samples: list[Request] = []
         try:
             for i in range(params.n):
-                samples.append(self.add_request(
-                    f"{i}_{request_id}", prompt_token_ids, params.for_sample(i), priority=priority, prompt=prompt,
-                    parent_request_id=request_id, index=i,
-                ))
+                samples.append(
+                    self.add_request(
+                        f"{i}_{request_id}",
+                        prompt_token_ids,
+                        params.for_sample(i),
+                        priority=priority,
+                        prompt=prompt,
+                        parent_request_id=request_id,
+                        index=i,
+                    )
+                )
         except BaseException:
             for request in samples:
                 self.abort(request.request_id)
@@ -323,8 +331,11 @@ class LLMEngine:
         updated = time.perf_counter()
         result = self.output_processor.process(output, finished)
         timings = result.timings
-        timings.schedule, timings.update, timings.process = step.schedule_seconds, updated - executed, (
-            time.perf_counter() - updated)
+        timings.schedule, timings.update, timings.process = (
+            step.schedule_seconds,
+            updated - executed,
+            (time.perf_counter() - updated),
+        )
         return result
 
     def _drain(self) -> None:

@@ -81,8 +81,12 @@ def local_device_index(platform, tp: TensorParallel) -> int:
 
 
 def build_shard(
-    setup: EngineSetup, *, tp: TensorParallel = SINGLE, channel: ControlChannel | None = None,
-    progress: bool = True, before_weights: Callable[[Model], None] | None = None,
+    setup: EngineSetup,
+    *,
+    tp: TensorParallel = SINGLE,
+    channel: ControlChannel | None = None,
+    progress: bool = True,
+    before_weights: Callable[[Model], None] | None = None,
     async_execution: bool = False,
 ) -> ModelShard:
     """Construct the model (quantized), let ``before_weights`` check it (what needs its cache
@@ -91,15 +95,26 @@ def build_shard(
     config, platform = setup.config, setup.platform
     device = platform.device(local_device_index(platform, tp))
     with tensor_parallel(tp):
-        model = construct_model(setup.model_cls, setup.hf_config, setup.dtype_name, device, quantizer=setup.quantizer,
-                                tp=tp)
+        model = construct_model(
+            setup.model_cls, setup.hf_config, setup.dtype_name, device, quantizer=setup.quantizer, tp=tp
+        )
         if before_weights is not None:
             before_weights(model)
-        load_model(model, setup.model_path, platform, setup.dtype_name, progress=progress and tp.rank == 0,
-                   dequantizer=setup.dequantizer)
+        load_model(
+            model,
+            setup.model_path,
+            platform,
+            setup.dtype_name,
+            progress=progress and tp.rank == 0,
+            dequantizer=setup.dequantizer,
+        )
         if setup.dequantizer is not None:
-            logger.info("dequantized %d %s weights to %s while loading", setup.dequantizer.dequantized,
-                        setup.raw_config["quantization_config"]["quant_method"], setup.dtype_name)
+            logger.info(
+                "dequantized %d %s weights to %s while loading",
+                setup.dequantizer.dequantized,
+                setup.raw_config["quantization_config"]["quant_method"],
+                setup.dtype_name,
+            )
         if config.kv_cache_memory is not None:
             memory = int(config.kv_cache_memory * 2**30)
         elif config.kv_cache_memory_fraction is not None:
@@ -107,8 +122,15 @@ def build_shard(
         else:
             memory = platform.default_kv_cache_bytes()
         kv_cache = build_kv_cache(
-            model, setup.components, platform, setup.dtype_name, device, config.block_size, memory,
-            max_model_len=setup.max_model_len, max_num_seqs=config.max_num_seqs,
+            model,
+            setup.components,
+            platform,
+            setup.dtype_name,
+            device,
+            config.block_size,
+            memory,
+            max_model_len=setup.max_model_len,
+            max_num_seqs=config.max_num_seqs,
             attention_backend=config.attention_backend,
             agree=channel.agree_on_min if channel is not None else None,
         )
@@ -118,6 +140,10 @@ def build_shard(
     runner = ModelRunner(model, kv_cache, device, channel=channel)
     executor = None
     if async_execution:  # under OpenMP the intra-op thread count is per calling thread: keep this one's
-        executor = ThreadPoolExecutor(1, thread_name_prefix="engine-forward", initializer=torch.set_num_threads,
-                                      initargs=(torch.get_num_threads(),))
+        executor = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="engine-forward",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
     return ModelShard(model, kv_cache, runner, device, tp, channel, kv_blocks, executor)

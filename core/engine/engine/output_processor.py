@@ -58,8 +58,9 @@ class OutputProcessor:
         if status is not None:
             new_text += detokenizer.flush()
         if params.stop and new_text and request.num_output_tokens > params.min_tokens:
-            match = find_stop_string(detokenizer.output_text, len(new_text), params.stop,
-                                     params.include_stop_str_in_output)
+            match = find_stop_string(
+                detokenizer.output_text, len(new_text), params.stop, params.include_stop_str_in_output
+            )
             if match is not None:
                 request.stop_reason, end = match
                 detokenizer.truncate(end)

@@ -40,15 +40,18 @@ class Ranks:
         config, size = setup.config, setup.config.tensor_parallel_size
         launch = torchrun_launch()
         if launch is not None and launch.world_size != size:
-            raise ValueError(f"This process was started as rank {launch.rank} of WORLD_SIZE={launch.world_size} "
-                             f"(torchrun), but --tensor-parallel-size is {size}: make them equal.")
+            raise ValueError(
+                f"This process was started as rank {launch.rank} of WORLD_SIZE={launch.world_size} "
+                f"(torchrun), but --tensor-parallel-size is {size}: make them equal."
+            )
         if size == 1:
             return
         check_tensor_parallel(setup)
         if launch is None:  # spawn ranks 1..N-1 here; they load exactly the plugins this process loaded
             init_method = free_local_address()
-            self.workers = LocalWorkers(config.model_copy(update={"plugins": loaded_plugins}), size, init_method,
-                                        self._on_worker_death)
+            self.workers = LocalWorkers(
+                config.model_copy(update={"plugins": loaded_plugins}), size, init_method, self._on_worker_death
+            )
             launch = Launch(0, size, init_method)
         self._launch = launch
 
@@ -62,10 +65,12 @@ class Ranks:
         """Called on the watchdog thread: a step waiting on the dead rank fails by itself
         (gloo sees the closed connection); one still stuck after a grace period ends the
         process, since a hung server is worse than a dead one."""
+
         def exit_if_stuck() -> None:
             if self._in_step():
-                logger.critical("%s and the step waiting on it is stuck after %.0f s: exiting", reason,
-                                STUCK_STEP_GRACE_S)
+                logger.critical(
+                    "%s and the step waiting on it is stuck after %.0f s: exiting", reason, STUCK_STEP_GRACE_S
+                )
                 os._exit(1)
 
         timer = threading.Timer(STUCK_STEP_GRACE_S, exit_if_stuck)

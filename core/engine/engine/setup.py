@@ -75,9 +75,13 @@ def resolve_setup(config: EngineConfig, components: Any) -> EngineSetup:
     dtype_name = resolve_dtype(config.dtype, checkpoint_dtype(raw_config), platform)
     # Kimi's configs name it model_max_length; multimodal ones keep the language model's under text_config
     text_config = raw_config.get("text_config") or {}
-    max_positions = int(raw_config.get("max_position_embeddings") or raw_config.get("model_max_length")
-                        or text_config.get("max_position_embeddings") or text_config.get("model_max_length")
-                        or 2048)
+    max_positions = int(
+        raw_config.get("max_position_embeddings")
+        or raw_config.get("model_max_length")
+        or text_config.get("max_position_embeddings")
+        or text_config.get("model_max_length")
+        or 2048
+    )
     max_model_len = config.max_model_len or max_positions
     if max_model_len > max_positions:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_positions}.")
@@ -85,17 +89,31 @@ def resolve_setup(config: EngineConfig, components: Any) -> EngineSetup:
         components.attention_backends.get(config.attention_backend)  # an unknown name lists the known ones
     quantizer, dequantizer = resolve_quantizer(config, components, raw_config, model_path, platform, dtype_name)
     return EngineSetup(
-        config=config, components=components, model_path=model_path, raw_config=raw_config,
-        hf_config=HFConfig(raw_config), architecture=architecture, model_cls=model_cls, platform=platform,
-        dtype_name=dtype_name, max_model_len=max_model_len,
+        config=config,
+        components=components,
+        model_path=model_path,
+        raw_config=raw_config,
+        hf_config=HFConfig(raw_config),
+        architecture=architecture,
+        model_cls=model_cls,
+        platform=platform,
+        dtype_name=dtype_name,
+        max_model_len=max_model_len,
         vocab_size=int(raw_config.get("vocab_size") or text_config.get("vocab_size") or 0),
-        quantizer=quantizer, dequantizer=dequantizer, proposer_cls=resolve_proposer(config, components),
+        quantizer=quantizer,
+        dequantizer=dequantizer,
+        proposer_cls=resolve_proposer(config, components),
         kv_tier_cls=resolve_kv_tier(config, components),
     )
 
 
 def resolve_quantizer(
-    config: EngineConfig, components: Any, raw_config: dict, model_path: Path, platform: Platform, dtype_name: str,
+    config: EngineConfig,
+    components: Any,
+    raw_config: dict,
+    model_path: Path,
+    platform: Platform,
+    dtype_name: str,
 ) -> tuple[Quantizer | None, CheckpointDequantizer | None]:
     """The checkpoint's own quantization method, else ``--quantization``'s, else none; or,
     for a checkpoint format without kernels here, the dequantizer that makes it dense."""
@@ -103,7 +121,9 @@ def resolve_quantizer(
     if checkpoint_config is not None:
         method = checkpoint_config.get("quant_method") if isinstance(checkpoint_config, dict) else None
         if not isinstance(method, str):
-            raise SelectionError(f"{model_path / 'config.json'} has a quantization_config without a quant_method string.")
+            raise SelectionError(
+                f"{model_path / 'config.json'} has a quantization_config without a quant_method string."
+            )
         if config.quantization is not None and config.quantization != method:
             raise SelectionError(
                 f"The checkpoint is already quantized with {method!r}; --quantization {config.quantization} "
@@ -116,15 +136,21 @@ def resolve_quantizer(
             )
         if dequantizable(checkpoint_config) and method not in components.quantizers.names():
             # no kernels for this format here: the weights become dense in the compute dtype
-            logger.info("the checkpoint is quantized with %r and no quantizer of that name is registered: "
-                        "its weights are dequantized to %s at load", method, dtype_name)
+            logger.info(
+                "the checkpoint is quantized with %r and no quantizer of that name is registered: "
+                "its weights are dequantized to %s at load",
+                method,
+                dtype_name,
+            )
             return None, CheckpointDequantizer(checkpoint_config, getattr(torch, dtype_name))
         try:
             quantizer_cls = components.quantizers.get(method)
         except ComponentError:
             install = QUANTIZER_DISTRIBUTIONS.get(method)
-            hint = f"install {install} (pip install {install})" if install else (
-                f"install a plugin that registers the quantization method {method!r}"
+            hint = (
+                f"install {install} (pip install {install})"
+                if install
+                else (f"install a plugin that registers the quantization method {method!r}")
             )
             raise SelectionError(
                 f"The checkpoint at {model_path} is quantized with {method!r} "
@@ -179,7 +205,9 @@ def resolve_kv_tier(config: EngineConfig, components: Any) -> type | None:
 def check_tensor_parallel(setup: EngineSetup) -> None:
     """What more than one rank cannot run, refused on every rank before any joins."""
     if not getattr(setup.model_cls, "supports_tensor_parallel", False):
-        raise SelectionError(f"{setup.architecture} does not support tensor parallelism (its plugin does not "
-                             f"shard it); run it with --tensor-parallel-size 1.")
+        raise SelectionError(
+            f"{setup.architecture} does not support tensor parallelism (its plugin does not "
+            f"shard it); run it with --tensor-parallel-size 1."
+        )
     if setup.config.speculative_method is not None:
         raise SelectionError("Speculative decoding is not supported with --tensor-parallel-size > 1 yet.")

@@ -39,8 +39,10 @@ def run_worker(config: EngineConfig, launch: Launch) -> None:
     """Build rank ``launch.rank``'s shard of the engine and serve rank 0's steps."""
     setup = resolve_setup(config, get_plugin_manager(config.plugins).components())
     if launch.world_size != config.tensor_parallel_size:
-        raise ValueError(f"This process was started as rank {launch.rank} of {launch.world_size}, but "
-                         f"--tensor-parallel-size is {config.tensor_parallel_size}: make them equal.")
+        raise ValueError(
+            f"This process was started as rank {launch.rank} of {launch.world_size}, but "
+            f"--tensor-parallel-size is {config.tensor_parallel_size}: make them equal."
+        )
     check_tensor_parallel(setup)
     setup.platform.configure_process()
     setup.platform.seed_everything(config.seed)
@@ -76,16 +78,28 @@ def serve_steps(shard: ModelShard, channel: ControlChannel) -> None:
 class LocalWorkers:
     """Ranks 1..N-1 spawned on this machine by rank 0, and a thread watching them."""
 
-    def __init__(self, config: EngineConfig, world_size: int, init_method: str,
-                 on_death: Callable[[str], None]) -> None:
+    def __init__(
+        self, config: EngineConfig, world_size: int, init_method: str, on_death: Callable[[str], None]
+    ) -> None:
         # the configuration, and this process's import path (plugins given as module paths import there too)
         payload = json.dumps({"config": config.model_dump(mode="json"), "sys_path": sys.path})
         self.processes: list[subprocess.Popen] = []
         for rank in range(1, world_size):
             process = subprocess.Popen(
-                [sys.executable, "-m", "engine.engine.workers", "--rank", str(rank), "--world-size",
-                 str(world_size), "--init-method", init_method],
-                stdin=subprocess.PIPE, text=True, env={**os.environ, WORKER_RANK_ENV: str(rank)},
+                [
+                    sys.executable,
+                    "-m",
+                    "engine.engine.workers",
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(world_size),
+                    "--init-method",
+                    init_method,
+                ],
+                stdin=subprocess.PIPE,
+                text=True,
+                env={**os.environ, WORKER_RANK_ENV: str(rank)},
             )
             process.name = f"engine-tp-rank-{rank}"  # type: ignore[attr-defined]
             process.stdin.write(payload)
@@ -104,8 +118,10 @@ class LocalWorkers:
                 if process.poll() is not None:
                     if self.stopping.is_set():
                         return
-                    self.failure = (f"tensor-parallel worker {process.name} (pid {process.pid}) exited with "
-                                    f"status {process.returncode}")
+                    self.failure = (
+                        f"tensor-parallel worker {process.name} (pid {process.pid}) exited with "
+                        f"status {process.returncode}"
+                    )
                     logger.error("%s; the engine cannot go on", self.failure)
                     self.on_death(self.failure)
                     return

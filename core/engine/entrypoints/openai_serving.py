@@ -3,13 +3,12 @@ OpenAI response, whole or as server-sent events."""
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from engine.entrypoints.async_engine import AsyncEngine
 from engine.entrypoints.errors import APIError, bad_request, refusal
+from engine.entrypoints.formatting import ChatFormatter, CompletionFormatter, collect, sse, token_text, usage_of
 from engine.entrypoints.generation import Generation, PromptInput, check_text, new_request_id
 from engine.entrypoints.metrics import ServerMetrics
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
@@ -18,8 +17,13 @@ from engine.sampling_params import SamplingParams
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_name: str,
-                 sampling_defaults: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        model_name: str,
+        sampling_defaults: dict[str, Any] | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
@@ -30,13 +34,19 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model {model!r} does not exist. This server serves {self.model_name!r}.",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model {model!r} does not exist. This server serves {self.model_name!r}.",
+                param="model",
+                code="model_not_found",
+            )
 
     def require_tokenizer(self, what: str) -> Any:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
-            raise bad_request(f"This model has no tokenizer, so {what} is not available; send token ids.", param="prompt")
+            raise bad_request(
+                f"This model has no tokenizer, so {what} is not available; send token ids.", param="prompt"
+            )
         return tokenizer
 
     def check_ids(self, token_ids: list[int], param: str) -> list[int]:
@@ -55,7 +65,8 @@ class OpenAIServing:
         if longest >= limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens; the prompt has {longest} tokens, "
-                f"which leaves no room for output. Shorten the prompt.", param=prompt_param,
+                f"which leaves no room for output. Shorten the prompt.",
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         if requested is None:
@@ -66,20 +77,36 @@ class OpenAIServing:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens; the prompt has {longest} tokens and "
                 f"{param} asks for {requested} more. Lower {param} to at most {limit - longest}.",
-                param=param, code="context_length_exceeded",
+                param=param,
+                code="context_length_exceeded",
             )
         return requested
 
-    def sampling_params(self, body: _SamplingFields, max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(
+        self, body: _SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         fields: dict[str, Any] = dict(
-            n=body.n, max_tokens=max_tokens, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output, logprobs=logprobs,
+            n=body.n,
+            max_tokens=max_tokens,
+            seed=body.seed,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+            logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             value = getattr(body, name)
             if value is None:
                 value = self.sampling_defaults.get(name)
@@ -88,7 +115,9 @@ class OpenAIServing:
         if body.min_tokens > max_tokens:
             raise bad_request(f"min_tokens={body.min_tokens} exceeds max_tokens={max_tokens}.", param="min_tokens")
         if body.stop and self.engine.tokenizer is None:
-            raise bad_request("stop strings need a tokenizer and this model has none; use stop_token_ids.", param="stop")
+            raise bad_request(
+                "stop strings need a tokenizer and this model has none; use stop_token_ids.", param="stop"
+            )
         try:
             return SamplingParams(**fields)
         except ValueError as exc:
@@ -112,7 +141,9 @@ class OpenAIServing:
                 text = check_text(item, "prompt")
                 if not text:
                     raise bad_request("prompt is empty: give some text or token ids.", param="prompt")
-                prompts.append(PromptInput(self.check_ids(self.require_tokenizer("a text prompt").encode(text), "prompt"), text))
+                prompts.append(
+                    PromptInput(self.check_ids(self.require_tokenizer("a text prompt").encode(text), "prompt"), text)
+                )
             else:
                 prompts.append(PromptInput(self.check_ids(list(item), "prompt")))
         return prompts
@@ -122,7 +153,9 @@ class OpenAIServing:
         prompts = self.completion_prompts(body)
         max_tokens = self.max_tokens(body.max_tokens, prompts, "max_tokens", "prompt")
         params = self.sampling_params(body, max_tokens, body.logprobs, body.prompt_logprobs)
-        generation = Generation(self.engine, self.metrics, "completions", new_request_id("cmpl"), prompts, params, priority)
+        generation = Generation(
+            self.engine, self.metrics, "completions", new_request_id("cmpl"), prompts, params, priority
+        )
         return generation, self._completion_formatter(body, generation)
 
     def _completion_formatter(self, body: CompletionRequest, generation: Generation) -> Callable:
@@ -130,8 +163,13 @@ class OpenAIServing:
         tokenizer = self.engine.tokenizer
 
         def chunk(choices: list[dict], usage: dict | None = None) -> dict:
-            out = {"id": generation.request_id, "object": "text_completion", "created": created,
-                   "model": self.model_name, "choices": choices}
+            out = {
+                "id": generation.request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
             if usage is not None:
                 out["usage"] = usage
             return out
@@ -140,10 +178,16 @@ class OpenAIServing:
         # tokenizer, whose text is empty
         with_ids = body.return_token_ids or tokenizer is None
 
-        def choice(index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: Any,
-                   token_ids: list[int]) -> dict:
-            out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                   "stop_reason": stop_reason}
+        def choice(
+            index: int, text: str, logprobs: Any, finish_reason: str | None, stop_reason: Any, token_ids: list[int]
+        ) -> dict:
+            out = {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
             if with_ids:
                 out["token_ids"] = token_ids
                 out["prompt_token_ids"] = generation.prompts[index // generation.params.n].token_ids
@@ -154,15 +198,15 @@ class OpenAIServing:
                 return None
             tokens, token_logprobs, top, offsets = [], [], [], []
             for entry in entries:
-                token = _token_text(tokenizer, entry.token_ids[0])
+                token = token_text(tokenizer, entry.token_ids[0])
                 tokens.append(token)
                 token_logprobs.append(entry.logprobs[0])
-                top.append({_token_text(tokenizer, t): lp for t, lp in zip(entry.token_ids[1:], entry.logprobs[1:])})
+                top.append({token_text(tokenizer, t): lp for t, lp in zip(entry.token_ids[1:], entry.logprobs[1:])})
                 offsets.append(offset)
                 offset += len(token)
             return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
-        return _Formatter(chunk, choice, logprobs_of)
+        return CompletionFormatter(chunk, choice, logprobs_of)
 
     # /v1/chat/completions
 
@@ -173,8 +217,9 @@ class OpenAIServing:
             text = check_text(message.text(), f"messages.{i}.content")
             messages.append({"role": message.role, "content": text})
             if message.reasoning_content is not None:
-                messages[-1]["reasoning_content"] = check_text(message.reasoning_content,
-                                                               f"messages.{i}.reasoning_content")
+                messages[-1]["reasoning_content"] = check_text(
+                    message.reasoning_content, f"messages.{i}.reasoning_content"
+                )
         if not any(m["content"] for m in messages):
             raise bad_request("Every message is empty: give some content.", param="messages")
         options = dict(body.chat_template_kwargs or {})
@@ -191,7 +236,10 @@ class OpenAIServing:
             raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt, **options,
+                messages,
+                tokenize=False,
+                add_generation_prompt=body.add_generation_prompt,
+                **options,
             )
         except Exception as exc:  # the template rejects the conversation (roles, order)
             raise bad_request(f"The chat template rejected these messages: {exc}", param="messages") from None
@@ -204,7 +252,9 @@ class OpenAIServing:
         max_tokens = self.max_tokens(body.requested_max_tokens, prompts, param, "messages")
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self.sampling_params(body, max_tokens, num_logprobs)
-        generation = Generation(self.engine, self.metrics, "chat", new_request_id("chatcmpl"), prompts, params, priority)
+        generation = Generation(
+            self.engine, self.metrics, "chat", new_request_id("chatcmpl"), prompts, params, priority
+        )
         return generation, self._chat_formatter(body, generation)
 
     def _chat_formatter(self, body: ChatCompletionRequest, generation: Generation) -> Callable:
@@ -212,8 +262,13 @@ class OpenAIServing:
         tokenizer = self.engine.tokenizer
 
         def chunk(choices: list[dict], usage: dict | None = None, *, stream: bool) -> dict:
-            out = {"id": generation.request_id, "object": "chat.completion.chunk" if stream else "chat.completion",
-                   "created": created, "model": self.model_name, "choices": choices}
+            out = {
+                "id": generation.request_id,
+                "object": "chat.completion.chunk" if stream else "chat.completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices,
+            }
             if usage is not None:
                 out["usage"] = usage
             return out
@@ -223,112 +278,25 @@ class OpenAIServing:
                 return None
             content = []
             for entry in entries:
-                token = _token_text(tokenizer, entry.token_ids[0])
-                content.append({
-                    "token": token, "logprob": entry.logprobs[0], "bytes": list(token.encode("utf-8")),
-                    "top_logprobs": [
-                        {"token": (t := _token_text(tokenizer, tid)), "logprob": lp, "bytes": list(t.encode("utf-8"))}
-                        for tid, lp in zip(entry.token_ids[1:], entry.logprobs[1:])
-                    ],
-                })
+                token = token_text(tokenizer, entry.token_ids[0])
+                content.append(
+                    {
+                        "token": token,
+                        "logprob": entry.logprobs[0],
+                        "bytes": list(token.encode("utf-8")),
+                        "top_logprobs": [
+                            {
+                                "token": (t := token_text(tokenizer, tid)),
+                                "logprob": lp,
+                                "bytes": list(t.encode("utf-8")),
+                            }
+                            for tid, lp in zip(entry.token_ids[1:], entry.logprobs[1:])
+                        ],
+                    }
+                )
             return {"content": content}
 
-        return _ChatFormatter(chunk, logprobs_of)
+        return ChatFormatter(chunk, logprobs_of)
 
 
-def _token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-
-
-def usage_of(generation: Generation) -> dict:
-    prompt_tokens = sum(len(p.token_ids) for p in generation.prompts)
-    completion = generation.num_output_tokens
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
-
-
-@dataclass
-class Sample:
-    """One choice, whole: its text, logprob entries (when asked for) and how it ended."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[LogprobEntry] | None = None
-    finish_reason: str | None = None
-    stop_reason: Any = None
-
-
-async def collect(generation: Generation) -> list[Sample]:
-    """Run ``generation`` to the end; one ``Sample`` per choice index."""
-    samples = [Sample() for _ in range(len(generation.prompts) * generation.params.n)]
-    async for index, delta in generation.deltas():
-        sample = samples[index]
-        sample.text += delta.text
-        sample.token_ids += delta.token_ids
-        if delta.logprobs is not None:
-            sample.logprobs = (sample.logprobs or []) + list(delta.logprobs)
-        if delta.finish_reason is not None:
-            sample.finish_reason, sample.stop_reason = delta.finish_reason, delta.stop_reason
-    return samples
-
-
-class _Formatter:
-    """Completions: whole responses and stream chunks."""
-
-    def __init__(self, chunk: Callable, choice: Callable, logprobs_of: Callable) -> None:
-        self.chunk, self.choice, self.logprobs_of = chunk, choice, logprobs_of
-
-    async def whole(self, generation: Generation) -> dict:
-        samples = await collect(generation)
-        choices = [
-            self.choice(i, s.text, self.logprobs_of(s.logprobs, 0), s.finish_reason, s.stop_reason, s.token_ids)
-            for i, s in enumerate(samples)
-        ]
-        return self.chunk(choices, usage_of(generation))
-
-    async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
-        offsets: dict[int, int] = {}
-        async for index, delta in generation.deltas():
-            if not (delta.text or delta.finish_reason or delta.token_ids):
-                continue
-            offset = offsets.get(index, 0)
-            offsets[index] = offset + len(delta.text)
-            choice = self.choice(index, delta.text, self.logprobs_of(delta.logprobs, offset), delta.finish_reason,
-                                 delta.stop_reason, delta.token_ids)
-            yield sse(self.chunk([choice]))
-        if include_usage:
-            yield sse(self.chunk([], usage_of(generation)))
-        yield "data: [DONE]\n\n"
-
-
-class _ChatFormatter:
-    def __init__(self, chunk: Callable, logprobs_of: Callable) -> None:
-        self.chunk, self.logprobs_of = chunk, logprobs_of
-
-    async def whole(self, generation: Generation) -> dict:
-        choices = [
-            {"index": i, "message": {"role": "assistant", "content": s.text},
-             "logprobs": self.logprobs_of(s.logprobs, 0), "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
-            for i, s in enumerate(await collect(generation))
-        ]
-        return self.chunk(choices, usage_of(generation), stream=False)
-
-    async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
-        for i in range(generation.params.n):
-            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            yield sse(self.chunk([first], stream=True))
-        async for index, delta in generation.deltas():
-            if not (delta.text or delta.finish_reason or delta.token_ids):
-                continue
-            content = {"content": delta.text} if delta.text else {}
-            choice = {"index": index, "delta": content, "logprobs": self.logprobs_of(delta.logprobs, 0),
-                      "finish_reason": delta.finish_reason}
-            if delta.finish_reason is not None:
-                choice["stop_reason"] = delta.stop_reason
-            yield sse(self.chunk([choice], stream=True))
-        if include_usage:
-            yield sse(self.chunk([], usage_of(generation), stream=True))
-        yield "data: [DONE]\n\n"
-
-
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+__all__ = ["OpenAIServing", "collect", "sse", "usage_of"]

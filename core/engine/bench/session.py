@@ -1,0 +1,158 @@
+"""What every ``engine bench`` subcommand shares: its options, and a session that loads
+the engine and the peers in turn, warms each up and keeps the report."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol, TypeVar
+
+import torch
+
+from engine.bench.engine_runner import EngineRunner
+from engine.bench.hf_peer import HFPeer
+from engine.bench.report import ENGINE, Report, Section
+from engine.bench.workloads import warmup_request
+
+PEERS = ("hf",)
+HF_BATCH_SIZE = 16
+MB = 1e6
+
+
+class _Run(Protocol):
+    wall: float
+
+
+R = TypeVar("R", bound=_Run)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str = "llama58m"
+    dtype: str = "bfloat16"
+    peers: tuple[str, ...] = ()
+    scale: float = 1.0
+    repeat: int = 1
+    engine_settings: Mapping[str, Any] = field(default_factory=dict)
+    """The engine's other settings, as EngineConfig fields (plugins, limits, quantization, speculative
+    decoding): only those given, so the rest keep EngineConfig's defaults."""
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise ValueError(f"Unknown peer(s) {', '.join(unknown)}. Available: {', '.join(PEERS)}.")
+        if self.scale <= 0:
+            raise ValueError(f"--scale must be positive, got {self.scale}.")
+        if self.repeat < 1:
+            raise ValueError(f"--repeat must be at least 1, got {self.repeat}.")
+
+
+class Session:
+    """The model, the runners' order and the report's setup lines of one bench command."""
+
+    def __init__(self, command: str, options: BenchOptions) -> None:
+        from engine.model_loader.checkpoint import resolve_model_path
+
+        self.options = options
+        self.model_path: Path = resolve_model_path(options.model)
+        with open(self.model_path / "config.json", encoding="utf-8") as f:
+            self.vocab_size = int(json.load(f)["vocab_size"])
+        self.warmup = warmup_request(self.vocab_size)
+        self.repeat_walls: dict[str, list[str]] = {}
+        self.report = Report(
+            command,
+            [ENGINE, *options.peers],
+            {
+                "model": options.model
+                if str(self.model_path) == options.model
+                else f"{options.model} ({self.model_path})",
+                "dtype": options.dtype,
+                "torch": f"{torch.__version__}, {torch.get_num_threads()} threads",
+                "scale": options.scale,
+                "machine": f"{os.cpu_count()} CPUs, 1-minute load average {os.getloadavg()[0]:.2f} at start",
+            },
+        )
+        self.report.notes.append(
+            f"Each runner first completes one untimed warm-up request (prompt {self.warmup.prompt_len}, "
+            f"{self.warmup.output_len} output tokens), so one-time costs stay out of the figures. "
+            "Times are time.perf_counter() wall clock; greedy, EOS ignored, exact output lengths."
+        )
+        if options.scale != 1:
+            self.report.notes.append(
+                f"--scale {options.scale}: counts and lengths are scaled, so these are NOT the WORKLOADS.md "
+                "workloads; a smoke test only."
+            )
+
+    def median_run(self, section: str, runner: str, run: Callable[[], R], reset: Callable[[], None] | None = None) -> R:
+        """``run()`` ``--repeat`` times (``reset()`` before each) and the run of median wall time
+        (the lower of the middle two for an even count); the walls go into the section's note."""
+        runs = []
+        for _ in range(self.options.repeat):
+            if reset is not None:
+                reset()
+            runs.append(run())
+        if len(runs) > 1:
+            walls = ", ".join(f"{r.wall:.2f}" for r in runs)
+            self.repeat_walls.setdefault(section, []).append(f"{runner} {walls} s")
+        return sorted(runs, key=lambda r: r.wall)[(len(runs) - 1) // 2]
+
+    def spec_note(self, section: Section, engine: EngineRunner) -> None:
+        """Speculative decoding's counters over every engine run of the section (warm-up included)."""
+        stats = engine.spec_stats()
+        if stats is None:
+            return
+        by_position = ", ".join(f"{rate:.0%}" for rate in stats.acceptance_by_position())
+        section.facts["speculative"] = {
+            "rounds": stats.rounds,
+            "proposed": stats.proposed,
+            "accepted": stats.accepted,
+            "acceptance_rate": stats.acceptance_rate,
+            "acceptance_by_position": stats.acceptance_by_position(),
+            "mean_accepted_length": stats.mean_accepted_length,
+        }
+        section.notes.append(
+            f"Speculative decoding over the engine's runs: {stats.proposed} drafts verified in {stats.rounds} rounds, "
+            f"{stats.accepted} accepted ({stats.acceptance_rate:.0%}; by draft position {by_position or 'none'}); "
+            f"a round produced {stats.mean_accepted_length:.2f} tokens on average. With drafts, a step returns "
+            "several tokens: the per-token figures count tokens, not steps."
+        )
+
+    def repeat_note(self, section: Section) -> None:
+        walls = self.repeat_walls.get(section.key)
+        if walls:
+            section.notes.append(
+                f"--repeat {self.options.repeat}: every figure of this section comes from each runner's run of "
+                f"median wall time (engine runs start from an empty prefix cache); walls: {'; '.join(walls)}."
+            )
+
+    def engine(self) -> EngineRunner:
+        o = self.options
+        runner = EngineRunner(str(self.model_path), dtype=o.dtype, **{"plugins": None, **o.engine_settings})
+        d = runner.describe()
+        quantized = f", quantization {d['quantization']}" if d["quantization"] else ""
+        if d["speculative"]:
+            quantized += f", speculative {d['speculative']} (up to {runner.config.num_speculative_tokens} drafts)"
+        self.report.setup["engine"] = (
+            f"{d['architecture']} on {d['platform']} ({d['dtype']}{quantized}), max_num_seqs {d['max_num_seqs']}, "
+            f"max_num_batched_tokens {d['max_num_batched_tokens']}, {d['kv_cache_blocks']} KV blocks of {d['block_size']}"
+        )
+        runner.warm_up(self.warmup)
+        return runner
+
+    def hf(self) -> HFPeer | None:
+        if "hf" not in self.options.peers:
+            return None
+        peer = HFPeer(self.model_path, self.options.dtype)
+        d = peer.describe()
+        self.report.setup["hf"] = (
+            f"transformers {d['transformers']} {d['class']} ({d['attn_implementation']} attention), generate, greedy"
+        )
+        peer.warm_up(self.warmup)
+        return peer
+
+
+# -------------------------------------------------------------------------
+# W1 latency
+# -------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""What a constructed model's cache layout decides before its weights are read: whether
+prefix caching can stay on, whether speculation can run, and the KV tier (made here, so
+that its settings are checked before the weights load)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from engine.engine.setup import EngineSetup
+from engine.errors import SelectionError
+from engine.interfaces.model import Model
+from engine.runtime.kv_tier_connector import tier_spec_of
+
+logger = logging.getLogger("engine")
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    prefix_caching: bool
+    recurrent_kinds: list[str]  # the model's attention kinds that keep one state per request
+    tier: Any  # the KV tier (rank 0), or None
+
+
+def plan_caches(setup: EngineSetup, model: Model, rank: int) -> CachePlan:
+    config = setup.config
+    specs = model.kv_cache_specs()
+    recurrent_kinds = sorted({spec.kind for spec in specs if spec.is_recurrent})
+    prefix_caching = config.enable_prefix_caching
+    if recurrent_kinds and prefix_caching:
+        logger.info(
+            "prefix caching is off for %s: its %s layers keep one state per request, which a cached "
+            "prefix's blocks cannot restore",
+            setup.architecture,
+            ", ".join(recurrent_kinds),
+        )
+        prefix_caching = False
+    if recurrent_kinds and setup.proposer_cls is not None:
+        raise SelectionError(
+            f"Speculative decoding is refused for {setup.architecture}: its {', '.join(recurrent_kinds)} "
+            f"attention layers keep a recurrent state that rejected drafts would corrupt (rolling it back is "
+            f"not supported); run it without --speculative-method."
+        )
+    tier = None
+    if setup.kv_tier_cls is not None:
+        keys_only = sorted({spec.kind for spec in specs if not spec.has_values})
+        if keys_only:
+            raise SelectionError(
+                f"KV tiers hold K/V blocks of MHA/GQA layers; {setup.architecture} has {', '.join(keys_only)} "
+                f"layers, whose caches (latent entries, indexer keys) they do not carry yet. Run it without --kv-tier."
+            )
+        if rank == 0:  # the other ranks give and take their heads of rank 0's blocks
+            spec = tier_spec_of(specs, config.block_size, setup.salt, setup.dtype)
+            tier = setup.kv_tier_cls(spec, config.kv_tier_config)
+            logger.info(
+                "KV tier %s (%s): blocks of %d bytes, digest %s",
+                config.kv_tier,
+                setup.kv_tier_cls.__name__,
+                spec.block_bytes,
+                spec.digest,
+            )
+    return CachePlan(prefix_caching, recurrent_kinds, tier)

@@ -1,0 +1,124 @@
+"""The OpenAI response shapes of a generation: whole choices collected from its stream,
+the completion and chat formatters (one JSON body, or server-sent events), and usage."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from engine.entrypoints.generation import Generation
+from engine.runtime.logprobs import LogprobEntry
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def usage_of(generation: Generation) -> dict:
+    prompt_tokens = sum(len(p.token_ids) for p in generation.prompts)
+    completion = generation.num_output_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+@dataclass
+class Sample:
+    """One choice, whole: its text, logprob entries (when asked for) and how it ended."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+async def collect(generation: Generation) -> list[Sample]:
+    """Run ``generation`` to the end; one ``Sample`` per choice index."""
+    samples = [Sample() for _ in range(len(generation.prompts) * generation.params.n)]
+    async for index, delta in generation.deltas():
+        sample = samples[index]
+        sample.text += delta.text
+        sample.token_ids += delta.token_ids
+        if delta.logprobs is not None:
+            sample.logprobs = (sample.logprobs or []) + list(delta.logprobs)
+        if delta.finish_reason is not None:
+            sample.finish_reason, sample.stop_reason = delta.finish_reason, delta.stop_reason
+    return samples
+
+
+class CompletionFormatter:
+    """Completions: whole responses and stream chunks."""
+
+    def __init__(self, chunk: Callable, choice: Callable, logprobs_of: Callable) -> None:
+        self.chunk, self.choice, self.logprobs_of = chunk, choice, logprobs_of
+
+    async def whole(self, generation: Generation) -> dict:
+        samples = await collect(generation)
+        choices = [
+            self.choice(i, s.text, self.logprobs_of(s.logprobs, 0), s.finish_reason, s.stop_reason, s.token_ids)
+            for i, s in enumerate(samples)
+        ]
+        return self.chunk(choices, usage_of(generation))
+
+    async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+        offsets: dict[int, int] = {}
+        async for index, delta in generation.deltas():
+            if not (delta.text or delta.finish_reason or delta.token_ids):
+                continue
+            offset = offsets.get(index, 0)
+            offsets[index] = offset + len(delta.text)
+            choice = self.choice(
+                index,
+                delta.text,
+                self.logprobs_of(delta.logprobs, offset),
+                delta.finish_reason,
+                delta.stop_reason,
+                delta.token_ids,
+            )
+            yield sse(self.chunk([choice]))
+        if include_usage:
+            yield sse(self.chunk([], usage_of(generation)))
+        yield "data: [DONE]\n\n"
+
+
+class ChatFormatter:
+    def __init__(self, chunk: Callable, logprobs_of: Callable) -> None:
+        self.chunk, self.logprobs_of = chunk, logprobs_of
+
+    async def whole(self, generation: Generation) -> dict:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": s.text},
+                "logprobs": self.logprobs_of(s.logprobs, 0),
+                "finish_reason": s.finish_reason,
+                "stop_reason": s.stop_reason,
+            }
+            for i, s in enumerate(await collect(generation))
+        ]
+        return self.chunk(choices, usage_of(generation), stream=False)
+
+    async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+        for i in range(generation.params.n):
+            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            yield sse(self.chunk([first], stream=True))
+        async for index, delta in generation.deltas():
+            if not (delta.text or delta.finish_reason or delta.token_ids):
+                continue
+            content = {"content": delta.text} if delta.text else {}
+            choice = {
+                "index": index,
+                "delta": content,
+                "logprobs": self.logprobs_of(delta.logprobs, 0),
+                "finish_reason": delta.finish_reason,
+            }
+            if delta.finish_reason is not None:
+                choice["stop_reason"] = delta.stop_reason
+            yield sse(self.chunk([choice], stream=True))
+        if include_usage:
+            yield sse(self.chunk([], usage_of(generation), stream=True))
+        yield "data: [DONE]\n\n"
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"

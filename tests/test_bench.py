@@ -1,4 +1,4 @@
-"""``engine bench``: the workload lists against WORKLOADS.md, the arithmetic of every
+"""``engine bench``: the workload lists against benchmarks/README.md, the arithmetic of every
 figure on hand-computed inputs, the timers, and each subcommand end to end on a
 tiny checkpoint (``--scale 0.05``). No timing is asserted."""
 
@@ -38,7 +38,7 @@ from engine.bench.workloads import (
 from engine.cli import main
 
 # -------------------------------------------------------------------------
-# workloads, against the facts of WORKLOADS.md
+# workloads, against the facts of benchmarks/README.md
 # -------------------------------------------------------------------------
 
 
@@ -52,7 +52,7 @@ def test_w1_is_one_request_of_128_plus_128():
 
 
 def test_w2_draws_all_lengths_first_then_ids_from_random_0():
-    # reference written from WORKLOADS.md's sentence, independently of the generator
+    # reference written from benchmarks/README.md's sentence, independently of the generator
     rng = random.Random(0)
     pairs = [(rng.randint(32, 512), rng.randint(16, 256)) for _ in range(64)]
     expected = [([rng.randint(0, 31999) for _ in range(p)], o) for p, o in pairs]
@@ -289,7 +289,7 @@ def test_latency_table_names_each_method(capsys, tiny_llama):
     )
     out = capsys.readouterr().out
     assert "W1 latency" in out and "decode tokens/s" in out and "our overhead" in out
-    assert "[1] engine: add_request" in out and "NOT the WORKLOADS.md workloads" in out
+    assert "[1] engine: add_request" in out and "NOT the benchmark workloads" in out
 
 
 def test_unknown_peer_is_a_clear_error(capsys, tiny_llama):

@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--scale",
         type=float,
         default=1.0,
-        help="Multiply every request count and length by this (smoke tests); 1 is the WORKLOADS.md workload.",
+        help="Multiply every request count and length by this (smoke tests); 1 is the benchmark workload (benchmarks/README.md).",
     )
     bench.add_argument(
         "--repeat",

@@ -1,4 +1,4 @@
-"""``engine bench``: the fixed workloads of WORKLOADS.md, run on the engine and,
+"""``engine bench``: the fixed workloads of benchmarks/README.md, run on the engine and,
 on request, on peers (HF transformers) with the same weights and request lists.
 
 One concept per module: ``workloads`` (pure request-list generators),

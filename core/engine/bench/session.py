@@ -81,8 +81,8 @@ class Session:
         )
         if options.scale != 1:
             self.report.notes.append(
-                f"--scale {options.scale}: counts and lengths are scaled, so these are NOT the WORKLOADS.md "
-                "workloads; a smoke test only."
+                f"--scale {options.scale}: counts and lengths are scaled, so these are NOT the benchmark "
+                "workloads (benchmarks/README.md); a smoke test only."
             )
 
     def median_run(self, section: str, runner: str, run: Callable[[], R], reset: Callable[[], None] | None = None) -> R:

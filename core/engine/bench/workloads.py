@@ -1,11 +1,11 @@
-"""The request lists of WORKLOADS.md, as pure functions of (vocab size, scale).
+"""The request lists of benchmarks/README.md, as pure functions of (vocab size, scale).
 
-At ``scale=1`` every list is exactly the workload of /work/shared/bench/WORKLOADS.md.
+At ``scale=1`` every list is exactly the workload benchmarks/README.md defines.
 Token ids are drawn from ``random.Random(seed)`` in ``[0, max_token_id(vocab_size)]``,
 which is ``[0, 31999]`` for ``llama58m`` (vocab 32000); smaller vocabularies
 (the tiny test checkpoints) get a lower bound so that every id is valid.
 
-Seeds: W2 uses ``Random(0)`` as WORKLOADS.md prescribes. WORKLOADS.md leaves the
+Seeds: W2 uses ``Random(0)``, as its definition prescribes. The definitions leave the
 ids of the other lists open; each has its own seed so that no two lists (and
 the warm-up request) share a prefix by accident: W1 ``Random(1)``, W3
 ``Random(3)``, the 64-sequence decode list ``Random(5)``, warm-up ``Random(7)``.

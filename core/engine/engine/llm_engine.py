@@ -49,12 +49,7 @@ class LLMEngine:
         self.plugin_manager = plugin_manager or get_plugin_manager(config.plugins)
         self.setup: EngineSetup = resolve_setup(config, self.plugin_manager.components())
         if launch is not None:  # a worker rank runs a shard (engine.engine.workers.run_worker), not an engine
-            if launch.world_size != config.tensor_parallel_size:
-                raise ValueError(
-                    f"This process was started as rank {launch.rank} of {launch.world_size}, but "
-                    f"--tensor-parallel-size is {config.tensor_parallel_size}: make them equal."
-                )
-            check_tensor_parallel(self.setup)
+            check_tensor_parallel(self.setup, launch)
             if launch.rank != 0:
                 raise ValueError(f"Rank {launch.rank} runs engine.engine.workers.run_worker, not an LLMEngine.")
         self.setup.platform.configure_process()

@@ -202,12 +202,19 @@ def resolve_kv_tier(config: EngineConfig, components: Any) -> type | None:
     return components.kv_tiers.get(config.kv_tier)
 
 
-def check_tensor_parallel(setup: EngineSetup) -> None:
-    """What more than one rank cannot run, refused on every rank before any joins."""
+def check_tensor_parallel(setup: EngineSetup, launch: Any = None) -> None:
+    """What more than one rank cannot run, refused on every rank before any joins; with a
+    ``launch`` (``engine.distributed.executor.Launch``) its group size must be the configured one."""
+    config = setup.config
+    if launch is not None and launch.world_size != config.tensor_parallel_size:
+        raise ValueError(
+            f"This process was started as rank {launch.rank} of {launch.world_size}, but "
+            f"--tensor-parallel-size is {config.tensor_parallel_size}: make them equal."
+        )
     if not getattr(setup.model_cls, "supports_tensor_parallel", False):
         raise SelectionError(
             f"{setup.architecture} does not support tensor parallelism (its plugin does not "
             f"shard it); run it with --tensor-parallel-size 1."
         )
-    if setup.config.speculative_method is not None:
+    if config.speculative_method is not None:
         raise SelectionError("Speculative decoding is not supported with --tensor-parallel-size > 1 yet.")

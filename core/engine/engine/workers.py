@@ -38,12 +38,7 @@ WORKER_RANK_ENV = "ENGINE_WORKER_RANK"
 def run_worker(config: EngineConfig, launch: Launch) -> None:
     """Build rank ``launch.rank``'s shard of the engine and serve rank 0's steps."""
     setup = resolve_setup(config, get_plugin_manager(config.plugins).components())
-    if launch.world_size != config.tensor_parallel_size:
-        raise ValueError(
-            f"This process was started as rank {launch.rank} of {launch.world_size}, but "
-            f"--tensor-parallel-size is {config.tensor_parallel_size}: make them equal."
-        )
-    check_tensor_parallel(setup)
+    check_tensor_parallel(setup, launch)
     setup.platform.configure_process()
     setup.platform.seed_everything(config.seed)
     tp = join_group(launch, setup.platform.dist_backend)

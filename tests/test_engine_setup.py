@@ -69,6 +69,11 @@ MISTAKES = {
         "does not run on platform 'cpu'",
     ),
     "unknown attention backend": ({"attention_backend": "flash"}, ComponentError, "flash"),
+    "attention backend refusing the model": (
+        {"attention_backend": "cpu_mla"},
+        SelectionError,
+        "Attention backend 'cpu_mla' cannot serve this model",
+    ),
 }
 
 

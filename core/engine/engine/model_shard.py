@@ -19,7 +19,7 @@ from engine.interfaces.model import Model
 from engine.runtime.batch import ModelOutput, ScheduledBatch
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.kv_tier_connector import CanonicalBlocks, tier_spec
-from engine.runtime.model_builder import build_kv_cache, construct_model, load_model
+from engine.runtime.model_builder import build_kv_cache, construct_model, load_model, select_backends
 from engine.runtime.model_runner import ModelRunner
 
 logger = logging.getLogger("engine")
@@ -89,14 +89,23 @@ def build_shard(
     before_weights: Callable[[Model], None] | None = None,
     async_execution: bool = False,
 ) -> ModelShard:
-    """Construct the model (quantized), let ``before_weights`` check it (what needs its cache
-    layout: speculation, the KV tier), load the weights, then size and allocate the KV cache
-    (the same block count on every rank)."""
+    """Construct the model (quantized), choose each layer group's attention backend, let
+    ``before_weights`` check it (what needs its cache layout: speculation, the KV tier), load
+    the weights, then size and allocate the KV cache (the same block count on every rank)."""
     config, platform = setup.config, setup.platform
     device = platform.device(local_device_index(platform, tp))
     with tensor_parallel(tp):
         model = construct_model(
             setup.model_cls, setup.hf_config, setup.dtype_name, device, quantizer=setup.quantizer, tp=tp
+        )
+        # each layer group's attention backend, chosen (or refused, with the reason) before the weights
+        backends = select_backends(
+            model.kv_cache_specs(),
+            setup.components,
+            platform,
+            setup.dtype_name,
+            config.block_size,
+            config.attention_backend,
         )
         if before_weights is not None:
             before_weights(model)
@@ -131,8 +140,8 @@ def build_shard(
             memory,
             max_model_len=setup.max_model_len,
             max_num_seqs=config.max_num_seqs,
-            attention_backend=config.attention_backend,
             agree=channel.agree_on_min if channel is not None else None,
+            backends=backends,
         )
     kv_blocks = None
     if tp.rank != 0 and config.kv_tier is not None:  # rank 0 holds the tier; this rank gives and takes its heads

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from engine.distributed.parallel_state import SINGLE, TensorParallel
-from engine.interfaces.attention import TOKEN_STATE
+from engine.interfaces.attention import TOKEN_STATE, AttentionSpec
 from engine.interfaces.model import Model, ModelInit
 from engine.interfaces.ops import REFERENCE_OPS
 from engine.interfaces.platform import Platform
@@ -89,6 +89,39 @@ def build_model(
     return load_model(model, model_path, platform, dtype_name, progress=progress, dequantizer=dequantizer)
 
 
+def select_backends(
+    specs: list[AttentionSpec],
+    components,
+    platform,
+    dtype_name: str,
+    block_size: int,
+    attention_backend: str | None = None,
+) -> list[tuple[AttentionSpec, list[int], type]]:
+    """Each group of layers with equal specs and the backend class that serves it: a requested
+    backend for the groups of the kinds it declares (a model may mix kinds: sparse MLA and its
+    indexer), the platform's preference for the rest. One it serves none of is refused."""
+    requested_kinds = set()
+    if attention_backend is not None:
+        requested_kinds = set(components.attention_backends.get(attention_backend).capabilities.kinds)
+        if not requested_kinds & {spec.kind for spec in specs}:
+            requested_kinds = {spec.kind for spec in specs if spec.kind != TOKEN_STATE}  # validation says why not
+    selected = []
+    for spec, layers in group_layers(specs):
+        if spec.kind == TOKEN_STATE:  # stored values, not attention: the core serves them everywhere
+            backend_cls = TokenStateCache
+        else:
+            backend_cls = select_attention_backend(
+                components.attention_backends,
+                platform,
+                spec,
+                dtype=dtype_name,
+                block_size=block_size,
+                requested=attention_backend if spec.kind in requested_kinds else None,
+            )
+        selected.append((spec, layers, backend_cls))
+    return selected
+
+
 def build_kv_cache(
     model: Model,
     components,
@@ -102,32 +135,18 @@ def build_kv_cache(
     max_num_seqs: int,
     attention_backend: str | None = None,
     agree: Callable[[int], int] | None = None,
+    backends: list[tuple[AttentionSpec, list[int], type]] | None = None,
 ) -> KVCache:
     """The paged KV cache of ``model``: one group per distinct layer spec with the attention
-    backend selected for it, as many blocks as ``memory_bytes`` holds (no more than
-    ``max_num_seqs`` sequences of ``max_model_len`` can use)."""
+    backend selected for it (``backends``, from :func:`select_backends`, when already chosen),
+    as many blocks as ``memory_bytes`` holds (no more than ``max_num_seqs`` sequences of
+    ``max_model_len`` can use)."""
     dtype = getattr(torch, dtype_name)
     specs = model.kv_cache_specs()
+    if backends is None:
+        backends = select_backends(specs, components, platform, dtype_name, block_size, attention_backend)
     groups = []
-    # a requested backend serves the groups of the kinds it declares (a model may mix kinds: sparse
-    # MLA and its indexer); the rest take the platform's preferences. One it serves none of is refused.
-    requested_kinds = set()
-    if attention_backend is not None:
-        requested_kinds = set(components.attention_backends.get(attention_backend).capabilities.kinds)
-        if not requested_kinds & {spec.kind for spec in specs}:
-            requested_kinds = {spec.kind for spec in specs if spec.kind != TOKEN_STATE}  # validation says why not
-    for spec, layers in group_layers(specs):
-        if spec.kind == TOKEN_STATE:  # stored values, not attention: the core serves them everywhere
-            backend_cls = TokenStateCache
-        else:
-            backend_cls = select_attention_backend(
-                components.attention_backends,
-                platform,
-                spec,
-                dtype=dtype_name,
-                block_size=block_size,
-                requested=attention_backend if spec.kind in requested_kinds else None,
-            )
+    for spec, layers, backend_cls in backends:
         groups.append(KVCacheGroup(spec, backend_cls(spec, block_size, dtype, device), layers))
         logger.info("attention kind %s: backend %s for %d layers", spec.kind, backend_cls.name, len(layers))
     element_size = torch.empty(0, dtype=dtype).element_size()

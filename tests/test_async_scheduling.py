@@ -84,6 +84,8 @@ def test_outputs_are_identical_with_async_scheduling_on_and_off(checkpoint, spec
     assert engine.scheduler.num_preemptions > 0 and engine.kv_manager.stats.hits > 0
     if speculative:
         assert engine.spec.stats.proposed > 0
+    else:  # steps were scheduled while the step before ran, with the tokens it sampled filled in later
+        assert engine.scheduler.num_scheduled_ahead > 10
     assert engine.kv_manager.num_free_blocks == engine.kv_cache.num_blocks
     overlapped.close()
 
@@ -112,6 +114,7 @@ def test_requests_added_and_aborted_between_steps_run_as_without_async(checkpoin
     expected = drive(make_llm(checkpoint, **SMALL_CACHE).engine, prompts, params)
     engine = make_llm(checkpoint, async_scheduling=True, **SMALL_CACHE).engine
     assert drive(engine, prompts, params) == expected
+    assert engine.scheduler.num_scheduled_ahead > 0
     assert "r1" not in expected or len(expected["r1"]) < params[1].max_tokens
     assert engine.kv_manager.num_free_blocks == engine.kv_cache.num_blocks and not engine.requests
     engine.close()
@@ -134,3 +137,20 @@ def test_the_next_forward_runs_on_its_own_thread_while_the_caller_reads(checkpoi
         engine.step()
     assert threads and all(name.startswith("engine-forward") for name in threads)
     engine.close()
+
+
+def test_requests_whose_sampling_reads_their_output_are_scheduled_after_the_step(checkpoint):
+    """Penalties and a pending min_tokens read the previous token: with such a request running
+    the next step waits for it, and the outputs still match."""
+    prompts = mixed_prompts()[:4]
+    params = [
+        SamplingParams(temperature=0.8, seed=3, max_tokens=16, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=30, min_tokens=30),
+        SamplingParams(temperature=1.0, seed=9, max_tokens=30, frequency_penalty=0.7),
+    ]
+    expected = outputs_of(make_llm(checkpoint), prompts, params)
+    overlapped = make_llm(checkpoint, async_scheduling=True)
+    assert outputs_of(overlapped, prompts, params) == expected
+    assert overlapped.engine.scheduler.num_scheduled_ahead == 0
+    overlapped.close()

@@ -295,42 +295,52 @@ class LLMEngine:
 
     def step(self) -> StepResult:
         """schedule → execute → update_from_output → process. With async scheduling the next
-        step's forward is started before this one returns, so that it runs while the caller
-        reads this step's result."""
+        step is scheduled while this one's forward runs, and started before this one's result
+        is handed back, so that the engine's and the caller's work overlap the forwards."""
         self.ranks.check()
-        result = self._ready.pop() if self._ready else self._finish(self._in_flight or self._start())
-        self._in_flight = None
-        if self.config.async_scheduling and self.scheduler.has_unfinished():
-            self._in_flight = self._start()
+        if self._ready:  # finished early by _drain
+            return self._ready.pop()
+        step, self._in_flight = self._in_flight or self._start(), None
+        result = self._finish(step, then=self._schedule_ahead(step) if self.config.async_scheduling else None)
+        if self.config.async_scheduling and self._in_flight is None and self.scheduler.has_unfinished():
+            self._in_flight = self._start()  # scheduled after this step: it needed this step's outcome
         return result
 
-    def _start(self) -> InFlightStep:
+    def _schedule_ahead(self, step: InFlightStep) -> tuple[ScheduledBatch, float] | None:
+        """The next step's batch, scheduled while ``step``'s forward runs, and the time it took."""
+        started = time.perf_counter()
+        batch = self.scheduler.schedule_ahead(step.batch)
+        return None if batch is None else (batch, time.perf_counter() - started)
+
+    def _start(self, batch: ScheduledBatch | None = None, schedule_seconds: float = 0.0) -> InFlightStep:
         started = time.perf_counter()
         try:
-            batch = self.scheduler.schedule()
+            if batch is None:
+                batch = self.scheduler.schedule()
             if self.kv_tier is not None:
                 self.kv_tier.offload_evicted()  # before this step's forward overwrites the evicted blocks
         except Exception as exc:  # raised by the step that waits for it, as without async scheduling
             return InFlightStep(ScheduledBatch(), StepHandle.failed(exc), 0.0)
         scheduled = time.perf_counter()
-        return InFlightStep(batch, self.shard.execute(batch), scheduled - started)
+        return InFlightStep(batch, self.shard.execute(batch), schedule_seconds + scheduled - started)
 
-    def _finish(self, step: InFlightStep) -> StepResult:
+    def _finish(self, step: InFlightStep, then: tuple[ScheduledBatch, float] | None = None) -> StepResult:
+        """Wait for ``step``'s output, start ``then`` (the next step, scheduled meanwhile), and
+        advance the requests by the output."""
         try:
             output = step.handle.result()
         except RuntimeError as exc:
             self.ranks.step_failed(exc)  # raises WorkerDiedError if a lost rank caused it
             raise
+        if then is not None:
+            self._in_flight = self._start(*then)
         executed = time.perf_counter()
         finished = self.scheduler.update_from_output(step.batch, output, self.output_processor.check)
         updated = time.perf_counter()
         result = self.output_processor.process(output, finished)
         timings = result.timings
-        timings.schedule, timings.update, timings.process = (
-            step.schedule_seconds,
-            updated - executed,
-            (time.perf_counter() - updated),
-        )
+        timings.schedule, timings.update = step.schedule_seconds, updated - executed
+        timings.process = time.perf_counter() - updated
         return result
 
     def _drain(self) -> None:

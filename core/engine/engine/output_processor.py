@@ -72,7 +72,9 @@ class OutputProcessor:
             record_sample_logprobs(*output.sample_logprobs)
         for request in finished:
             self.forget(request)
-        return StepResult(updated=output.requests, finished=finished, timings=output.timings)
+        # with async scheduling a step may have computed a token for a request that had finished
+        updated = [r for r in output.requests if not r.status.finished or r in finished]
+        return StepResult(updated=updated, finished=finished, timings=output.timings)
 
     def forget(self, request: Request) -> None:
         """Drop a finished or aborted request (and its group once every sample has finished)."""

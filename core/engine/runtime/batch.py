@@ -9,6 +9,8 @@ from engine.runtime.request import Request
 
 # the phases of a step, in order; StepTimings holds seconds for each
 PHASES = ("schedule", "prepare", "forward", "logits", "sample", "update", "process")
+# an input token the step before samples (async scheduling): the runner fills it in
+PLACEHOLDER = -1
 
 
 @dataclass
@@ -23,9 +25,29 @@ class ScheduledBatch:
     drafts: dict[int, list[int]] = field(default_factory=dict)
     draft_probs: dict[int, object] = field(default_factory=dict)
     sample_indices: list[int] = field(default_factory=list)
+    # what the runner reads of each request, taken when the batch is made (with async scheduling
+    # the requests move on while it runs): where its new tokens start, their ids (PLACEHOLDER for
+    # the token the step before samples), its block table and recurrent-state slot
+    context_lens: list[int] | None = None
+    input_ids: list[list[int]] | None = None
+    block_tables: list[list[int]] | None = None
+    state_slots: list[int | None] | None = None
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def snapshot(self, context_lens: list[int] | None = None) -> None:
+        """Take what the runner reads of the requests now; ``context_lens`` where their new
+        tokens start, if not at ``num_computed_tokens`` (a step still running computes those)."""
+        if context_lens is None:
+            context_lens = [r.num_computed_tokens for r in self.requests]
+        self.context_lens = context_lens
+        self.input_ids = []
+        for request, start, n in zip(self.requests, context_lens, self.num_tokens):
+            known = request.token_ids[start : start + n]
+            self.input_ids.append(known + [PLACEHOLDER] * (n - len(known)))
+        self.block_tables = [list(r.block_ids) for r in self.requests]
+        self.state_slots = [r.state_slot for r in self.requests]
 
     @property
     def total_tokens(self) -> int:

@@ -163,7 +163,8 @@ class KVCacheManager:
             self.ref_counts[block] = 1
             request.block_ids.append(block)
         if self.enable_prefix_caching:
-            self._cache_full_blocks(request, total)
+            # a block is published once its tokens are known (async scheduling runs ahead of them)
+            self._cache_full_blocks(request, min(total, request.num_tokens))
         return True
 
     def allocate_lookahead(self, request: Request, num_tokens: int) -> bool:

@@ -10,7 +10,7 @@ import torch
 
 from engine.interfaces.attention import CommonAttentionMetadata
 from engine.interfaces.model import Model
-from engine.runtime.batch import ModelOutput, ScheduledBatch, StepTimings
+from engine.runtime.batch import PLACEHOLDER, ModelOutput, ScheduledBatch, StepTimings
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.logprobs import record_prompt_logprobs
 from engine.runtime.request import Request
@@ -52,6 +52,7 @@ class ModelRunner:
         self.keep_hidden_states = False
         self.keep_pre_head_hidden_states = False
         self.last_hidden: dict[str, torch.Tensor] = {}
+        self.last_tokens: dict[str, int] = {}  # each request's token sampled by the last step
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         """input_ids [T], positions [T] and the step's attention metadata."""
@@ -61,19 +62,21 @@ class ModelRunner:
         """The step as flat host arrays (what :meth:`to_device` turns into tensors)."""
         requests, num_new = batch.requests, batch.num_tokens
         num_seqs = len(requests)
+        if batch.context_lens is None:  # a batch made outside the scheduler (a proposer's)
+            batch.snapshot()
         input_ids: list[int] = []
-        context = []
+        context = batch.context_lens
         if batch.drafts:  # drafts run after their request's tokens, at the following positions
             num_new = [n + len(batch.drafts.get(i, ())) for i, n in enumerate(num_new)]
-        for i, (request, n) in enumerate(zip(requests, batch.num_tokens)):
-            start = request.num_computed_tokens
-            input_ids.extend(request.token_ids[start : start + n])
+        for i, (request, ids) in enumerate(zip(requests, batch.input_ids)):
+            if ids and ids[-1] == PLACEHOLDER:  # the token the step before sampled (async scheduling)
+                ids = ids[:-1] + [self.last_tokens[request.request_id]]
+            input_ids.extend(ids)
             input_ids.extend(batch.drafts.get(i, ()))
-            context.append(start)
-        max_blocks = max(len(r.block_ids) for r in requests)
-        block_table = np.zeros((num_seqs, max_blocks), dtype=np.int64)
-        for i, request in enumerate(requests):
-            block_table[i, : len(request.block_ids)] = request.block_ids
+        tables = batch.block_tables
+        block_table = np.zeros((num_seqs, max(map(len, tables))), dtype=np.int64)
+        for i, table in enumerate(tables):
+            block_table[i, : len(table)] = table
 
         # index arithmetic in numpy: a dozen tiny torch ops cost more than the work at batch 1
         query_lens = np.asarray(num_new, dtype=np.int64)
@@ -98,9 +101,7 @@ class ModelRunner:
             "block_tables": block_table,
             "slot_mapping": slot_mapping,
             "state_slots": (
-                np.asarray([r.state_slot for r in requests], dtype=np.int64)
-                if requests[0].state_slot is not None
-                else None
+                np.asarray(batch.state_slots, dtype=np.int64) if batch.state_slots[0] is not None else None
             ),
         }
 
@@ -189,7 +190,9 @@ class ModelRunner:
         if drafted:
             tokens.update(zip(drafted, self._verify(batch, drafted, hidden, ends)))
         timings.sample = self._clock() - sample_start - timings.logits
-        return requests, [tokens[i] for i in sampling]
+        kept = [tokens[i] for i in sampling]
+        self.last_tokens = {request.request_id: t[-1] for request, t in zip(requests, kept)}
+        return requests, kept
 
     def _sample(
         self, batch: ScheduledBatch, indices: list[int], hidden: torch.Tensor, ends: list[int]

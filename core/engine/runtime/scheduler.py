@@ -59,6 +59,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # kept sorted by sort_key
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_scheduled_ahead = 0  # batches scheduled while the step before still ran
         self._arrivals = itertools.count()  # first come, first served within a priority
         self._step_started = 0.0
 
@@ -129,6 +130,49 @@ class Scheduler:
         ]
         if self.spec is not None and batch.requests:
             self._plan_drafts(batch)
+        batch.snapshot()
+        return batch
+
+    def schedule_ahead(self, running: ScheduledBatch) -> ScheduledBatch | None:
+        """The next step's batch while ``running`` still runs (async scheduling): each request
+        ``running`` samples for is taken to have one more token, which the runner fills in from
+        that step's output (``PLACEHOLDER``). None when the next step depends on what only that
+        step's outcome tells: requests waiting to be admitted, a preemption, speculation,
+        penalties or a pending min_tokens (their sampling reads the output), prompt logits;
+        the engine then schedules after it."""
+        if self.spec is not None or self.waiting:
+            return None
+        self._step_started = time.perf_counter()
+        sampling = set(running.sample_indices)
+        in_flight = {id(r): (n, i in sampling) for i, (r, n) in enumerate(zip(running.requests, running.num_tokens))}
+        budget, plan = self.max_num_batched_tokens, []
+        for request in sorted(self.running, key=lambda r: r.sort_key):
+            params = request.sampling_params
+            pending_min = params.min_tokens and request.num_output_tokens <= params.min_tokens
+            if params.has_penalties or pending_min or request.needs_prompt_logits:
+                return None
+            computing, samples = in_flight.get(id(request), (0, False))
+            computed, total = request.num_computed_tokens + computing, request.num_tokens + samples
+            if samples and (total >= self.max_model_len or params.max_tokens == request.num_output_tokens + 1):
+                continue  # the token it samples now is its last
+            num_new = min(total - computed, budget)
+            if num_new > 0:
+                plan.append((request, computing, computed, num_new, total))
+                budget -= num_new
+        if not plan:
+            return None
+        batch = ScheduledBatch()
+        for request, computing, _, num_new, _ in plan:
+            if not self.kv_manager.allocate(request, computing + num_new):
+                return None  # the blocks taken so far are ones those requests fill next
+            batch.requests.append(request)
+            batch.num_tokens.append(num_new)
+        # a request samples when its new tokens reach its newest
+        batch.sample_indices = [
+            i for i, (_, _, computed, num_new, total) in enumerate(plan) if computed + num_new == total
+        ]
+        batch.snapshot([computed for _, _, computed, _, _ in plan])
+        self.num_scheduled_ahead += 1
         return batch
 
     def _plan_drafts(self, batch: ScheduledBatch) -> None:
@@ -162,7 +206,8 @@ class Scheduler:
         one by one until one finishes the request (its stop conditions, then ``check``:
         the output processor's stop strings). Returns the requests that finished."""
         for request, n in zip(batch.requests, batch.num_tokens):
-            request.num_computed_tokens += n
+            if not request.status.finished:
+                request.num_computed_tokens += n
         finished: list[Request] = []
         rejected: list[Request] = []
         for i, request, tokens in zip(batch.sample_indices, output.requests, output.tokens):

@@ -101,9 +101,9 @@ class EngineConfig(BaseModel):
     )
     async_scheduling: bool = Field(
         False,
-        description="Start the next step's forward on a thread of its own before a step's result is handed "
-        "back, so that what the caller does with it (streaming, detokenized text) overlaps the forward; outputs "
-        "are the same either way.",
+        description="Run the forward on a thread of its own and schedule each step while the one before "
+        "runs (its sampled tokens filled in when known), so that scheduling, output processing and the caller's "
+        "work overlap the forward; outputs are the same either way.",
     )
 
     @field_validator("kv_tier_config", "quantization_config", "speculative_config", mode="before")

@@ -106,7 +106,30 @@ class EngineConfig(BaseModel):
         "work overlap the forward; outputs are the same either way.",
     )
 
-    @field_validator("kv_tier_config", "quantization_config", "speculative_config", mode="before")
+    structured_output_backend: str | None = Field(
+        None,
+        description="Structured-output backend: a registered name (xgrammar from engine-xgrammar, llguidance "
+        "from engine-llguidance) or module.path:Class; default: xgrammar where installed, else the only one "
+        "installed.",
+    )
+    structured_output_config: dict[str, Any] = Field(
+        default_factory=dict, description="The structured-output backend's own settings, a JSON object."
+    )
+    structured_output_compile_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a constraint may take to compile; a longer one is refused (a 400), and the "
+        "request never waits on it.",
+    )
+    structured_output_max_constraint_chars: int = Field(
+        262144,
+        ge=1,
+        description="Longest constraint (schema, regex, grammar, choices) in characters; a longer one is refused.",
+    )
+
+    @field_validator(
+        "kv_tier_config", "quantization_config", "speculative_config", "structured_output_config", mode="before"
+    )
     @classmethod
     def _parse_json_object(cls, value: object, info: ValidationInfo) -> object:
         if value is None:

@@ -133,3 +133,20 @@ def register_kv_tiers(register: RegisterCallback) -> None:
 
     Every implementation is called; return values are ignored.
     """
+
+
+# -------------------------------------------------------------------------
+# structured output
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def register_structured_output_backends(register: RegisterCallback) -> None:
+    """Register structured-output backends (constraint compilers and matchers).
+
+    :param register: call ``register("name", BackendClass or "module:Class")``; the
+        key is what ``--structured-output-backend`` accepts. The class implements
+        :class:`engine.interfaces.structured_output.StructuredOutputBackend`.
+
+    Every implementation is called; return values are ignored.
+    """

@@ -3,12 +3,113 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 TOP_K_MAX = 2**31 - 1
+
+
+CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's ``StructuredOutputsParams``); exactly one of:
+
+    - ``json``: a JSON Schema (a dict, or its JSON text); the output is one JSON value that
+      validates against it.
+    - ``json_object``: True: any JSON object.
+    - ``regex``: the whole output matches it (``re.fullmatch``).
+    - ``choice``: the output is one of these strings.
+    - ``grammar``: an EBNF grammar in GBNF (llama.cpp) notation, rooted at ``root``.
+    - ``structural_tag``: free text in which every trigger string starts a segment
+      ``begin + JSON + end`` whose JSON follows the structure's schema; a dict (or its JSON
+      text) ``{"structures": [{"begin": ..., "schema": {...}, "end": ...}], "triggers": [...]}``.
+
+    ``disable_any_whitespace``: JSON is written without whitespace between its tokens
+    (otherwise any JSON whitespace may appear there). EOS and stop tokens are masked until
+    the constraint can end; the request finishes (reason "stop") once it has ended. A
+    request that runs out of ``max_tokens`` first ends with reason "length" and its text
+    is then an incomplete instance.
+    """
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: dict | str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs must set exactly one of {', '.join(CONSTRAINT_KINDS)}; got "
+                f"{', '.join(given) or 'none'}."
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(self.json).__name__}.")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}.") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON Schema object.")
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+            if any(not isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must hold strings only, got {list(self.choice)!r}.")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            if isinstance(tag, str):
+                try:
+                    tag = json.loads(tag)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {exc}.") from None
+            if not isinstance(tag, dict):
+                raise ValueError("structured_outputs.structural_tag must be a JSON object.")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be true or false.")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``CONSTRAINT_KINDS``."""
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> Any:
+        """The constraint itself: a schema dict (``json``; ``json_object`` gives None), a regex or
+        grammar string, the tuple of choices, or the structural tag as a dict."""
+        value = getattr(self, self.kind)
+        if self.kind in ("json", "structural_tag") and isinstance(value, str):
+            return json.loads(value)
+        return None if self.kind == "json_object" else value
+
+    @property
+    def key(self) -> str:
+        """A canonical text of the constraint: equal keys compile to the same grammar."""
+        return json.dumps(
+            [self.kind, self.spec, self.disable_any_whitespace], sort_keys=True, separators=(",", ":"), default=list
+        )
+
+    @property
+    def size(self) -> int:
+        """Characters in the constraint's text (bounded by the engine before compiling)."""
+        return len(self.key)
 
 
 @dataclass
@@ -57,6 +158,13 @@ class SamplingParams:
       after it, with ``include_stop_str_in_output``), the finish reason is
       "stop" and ``stop_reason`` the string.
     - ``skip_special_tokens``: leave special tokens out of the text.
+
+    Constraining:
+
+    - ``structured_outputs`` (``StructuredOutputsParams``; None: off): only tokens that
+      keep the output an instance of the constraint can be drawn; this mask is applied to
+      the logits before anything above (so logprobs are of the masked distribution, -inf
+      for the tokens it excludes, as in vLLM).
     """
 
     n: int = 1
@@ -77,6 +185,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -140,6 +249,12 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
         if any(s == "" for s in self.stop):
             raise ValueError("stop must not contain an empty string.")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(
+                f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}."
+            )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")

@@ -1,4 +1,4 @@
-"""The six component registries, filled by calling the registration hooks through pluggy."""
+"""The seven component registries, filled by calling the registration hooks through pluggy."""
 
 from __future__ import annotations
 
@@ -48,6 +48,13 @@ KINDS: tuple[ComponentKind, ...] = (
         "--speculative-method",
     ),
     ComponentKind("kv_tiers", "register_kv_tiers", "KV tier", "engine.interfaces.kv_tier:KVTier", "--kv-tier"),
+    ComponentKind(
+        "structured_output_backends",
+        "register_structured_output_backends",
+        "structured-output backend",
+        "engine.interfaces.structured_output:StructuredOutputBackend",
+        "--structured-output-backend",
+    ),
 )
 
 
@@ -60,6 +67,7 @@ class Components:
     quantizers: Registry[Any]
     spec_proposers: Registry[Any]
     kv_tiers: Registry[Any]
+    structured_output_backends: Registry[Any]
 
     def __init__(self) -> None:
         self.added_by: dict[str, dict[str, list[str]]] = {}  # plugin -> kind attr -> names it added

@@ -118,7 +118,15 @@ def test_plugins_json_lists_the_installed_plugins_and_their_components(capsys):
     assert llama["components"] == {"models": LLAMA_ARCHITECTURES}
 
     components = report["components"]
-    assert set(components) == {"platforms", "models", "attention_backends", "quantizers", "spec_proposers", "kv_tiers"}
+    assert set(components) == {
+        "platforms",
+        "models",
+        "attention_backends",
+        "quantizers",
+        "spec_proposers",
+        "kv_tiers",
+        "structured_output_backends",
+    }
     assert {
         "name": "cpu",
         "target": "engine_cpu.platform:CpuPlatform",

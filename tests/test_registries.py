@@ -61,6 +61,7 @@ from engine.interfaces.model import Model
 from engine.interfaces.platform import Availability, MemoryInfo, Platform
 from engine.interfaces.quantizer import Quantizer
 from engine.interfaces.spec_proposer import Drafts, SpecProposer
+from engine.interfaces.structured_output import StructuredOutputBackend
 
 
 class ThrowawayPlatform(Platform):
@@ -144,6 +145,16 @@ class ThrowawayTier(KVTier):
 
     def close(self):
         pass
+
+
+class ThrowawayStructuredOutput(StructuredOutputBackend):
+    name = "throwaway_structured"
+
+    def compile(self, constraint):
+        return constraint
+
+    def matcher(self, compiled, max_rollback):
+        raise NotImplementedError
 """
 
 CLASS_FOR_KIND = {
@@ -153,6 +164,7 @@ CLASS_FOR_KIND = {
     "quantizers": "ThrowawayQuantizer",
     "spec_proposers": "ThrowawayProposer",
     "kv_tiers": "ThrowawayTier",
+    "structured_output_backends": "ThrowawayStructuredOutput",
 }
 
 
@@ -170,6 +182,7 @@ HOOKS = [
     "register_quantizers",
     "register_spec_proposers",
     "register_kv_tiers",
+    "register_structured_output_backends",
 ]
 
 

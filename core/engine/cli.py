@@ -106,10 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
         "requests, in this process; prints each figure, the ratio engine/peer and how it was measured.\n\n"
         "  latency     W1: 1 request, prompt 128, 128 output tokens\n"
         "  throughput  W2: 64 requests of random lengths, all at once; and engine overhead at 64 decoding sequences\n"
-        "  prefix      W3: 32 requests sharing a 1024-token prefix, one after another",
+        "  prefix      W3: 32 requests sharing a 1024-token prefix, one after another\n"
+        "  structured  W2's requests each with a JSON schema (10 fields), on every installed structured-output "
+        "backend, against W2 unconstrained",
     )
-    bench.add_argument("workload", choices=["latency", "throughput", "prefix"], help="Which workload to run.")
-    bench.add_argument("--peers", default="", help="Comma-separated peers to run as well: hf (transformers generate).")
+    bench.add_argument(
+        "workload", choices=["latency", "throughput", "prefix", "structured"], help="Which workload to run."
+    )
+    bench.add_argument(
+        "--peers", default="", help="Comma-separated peers to run as well: hf (transformers generate); none: no peer."
+    )
     bench.add_argument(
         "--scale",
         type=float,
@@ -335,7 +341,7 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
         dtype=settings.pop("dtype"),
         scale=args.scale,
         repeat=args.repeat,
-        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip()),
+        peers=tuple(p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"),
         engine_settings=settings,
     )
 

@@ -76,6 +76,7 @@ class EngineRunner:
         self.attention = self._make_attention_timer()
         self._labels = [*PHASE_LABELS, *([ATTENTION] if self.attention is not None else [])]
         self._ids = itertools.count()
+        self.last_finish_reasons: dict[str, int] = {}
 
     def _make_attention_timer(self) -> ModuleTimer | None:
         """A timer of the model's Attention layers, or None for a model without any."""
@@ -124,9 +125,14 @@ class EngineRunner:
     def warm_up(self, request: BenchRequest) -> None:
         self.run([request], ALL_AT_ONCE)
 
-    def run(self, requests: Sequence[BenchRequest], submission: str) -> EngineRun:
+    def run(
+        self, requests: Sequence[BenchRequest], submission: str, constraints: Sequence[Any] | None = None
+    ) -> EngineRun:
         """Run ``requests`` submitted ``ALL_AT_ONCE`` or ``SEQUENTIAL`` (each after the
-        previous finished). Every request must produce exactly its ``output_len`` tokens."""
+        previous finished). Every request must produce exactly its ``output_len`` tokens;
+        with ``constraints`` (a ``StructuredOutputsParams`` per request) at most that many,
+        ending when its constraint has ended (its ``RequestTiming.output_len`` is then the
+        count it produced)."""
         if submission not in (ALL_AT_ONCE, SEQUENTIAL):
             raise ValueError(f"Unknown submission {submission!r}; use {ALL_AT_ONCE!r} or {SEQUENTIAL!r}.")
         timings: list[RequestTiming] = []
@@ -138,10 +144,10 @@ class EngineRunner:
             with self.attention or contextlib.nullcontext():
                 start = time.perf_counter()
                 if submission == ALL_AT_ONCE:
-                    timings = self._drive(requests, steps)
+                    timings = self._drive(requests, steps, constraints)
                 else:
-                    for request in requests:
-                        timings.extend(self._drive([request], steps))
+                    for i, request in enumerate(requests):
+                        timings.extend(self._drive([request], steps, constraints and constraints[i : i + 1]))
                 wall = time.perf_counter() - start
         finally:
             runner.synchronize = unsynchronized
@@ -160,13 +166,20 @@ class EngineRunner:
         )
         return StepRecord(seconds, timed, timings.forward_tokens, len(result.updated), all_decode)
 
-    def _drive(self, requests: Sequence[BenchRequest], steps: list[StepRecord]) -> list[RequestTiming]:
+    def _drive(
+        self, requests: Sequence[BenchRequest], steps: list[StepRecord], constraints: Sequence[Any] | None = None
+    ) -> list[RequestTiming]:
         from engine.sampling_params import SamplingParams
 
         submitted = time.perf_counter()
         index: dict[str, int] = {}
+        produced = [r.output_len for r in requests]
+        reasons = self.last_finish_reasons = {}  # finish reason -> requests
         for i, r in enumerate(requests):
-            params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+            constraint = constraints[i] if constraints is not None else None
+            params = SamplingParams(
+                temperature=0.0, max_tokens=r.output_len, ignore_eos=True, structured_outputs=constraint
+            )
             request = self.engine.add_request(f"bench-{next(self._ids)}", list(r.prompt_token_ids), params)
             index[request.request_id] = i
         first: list[float | None] = [None] * len(requests)
@@ -188,7 +201,12 @@ class EngineRunner:
                         continue
                     finished[i] = end
                     pending.discard(request.request_id)
-                    if request.num_output_tokens != requests[i].output_len:
+                    produced[i] = request.num_output_tokens
+                    reasons[request.status.value] = reasons.get(request.status.value, 0) + 1
+                    if constraints is not None:
+                        if request.status.value not in ("stop", "length"):
+                            raise RuntimeError(f"Request {i} ended with {request.status.value}.")
+                    elif request.num_output_tokens != requests[i].output_len:
                         raise RuntimeError(
                             f"Request {i} produced {request.num_output_tokens} tokens, the workload asks for "
                             f"exactly {requests[i].output_len} (finish: {request.status.value})."
@@ -198,9 +216,19 @@ class EngineRunner:
                 self.engine.abort(request_id)
             raise
         return [
-            RequestTiming(submitted, first[i], finished[i], r.prompt_len, r.output_len)  # type: ignore[arg-type]
+            RequestTiming(submitted, first[i], finished[i], r.prompt_len, produced[i])  # type: ignore[arg-type]
             for i, r in enumerate(requests)
         ]
+
+    def precompile(self, constraints: Sequence[Any]) -> list[float]:
+        """Compile each constraint (as the server does before a request reaches the engine
+        loop); the seconds each took."""
+        seconds = []
+        for constraint in constraints:
+            start = time.perf_counter()
+            self.engine.structured_output.compile(constraint)
+            seconds.append(time.perf_counter() - start)
+        return seconds
 
     def close(self) -> None:
         """Drop the engine (and its KV cache) before peers run in the same process."""

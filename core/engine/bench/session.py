@@ -128,8 +128,12 @@ class Session:
             )
 
     def engine(self) -> EngineRunner:
+        return self.engine_runner()
+
+    def engine_runner(self, **settings: Any) -> EngineRunner:
+        """The engine with the options' settings and ``settings`` over them, warmed up."""
         o = self.options
-        runner = EngineRunner(str(self.model_path), dtype=o.dtype, **{"plugins": None, **o.engine_settings})
+        runner = EngineRunner(str(self.model_path), dtype=o.dtype, **{"plugins": None, **o.engine_settings, **settings})
         d = runner.describe()
         quantized = f", quantization {d['quantization']}" if d["quantization"] else ""
         if d["speculative"]:

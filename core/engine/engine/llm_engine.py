@@ -16,6 +16,7 @@ from engine.engine.ranks import Ranks
 from engine.engine.setup import EngineSetup, check_tensor_parallel, resolve_setup
 from engine.engine.speculation import make_spec_decoder
 from engine.engine.stats import EngineStats
+from engine.engine.structured_output import StructuredOutputManager
 from engine.interfaces.model import Model
 from engine.model_loader.checkpoint import eos_token_ids
 from engine.plugins.manager import EnginePluginManager, get_plugin_manager
@@ -109,6 +110,17 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.chat_encoder = type(self.model).chat_encoder  # None: the tokenizer's chat template
         self.eos_token_ids = eos_token_ids(setup.model_path, setup.raw_config)
+        self.structured_output = StructuredOutputManager(
+            setup.structured_output_cls,
+            tokenizer=self.tokenizer,
+            vocab_size=setup.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            config=config.structured_output_config,
+            compile_timeout=config.structured_output_compile_timeout,
+            max_constraint_chars=config.structured_output_max_constraint_chars,
+            max_rollback=config.num_speculative_tokens if self.spec is not None else 0,
+        )
+        self.shard.runner.structured_output = self.structured_output
         logger.info(
             "engine ready: %s on %s (%s), %d KV blocks of %d tokens%s",
             setup.architecture,
@@ -166,6 +178,8 @@ class LLMEngine:
         if self.kv_tier is not None:
             self.kv_tier.close()
             self.kv_tier = None
+        if getattr(self, "structured_output", None) is not None:
+            self.structured_output.close()
         if self.shard is not None:
             self.shard.close()
         self.ranks.stop()
@@ -214,6 +228,8 @@ class LLMEngine:
             parent_request_id=parent_request_id,
             index=index,
         )
+        if params.structured_outputs is not None:  # compiled once per constraint (the server compiles first)
+            request.grammar = self.structured_output.matcher(params.structured_outputs)
         self.output_processor.add(request)
         if self.kv_tier is not None:
             self.kv_tier.prefetch(request)

@@ -71,6 +71,7 @@ class ModelShard:
         if self.executor is not None:
             self.executor.shutdown(wait=True)
             self.executor = None
+        self.runner.close()
 
 
 def local_device_index(platform, tp: TensorParallel) -> int:

@@ -50,6 +50,7 @@ class EngineSetup:
     dequantizer: CheckpointDequantizer | None  # a checkpoint dequantized at load
     proposer_cls: type | None
     kv_tier_cls: type | None
+    structured_output_cls: type | None = None  # None: no backend installed (constraints are refused)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -104,6 +105,7 @@ def resolve_setup(config: EngineConfig, components: Any) -> EngineSetup:
         dequantizer=dequantizer,
         proposer_cls=resolve_proposer(config, components),
         kv_tier_cls=resolve_kv_tier(config, components),
+        structured_output_cls=resolve_structured_output_backend(config, components),
     )
 
 
@@ -200,6 +202,29 @@ def resolve_kv_tier(config: EngineConfig, components: Any) -> type | None:
     if not config.enable_prefix_caching:
         raise ValueError("A KV tier holds prefix-cache blocks: it needs prefix caching on.")
     return components.kv_tiers.get(config.kv_tier)
+
+
+DEFAULT_STRUCTURED_OUTPUT_BACKEND = "xgrammar"
+
+
+def resolve_structured_output_backend(config: EngineConfig, components: Any) -> type | None:
+    """The structured-output backend's class: the one named, else xgrammar where installed,
+    else the first installed by name, else None."""
+    registry = components.structured_output_backends
+    name = config.structured_output_backend
+    if name is None:
+        if config.structured_output_config:
+            raise ValueError(
+                "structured_output_config was given without structured_output_backend: name the backend "
+                "(--structured-output-backend)."
+            )
+        if DEFAULT_STRUCTURED_OUTPUT_BACKEND in registry:
+            name = DEFAULT_STRUCTURED_OUTPUT_BACKEND
+        elif len(registry):
+            name = registry.names()[0]
+        else:
+            return None
+    return registry.get(name)
 
 
 def check_tensor_parallel(setup: EngineSetup, launch: Any = None) -> None:

@@ -28,6 +28,7 @@ from engine.entrypoints.generation import Generation, finish_status, parse_prior
 from engine.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from engine.entrypoints.openai_serving import OpenAIServing
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from engine.interfaces.structured_output import ConstraintError
 from engine.version import __version__
 
 logger = logging.getLogger("engine.server")
@@ -155,6 +156,8 @@ def build_app(
     ) -> Response:
         try:
             await generation.start()
+        except ConstraintError as exc:  # an output constraint that does not compile
+            raise bad_request(str(exc), param=generation.constraint_param, code="invalid_constraint") from None
         except ValueError as exc:  # the engine refused the request
             raise refusal(exc, default_param="prompt") from None
         except EngineDeadError as exc:

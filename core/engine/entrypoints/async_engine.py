@@ -173,6 +173,9 @@ class AsyncEngine:
         """
         if not self.is_alive:
             raise EngineDeadError(self.error)
+        if params.structured_outputs is not None:  # compiled here, so that the engine loop never waits on it
+            compile_constraint = self.engine.structured_output.compile
+            await asyncio.get_running_loop().run_in_executor(None, compile_constraint, params.structured_outputs)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         added: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(("add", (request_id, prompt_token_ids, params, priority, prompt, stream), added))

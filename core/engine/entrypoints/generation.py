@@ -100,6 +100,7 @@ class Generation:
         self.timings = {i: SampleTiming(self.arrival) for i in range(len(prompts) * params.n)}
         self.output_tokens = {i: 0 for i in self.timings}
         self.finish_reasons: dict[int, str] = {}
+        self.constraint_param: str | None = None  # the body field its output constraint came from
         self._streams: list[RequestStream] | None = None
 
     @property

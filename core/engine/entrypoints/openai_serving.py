@@ -13,7 +13,40 @@ from engine.entrypoints.generation import Generation, PromptInput, check_text, n
 from engine.entrypoints.metrics import ServerMetrics
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from engine.runtime.logprobs import LogprobEntry
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
+
+
+def structured_outputs(body: _SamplingFields) -> StructuredOutputsParams | None:
+    """The output constraint of ``response_format`` or ``structured_outputs``, or None."""
+    if body.structured_outputs is not None:
+        so = body.structured_outputs
+        return StructuredOutputsParams(
+            json=so.json_,
+            json_object=so.json_object,
+            regex=so.regex,
+            choice=so.choice,
+            grammar=so.grammar,
+            structural_tag=so.structural_tag,
+            disable_any_whitespace=so.disable_any_whitespace,
+        )
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.type == "structural_tag":
+        return StructuredOutputsParams(structural_tag={"structures": fmt.structures, "triggers": fmt.triggers or []})
+    schema = fmt.json_schema.schema_
+    # OpenAI: a json_schema format without a schema asks for any JSON
+    return StructuredOutputsParams(json=schema) if schema is not None else StructuredOutputsParams(json_object=True)
+
+
+def constraint_param(body: _SamplingFields) -> str | None:
+    if body.structured_outputs is not None:
+        return "structured_outputs"
+    if body.response_format is not None and body.response_format.type != "text":
+        return "response_format"
+    return None
 
 
 class OpenAIServing:
@@ -119,9 +152,10 @@ class OpenAIServing:
                 "stop strings need a tokenizer and this model has none; use stop_token_ids.", param="stop"
             )
         try:
+            fields["structured_outputs"] = structured_outputs(body)
             return SamplingParams(**fields)
         except ValueError as exc:
-            raise refusal(exc) from None
+            raise refusal(exc, default_param=constraint_param(body)) from None
 
     # /v1/completions
 
@@ -156,6 +190,7 @@ class OpenAIServing:
         generation = Generation(
             self.engine, self.metrics, "completions", new_request_id("cmpl"), prompts, params, priority
         )
+        generation.constraint_param = constraint_param(body)
         return generation, self._completion_formatter(body, generation)
 
     def _completion_formatter(self, body: CompletionRequest, generation: Generation) -> Callable:
@@ -255,6 +290,7 @@ class OpenAIServing:
         generation = Generation(
             self.engine, self.metrics, "chat", new_request_id("chatcmpl"), prompts, params, priority
         )
+        generation.constraint_param = constraint_param(body)
         return generation, self._chat_formatter(body, generation)
 
     def _chat_formatter(self, body: ChatCompletionRequest, generation: Generation) -> Callable:

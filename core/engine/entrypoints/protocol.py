@@ -24,6 +24,53 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or
+    ``json_schema`` (an instance of ``json_schema.schema``); vLLM's ``structural_tag``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JSONSchemaFormat | None = None
+    structures: list[dict[str, Any]] | None = None  # structural_tag
+    triggers: list[str] | None = None  # structural_tag
+
+    @model_validator(mode="after")
+    def _check_format(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema is only for response_format type 'json_schema', not {self.type!r}")
+        if self.type == "structural_tag" and not self.structures:
+            raise ValueError("response_format of type 'structural_tag' needs structures")
+        return self
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's ``structured_outputs`` request object: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_any_whitespace: StrictBool = False
+
+
 class _SamplingFields(BaseModel):
     """The sampling fields both endpoints share (OpenAI names, plus vLLM's extras)."""
 
@@ -49,6 +96,8 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
     logit_bias: dict[str, float] | None = None  # refused unless empty
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @field_validator("stop")
     @classmethod
@@ -66,6 +115,14 @@ class _SamplingFields(BaseModel):
             raise UnsupportedParameter("logit_bias", "logit_bias is not supported by this server.")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameter("stream_options", "stream_options is only allowed when stream is true.")
+        if (
+            self.structured_outputs is not None
+            and self.response_format not in (None,)
+            and (self.response_format.type != "text")
+        ):
+            raise ParamError(
+                "structured_outputs", "Give either response_format or structured_outputs, not both constraints."
+            )
         return self
 
 
@@ -122,12 +179,6 @@ class ChatMessage(BaseModel):
         return join_text(self.content)
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: StrictInt | None = None
@@ -137,7 +188,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # handed to the chat template (or the model's chat encoder)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None
@@ -152,10 +202,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedParameter("tools", "tool calling is not supported by this server.")
         if self.tool_choice not in (None, "none"):
             raise UnsupportedParameter("tool_choice", "tool calling is not supported by this server.")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise UnsupportedParameter(
-                "response_format", f"response_format type {self.response_format.type!r} is not supported; use 'text'."
-            )
         return self
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ from engine.runtime.kv_cache import KVCache
 from engine.runtime.logprobs import record_prompt_logprobs
 from engine.runtime.request import Request
 from engine.runtime.sampler import Sampler
+from engine.runtime.structured_output import StepMasks, fill_step_masks, mask_logits
 from engine.runtime.verify import verify
 
 
@@ -41,6 +43,7 @@ class ModelRunner:
         self.synchronize = synchronize
         self._timings = StepTimings()
         self._sample_logprobs = None
+        self._masks: StepMasks | None = None
         self.channel = channel
         self.in_step = False
         self.kv_cache = kv_cache
@@ -53,6 +56,10 @@ class ModelRunner:
         self.keep_pre_head_hidden_states = False
         self.last_hidden: dict[str, torch.Tensor] = {}
         self.last_tokens: dict[str, int] = {}  # each request's token sampled by the last step
+        # structured output: what has the backend (``.backend``) that fills constrained requests' masks, on
+        # a thread of their own while the forward runs
+        self.structured_output = None
+        self._mask_thread: ThreadPoolExecutor | None = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         """input_ids [T], positions [T] and the step's attention metadata."""
@@ -169,14 +176,16 @@ class ModelRunner:
             self.channel.send(("forward", arrays))
         input_ids, positions, common = self.to_device(arrays)
         ctx = self.kv_cache.forward_context(common)
+        sampling = batch.sample_indices
+        masks = self._start_masks(batch)
         forward_start = self._clock()
         timings.prepare = forward_start - start
         hidden = self.model(input_ids, positions, ctx)
         sample_start = self._clock()
         timings.forward, timings.forward_tokens = sample_start - forward_start, len(arrays["input_ids"])
+        self._masks = masks.result() if masks is not None else None
 
         ends = arrays["query_start_loc"][1:].tolist()
-        sampling = batch.sample_indices
         if any(r.want_prompt_logits for r in batch.requests):
             self._record_prompt_logits(batch, hidden, ends)
         if any(r.sampling_params.prompt_logprobs is not None for r in batch.requests):
@@ -194,14 +203,30 @@ class ModelRunner:
         self.last_tokens = {request.request_id: t[-1] for request, t in zip(requests, kept)}
         return requests, kept
 
+    def _start_masks(self, batch: ScheduledBatch) -> Future[StepMasks | None] | None:
+        """The constrained requests' masks, filled on the mask thread while the forward runs."""
+        if self.structured_output is None or not any(batch.requests[i].grammar for i in batch.sample_indices):
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-masks")
+        backend = self.structured_output.backend
+        return self._mask_thread.submit(fill_step_masks, backend, batch.requests, batch.sample_indices, batch.drafts)
+
+    def close(self) -> None:
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown()
+            self._mask_thread = None
+
     def _sample(
         self, batch: ScheduledBatch, indices: list[int], hidden: torch.Tensor, ends: list[int]
     ) -> list[list[int]]:
         """Requests ``indices`` of the batch, without drafts, sample one token each from the
-        logits of their last row."""
+        logits of their last row (masked where a request's output is constrained)."""
         requests = [batch.requests[i] for i in indices]
         rows = [ends[i] - 1 for i in indices]
-        sampled = self.sampler(self.logits(hidden, rows), requests)
+        logits = self.logits(hidden, rows)
+        mask_logits(logits, self._masks, indices, [1] * len(indices))
+        sampled = self.sampler(logits, requests)
         if sampled.logprobs is not None:  # recorded by the output processor, on the engine's thread
             self._sample_logprobs = (requests, sampled.logprobs)
         self._keep_hidden(requests, hidden, rows)
@@ -213,9 +238,11 @@ class ModelRunner:
         """Requests ``drafted`` are verified on the logits of their last token and every draft."""
         requests = [batch.requests[i] for i in drafted]
         rows = [r for i in drafted for r in range(ends[i] - len(batch.drafts[i]) - 1, ends[i])]
+        logits = self.logits(hidden, rows)
+        mask_logits(logits, self._masks, drafted, [len(batch.drafts[i]) + 1 for i in drafted])
         kept = verify(
             self.sampler,
-            self.logits(hidden, rows),
+            logits,
             requests,
             [batch.drafts[i] for i in drafted],
             [batch.draft_probs.get(i) for i in drafted],

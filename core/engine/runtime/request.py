@@ -57,6 +57,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
         self.stop_reason: int | str | None = None  # stop token id or stop string
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
+        self.grammar = None  # GrammarMatcher of its structured_outputs constraint, set by the engine
         self.want_prompt_logits = want_prompt_logits
         self.prompt_logits: list = []  # per-chunk logits tensors when want_prompt_logits
         # sample `index` of the n asked for by `parent_request_id` (None when n == 1)

@@ -13,6 +13,7 @@ from typing import Protocol
 from engine.runtime.batch import ModelOutput, ScheduledBatch
 from engine.runtime.kv_cache_manager import KVCacheManager
 from engine.runtime.request import Request, RequestStatus
+from engine.runtime.structured_output import advance, valid_drafts
 
 __all__ = ["DraftPlanner", "ScheduledBatch", "Scheduler", "StopCheck"]
 
@@ -138,7 +139,8 @@ class Scheduler:
         ``running`` samples for is taken to have one more token, which the runner fills in from
         that step's output (``PLACEHOLDER``). None when the next step depends on what only that
         step's outcome tells: requests waiting to be admitted, a preemption, speculation,
-        penalties or a pending min_tokens (their sampling reads the output), prompt logits;
+        penalties, a pending min_tokens or an output constraint (their sampling reads the output),
+        prompt logits;
         the engine then schedules after it."""
         if self.spec is not None or self.waiting:
             return None
@@ -149,7 +151,7 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.sort_key):
             params = request.sampling_params
             pending_min = params.min_tokens and request.num_output_tokens <= params.min_tokens
-            if params.has_penalties or pending_min or request.needs_prompt_logits:
+            if params.has_penalties or pending_min or request.needs_prompt_logits or request.grammar is not None:
                 return None
             computing, samples = in_flight.get(id(request), (0, False))
             computed, total = request.num_computed_tokens + computing, request.num_tokens + samples
@@ -181,6 +183,7 @@ class Scheduler:
         be rejected)."""
         room = self.max_num_batched_tokens - batch.total_tokens
         for i, tokens, probs in self.spec.propose(batch):
+            tokens = valid_drafts(batch.requests[i], tokens)  # drafts the output constraint allows
             count = min(len(tokens), room)
             if count and self.kv_manager.allocate_lookahead(batch.requests[i], count):
                 batch.drafts[i] = tokens[:count]
@@ -221,7 +224,7 @@ class Scheduler:
                     rejected.append(request)
             for token in tokens:
                 request.append_token(token)
-                status = check(request, request.check_stop(self.max_model_len))
+                status = check(request, advance(request, token, request.check_stop(self.max_model_len)))
                 if status is not None:
                     self.finish(request, status)
                     finished.append(request)

@@ -30,6 +30,7 @@ _CLASSES = {
     "KVTierTests": "engine.testing.kit.kv_tier",
     "QuantizerTests": "engine.testing.kit.quantizer",
     "SpecProposerTests": "engine.testing.kit.spec_proposer",
+    "StructuredOutputBackendTests": "engine.testing.kit.structured_output",
 }
 
 __all__ = ["KitTests", "capability_skip", *_CLASSES]

@@ -105,3 +105,61 @@ def test_following_the_tutorial_verbatim_gives_a_working_plugin(tmp_path):
     assert "mybackend  (engine-mybackend 0.1.0, entry_point) loaded" in output
     assert "attention_backends: my_backend" in output
     assert re.search(r"\d+ passed", output) and " failed" not in output, output
+
+
+def structured_tutorial() -> dict[str, str]:
+    """{relative path: content} of the structured-output tutorial: each fenced block is the
+    file named by the last backticked ``engine-choices/...`` path in the prose before it."""
+    text = (ROOT / "PLUGINS.md").read_text(encoding="utf-8")
+    start = text.index("## Tutorial: a structured-output backend")
+    section = text[start : text.index("\n## ", start + 1)]
+    files: dict[str, str] = {}
+    pending = None
+    lines = iter(section.splitlines())
+    for line in lines:
+        if line.startswith("```"):
+            block = []
+            for inner in lines:
+                if inner.startswith("```"):
+                    break
+                block.append(inner)
+            if pending is not None:
+                files[pending] = "\n".join(block) + "\n"
+            pending = None
+            continue
+        found = re.findall(r"`(engine-choices/[\w./-]+\.\w+)`", line)
+        if found:
+            pending = found[-1]
+    return files
+
+
+def test_structured_output_tutorial_backend_passes_the_kit(tmp_path):
+    files = structured_tutorial()
+    assert set(files) == {
+        "engine-choices/pyproject.toml",
+        "engine-choices/engine_choices/plugin.py",
+        "engine-choices/engine_choices/backend.py",
+        "engine-choices/tests/test_kit.py",
+    }
+    for relative, content in files.items():
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content, encoding="utf-8")
+    (tmp_path / "engine-choices/engine_choices/__init__.py").write_text("", encoding="utf-8")
+    # not pip-installed here: the plugin is loaded by its module path instead of its entry-point name
+    kit_test = tmp_path / "engine-choices/tests/test_kit.py"
+    kit_test.write_text(
+        kit_test.read_text(encoding="utf-8").replace('plugin = "choices"', 'plugin = "engine_choices.plugin"'),
+        encoding="utf-8",
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "engine-choices"), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", str(kit_test), "-q", "-p", "no:cacheprovider", "-rs"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout

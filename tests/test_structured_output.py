@@ -19,6 +19,7 @@ from engine import LLM, SamplingParams
 from engine.interfaces.structured_output import ConstraintError
 from engine.sampling_params import StructuredOutputsParams
 from engine.testing.checkpoints import make_tiny_checkpoint
+from engine.testing.kit.structured_output import whitespace_outside_strings
 
 BACKENDS = ["xgrammar", "llguidance"]
 DEMO = Path(engine.__file__).parent / "demo_model"
@@ -76,7 +77,7 @@ SCHEMAS = [
         "maxItems": 3,
     },
 ]
-REGEXES = [r"[a-z]{3,8}@[a-z]{2,5}\.(com|net)", r"\d{3}-\d{4}", r"(yes|no|maybe)( [0-9]{1,3})?"]
+REGEXES = [r"[a-z]{3,8}@[a-z]{2,5}\.(com|net)", r"[0-9]{3}-[0-9]{4}", r"(yes|no|maybe)( [0-9]{1,3})?"]
 CHOICES = ["red", "green", "blue", 'dark "violet"', "über"]
 
 
@@ -94,10 +95,9 @@ def make_llm(path: Path, backend: str, **options) -> LLM:
     return LLM(
         str(path),
         plugins=["cpu", "llama", backend],
-        dtype="float32",
         progress=False,
         structured_output_backend=backend,
-        **{"kv_cache_memory": 0.05, **options},
+        **{"kv_cache_memory": 0.05, "dtype": "float32", **options},
     )
 
 
@@ -122,7 +122,7 @@ def demo_llm(backend):
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(5, 400) for _ in range(rng.randint(2, 24))] for _ in range(n)]
+    return [[rng.randrange(5, 300) for _ in range(rng.randint(2, 24))] for _ in range(n)]
 
 
 def sampled(constraint: StructuredOutputsParams, i: int, **extra) -> SamplingParams:
@@ -138,21 +138,32 @@ def assert_valid_json(outputs, schemas) -> None:
             jsonschema.validate(json.loads(sample.text), schema)
 
 
-@pytest.mark.parametrize("model", ["tiny", "demo"])
-def test_json_schema_outputs_validate(model, tiny_llm, demo_llm):
-    llm = tiny_llm if model == "tiny" else demo_llm
+def test_json_schema_outputs_of_a_random_model_validate(tiny_llm):
+    check_json_schema_outputs(tiny_llm, demo=False)
+
+
+def test_json_schema_outputs_of_the_demo_model_validate(demo_llm):
+    check_json_schema_outputs(demo_llm, demo=True)
+
+
+def check_json_schema_outputs(llm, demo: bool) -> None:
     n = 200
     schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(n)]
     params = [
         sampled(StructuredOutputsParams(json=schema, disable_any_whitespace=i % 2 == 0), i)
         for i, schema in enumerate(schemas)
     ]
-    text_prompts = [f"Give record {i} as JSON:" for i in range(n)] if model == "demo" else prompts(n)
+    text_prompts = [f"Give record {i} as JSON:" for i in range(n)] if demo else prompts(n)
     outputs = llm.generate(text_prompts, params, use_tqdm=False)
-    assert_valid_json(outputs, schemas)
-    compact = [o.outputs[0].text for i, o in enumerate(outputs) if i % 2 == 0]
-    # without any whitespace, the text is exactly the compact serialization of its value
-    assert all(t == json.dumps(json.loads(t), separators=(",", ":"), ensure_ascii=False) for t in compact)
+    # a number's fraction has no length bound: sampling may write digits until max_tokens, and only there
+    long_numbers = [
+        o for i, o in enumerate(outputs) if o.outputs[0].finish_reason == "length" and i % len(SCHEMAS) == 2
+    ]
+    assert len(long_numbers) <= n // 20
+    complete = [(o, schema) for o, schema in zip(outputs, schemas) if o not in long_numbers]
+    assert_valid_json([o for o, _ in complete], [schema for _, schema in complete])
+    compact = [o.outputs[0].text for i, o in enumerate(outputs) if i % 2 == 0 and o not in long_numbers]
+    assert compact and not any(whitespace_outside_strings(t) for t in compact)
 
 
 def test_json_object_regex_choice_and_grammar(tiny_llm):
@@ -175,12 +186,13 @@ def test_json_object_regex_choice_and_grammar(tiny_llm):
             params.append(sampled(StructuredOutputsParams(grammar=grammar), i))
             checks.append(lambda text: re.fullmatch(r"\((?:[0-9]|[1-9][0-9])(?:,(?:[0-9]|[1-9][0-9]))*\)", text))
     outputs = tiny_llm.generate(prompts(n, seed=1), params, use_tqdm=False)
-    for output, check in zip(outputs, checks):
+    for i, (output, check) in enumerate(zip(outputs, checks)):
         sample = output.outputs[0]
-        if sample.finish_reason == "length":  # json_object may nest deeper than max_tokens allows
+        if i % 4 == 0 and sample.finish_reason == "length":  # any JSON object may outgrow max_tokens
+            assert sample.text.startswith("{")
             continue
         assert sample.finish_reason == "stop" and check(sample.text), sample.text
-    assert sum(o.outputs[0].finish_reason == "stop" for o in outputs) >= n - 3
+    assert sum(o.outputs[0].finish_reason == "stop" for o in outputs[::4]) >= 5  # complete objects too
 
 
 def test_n_samples_each_follow_the_constraint(tiny_llm):
@@ -282,7 +294,7 @@ def test_greedy_output_is_the_same_with_speculation_preemption_and_any_batch(tin
         StructuredOutputsParams(json={"type": "nonsense"}),
         StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
         StructuredOutputsParams(regex="([a-z]"),
-        StructuredOutputsParams(grammar='root ::= "a" | '),
+        StructuredOutputsParams(grammar='root ::= ("a"'),
         StructuredOutputsParams(grammar="root ::= " + " | ".join(f'"w{i}"' for i in range(60000))),
     ],
     ids=["invalid-schema", "dangling-ref", "invalid-regex", "invalid-grammar", "oversized-grammar"],

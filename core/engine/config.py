@@ -115,6 +115,11 @@ class EngineConfig(BaseModel):
     structured_output_config: dict[str, Any] = Field(
         default_factory=dict, description="The structured-output backend's own settings, a JSON object."
     )
+    structured_output_disable_any_whitespace: bool = Field(
+        False,
+        description="Write constrained JSON without whitespace between its tokens for every request (as if each "
+        "asked for disable_any_whitespace); small or untrained models otherwise tend to emit runs of it.",
+    )
     structured_output_compile_timeout: float = Field(
         10.0,
         gt=0,

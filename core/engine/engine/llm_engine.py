@@ -119,6 +119,7 @@ class LLMEngine:
             compile_timeout=config.structured_output_compile_timeout,
             max_constraint_chars=config.structured_output_max_constraint_chars,
             max_rollback=config.num_speculative_tokens if self.spec is not None else 0,
+            disable_any_whitespace=config.structured_output_disable_any_whitespace,
         )
         self.shard.runner.structured_output = self.structured_output
         logger.info(

@@ -3,6 +3,7 @@ cached by key, compiles run off the step loop and bounded in time and size."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -47,6 +48,7 @@ class StructuredOutputManager:
         compile_timeout: float,
         max_constraint_chars: int,
         max_rollback: int,
+        disable_any_whitespace: bool = False,
     ) -> None:
         self.backend_cls = backend_cls
         self.tokenizer = tokenizer
@@ -56,6 +58,7 @@ class StructuredOutputManager:
         self.compile_timeout = compile_timeout
         self.max_constraint_chars = max_constraint_chars
         self.max_rollback = max_rollback
+        self.disable_any_whitespace = disable_any_whitespace
         self._backend: StructuredOutputBackend | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()
@@ -113,6 +116,7 @@ class StructuredOutputManager:
     def compile(self, constraint: StructuredOutputsParams) -> Any:
         """The compiled constraint, from the cache or compiled now (waiting at most the
         timeout). Raises :class:`ConstraintError` for a constraint the backend refuses."""
+        constraint = self.effective(constraint)
         key = constraint.key
         with self._lock:
             if key in self._cache:
@@ -182,6 +186,12 @@ class StructuredOutputManager:
             )
         if not bitmask.any():
             raise ConstraintError(f"The {constraint.kind} constraint allows no output at all.")
+
+    def effective(self, constraint: StructuredOutputsParams) -> StructuredOutputsParams:
+        """The constraint as compiled: the engine's whitespace setting applied."""
+        if self.disable_any_whitespace and not constraint.disable_any_whitespace:
+            return dataclasses.replace(constraint, disable_any_whitespace=True)
+        return constraint
 
     def matcher(self, constraint: StructuredOutputsParams) -> GrammarMatcher:
         """A new request's matcher, at the start of its constraint."""

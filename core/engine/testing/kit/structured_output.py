@@ -478,7 +478,7 @@ class StructuredOutputBackendTests(KitTests):
                     f"walk {seed * 1000 + i} produced {text!r}, which the reference refuses: {exc}"
                 ) from None
             texts.append(text)
-        assert len(texts) >= WALKS // 2, f"only {len(texts)} of {WALKS} random walks ended within {MAX_WALK} tokens"
+        assert len(texts) >= WALKS // 4, f"only {len(texts)} of {WALKS} random walks ended within {MAX_WALK} tokens"
         return texts
 
     def complete_walk(self, backend: Any, compiled: Any, min_tokens: int) -> list[int]:

@@ -1,0 +1,1 @@
+"""engine-llguidance: a structured-output backend built on llguidance."""

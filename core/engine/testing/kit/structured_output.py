@@ -7,7 +7,8 @@ backend's bitmask allows, and judge the finished text with an independent refere
 regexes (and for GBNF grammars, through a Python regex of the same language), membership
 for choices. Along the way every mask must keep out the tokens the tokenizer does not
 have and its special tokens (EOS aside), allow EOS exactly when the matcher says the
-output can end, and come out the same whatever the row held before. The matcher's
+output can end, admit only well-formed UTF-8 (RFC 3629) where any character may come,
+and come out the same whatever the row held before. The matcher's
 bookkeeping (validate, rollback, reset, refusal of disallowed tokens), the batched fill,
 the reuse of a compiled constraint, concurrent compiles and the errors for invalid
 constraints are checked against the matcher's own answers at known positions.
@@ -40,16 +41,12 @@ P_EOS = 0.3  # chance a walk ends as soon as EOS is allowed
 P_CLOSE = 0.35  # chance a step draws among the allowed tokens that close something
 CLOSERS = frozenset('"}]),!.>')
 
-_SHIFTS = None
 
-
+@functools.lru_cache(maxsize=1)
 def _shifts() -> Any:
-    global _SHIFTS
-    if _SHIFTS is None:
-        import torch
+    import torch
 
-        _SHIFTS = torch.arange(32, dtype=torch.int32)
-    return _SHIFTS
+    return torch.arange(32, dtype=torch.int32)
 
 
 # the tokenizer and what the checks read of it, built once per process
@@ -340,6 +337,30 @@ def utf8_cases() -> list[Any]:
     ]
 
 
+# where any character may come next, and the tokens that lead there
+ANY_CHARACTER = (
+    pytest.param({"json_object": True}, '{"', id="json_object-key"),
+    pytest.param({"json": {"type": "string", "maxLength": 4}}, '"', id="json-string"),
+    pytest.param({"grammar": 'root ::= "(" [^()]+ ")"'}, "(", id="grammar-negated-class"),
+    pytest.param({"regex": r"\([^()]+\)"}, "(", id="regex-negated-class"),
+)
+
+# RFC 3629: the bytes that may start a character, and those that may follow each lead byte
+UTF8_LEADS = frozenset(range(0x80)) | frozenset(range(0xC2, 0xF5))
+UTF8_SECOND = {0xE0: range(0xA0, 0xC0), 0xED: range(0x80, 0xA0), 0xF0: range(0x90, 0xC0), 0xF4: range(0x80, 0x90)}
+
+
+def byte_ranges(values: Sequence[int]) -> str:
+    """Bytes as hex ranges: "0xa0-0xbf, 0xc0"."""
+    runs: list[list[int]] = []
+    for b in sorted(values):
+        if runs and b == runs[-1][1] + 1:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    return ", ".join(f"{lo:#04x}" if lo == hi else f"{lo:#04x}-{hi:#04x}" for lo, hi in runs) or "nothing"
+
+
 def no_whitespace_cases() -> list[Any]:
     cases = [pytest.param(s, id=name) for name, s in SCHEMAS.items()]
     cases.append(pytest.param(None, id="json_object"))
@@ -538,6 +559,31 @@ class StructuredOutputBackendTests(KitTests):
             assert not special, f"after {text_of(tokens[:k])!r}, special tokens are allowed as text: {special}"
             assert not m.can_terminate()
 
+    @pytest.mark.parametrize(("spec", "prefix"), ANY_CHARACTER)
+    def test_utf8_sequences_are_well_formed(self, backend: Any, spec: dict, prefix: str) -> None:
+        """Where any character may come, the mask admits exactly the well-formed UTF-8
+        starts (RFC 3629): no continuation byte or C0, C1, F5-FF as a first byte, and after
+        each lead byte only the second bytes it may take (no surrogates after ED, no
+        overlong forms after E0 / F0, nothing past U+10FFFF after F4)."""
+        compiled = self.compile(backend, **spec)
+        eos, start = eos_id(), encode(prefix)
+
+        def first_bytes(allowed: Any) -> set[int]:
+            return {token_bytes()[t][0] for t in allowed.nonzero().flatten().tolist() if t != eos}
+
+        leads = first_bytes(self.mask_after(backend, compiled, start))
+        assert leads & set(range(0xC2, 0xF5)), f"after {prefix!r}, no character beyond ASCII may start"
+        bad = sorted(leads - UTF8_LEADS)
+        assert not bad, f"after {prefix!r}, tokens starting with these bytes are allowed: {byte_ranges(bad)}"
+        byte_token = {raw[0]: i for i, raw in enumerate(token_bytes()) if len(raw) == 1}
+        wrong = {}
+        for lead in sorted(leads - set(range(0x80))):
+            seconds = first_bytes(self.mask_after(backend, compiled, [*start, byte_token[lead]]))
+            allowed_seconds = set(UTF8_SECOND.get(lead, range(0x80, 0xC0)))
+            if not seconds or not seconds <= allowed_seconds:
+                wrong[f"{lead:#04x}"] = byte_ranges(seconds - allowed_seconds if seconds else [])
+        assert not wrong, f"after {prefix!r} and a lead byte, the mask allows these next bytes: {wrong}"
+
     @pytest.mark.parametrize("spec", utf8_cases())
     def test_outputs_are_utf8(self, backend: Any, spec: dict) -> None:
         """Where any character may come (JSON strings, a negated character class), walks
@@ -547,10 +593,16 @@ class StructuredOutputBackendTests(KitTests):
         for i in range(WALKS):
             tokens = self.walk(backend, compiled, 3000 + i)
             if tokens is not None:
+                raw = bytes_of(tokens)
                 try:
-                    bytes_of(tokens).decode("utf-8")
+                    raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    bad.append(f"{bytes_of(tokens)!r} ({exc.reason} at byte {exc.start})")
+                    try:
+                        raw.decode("utf-8", errors="surrogatepass")
+                        why = "encoded surrogates"
+                    except UnicodeDecodeError:
+                        why = exc.reason
+                    bad.append(f"{raw!r} ({why}, at byte {exc.start})")
         assert not bad, "outputs that are not UTF-8: " + "; ".join(bad[:3])
 
     @pytest.mark.parametrize("schema", no_whitespace_cases())

@@ -39,6 +39,15 @@ class LayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        """Structured output: in place, ``logits[rows[j], t] = -inf`` for every token ``t`` that
+        ``bitmask[j]`` does not allow (bit ``t % 32`` of int32 word ``t // 32`` clear). logits:
+        [N, V] float; bitmask: [M, >= ceil(V / 32)] int32; rows: [M] int64, distinct."""
+        shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[-1]]
+        rows = rows.to(logits.device)
+        logits[rows] = logits[rows].masked_fill(allowed.to(logits.device) == 0, float("-inf"))
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [N, V] in any float dtype -> [N] int64, the first index of each row's
         maximum (a NaN counts as the maximum), as ``torch.argmax``. Greedy sampling."""

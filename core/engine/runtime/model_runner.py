@@ -225,7 +225,7 @@ class ModelRunner:
         requests = [batch.requests[i] for i in indices]
         rows = [ends[i] - 1 for i in indices]
         logits = self.logits(hidden, rows)
-        mask_logits(logits, self._masks, indices, [1] * len(indices))
+        mask_logits(logits, self._masks, indices, [1] * len(indices), self.sampler.ops)
         sampled = self.sampler(logits, requests)
         if sampled.logprobs is not None:  # recorded by the output processor, on the engine's thread
             self._sample_logprobs = (requests, sampled.logprobs)
@@ -239,7 +239,7 @@ class ModelRunner:
         requests = [batch.requests[i] for i in drafted]
         rows = [r for i in drafted for r in range(ends[i] - len(batch.drafts[i]) - 1, ends[i])]
         logits = self.logits(hidden, rows)
-        mask_logits(logits, self._masks, drafted, [len(batch.drafts[i]) + 1 for i in drafted])
+        mask_logits(logits, self._masks, drafted, [len(batch.drafts[i]) + 1 for i in drafted], self.sampler.ops)
         kept = verify(
             self.sampler,
             logits,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.interfaces.ops import REFERENCE_OPS, LayerOps
 from engine.interfaces.structured_output import bitmask_width
 from engine.runtime.request import Request, RequestStatus
 
@@ -88,16 +89,16 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Set ``logits[rows[j]]`` to -inf, in place, for every token ``bitmask[j]`` does not allow."""
-    if not rows:
-        return
-    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[-1])
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], ops: LayerOps = REFERENCE_OPS) -> None:
+    """Set ``logits[rows[j]]`` to -inf, in place, for every token ``bitmask[j]`` does not allow
+    (the platform's ``ops.apply_token_bitmask``)."""
+    if rows:
+        ops.apply_token_bitmask(logits, bitmask.to(logits.device), torch.tensor(rows, dtype=torch.int64))
 
 
-def mask_logits(logits: torch.Tensor, masks: StepMasks | None, order: list[int], positions: list[int]) -> None:
+def mask_logits(
+    logits: torch.Tensor, masks: StepMasks | None, order: list[int], positions: list[int], ops: LayerOps = REFERENCE_OPS
+) -> None:
     """``logits`` holds, for each batch index in ``order``, ``positions[k]`` consecutive rows
     (1, or its drafts + 1): mask the rows of constrained requests in place."""
     if masks is None:
@@ -111,7 +112,8 @@ def mask_logits(logits: torch.Tensor, masks: StepMasks | None, order: list[int],
             target.extend(range(start, start + count))
         start += count
     if source:
-        apply_bitmask(logits, masks.bitmask[source], target)
+        bitmask = masks.bitmask if source == list(range(len(masks.bitmask))) else masks.bitmask[source]
+        apply_bitmask(logits, bitmask, target, ops)
 
 
 def valid_drafts(request: Request, drafts: list[int]) -> list[int]:

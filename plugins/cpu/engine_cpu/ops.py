@@ -44,6 +44,11 @@ class NativeLayerOps(LayerOps):
         self.kernels.silu_and_mul(out, x)
         return out
 
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        if logits.dtype not in NATIVE_DTYPES or logits.dim() != 2 or not logits.is_contiguous():
+            return super().apply_token_bitmask(logits, bitmask, rows)
+        self.kernels.apply_token_bitmask(logits, bitmask.contiguous(), rows.contiguous())
+
     def argmax(self, logits):
         if logits.dtype not in NATIVE_DTYPES or logits.dim() != 2 or not logits.is_contiguous() or logits.shape[1] == 0:
             return super().argmax(logits)

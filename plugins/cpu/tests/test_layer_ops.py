@@ -104,3 +104,46 @@ def test_argmax_nan_and_infinities_as_torch(ops, dtype):
     logits[3, 18] = float("inf")
     logits[4, 0] = float("nan")
     assert ops.argmax(logits).tolist() == logits.argmax(dim=-1).tolist() == [33, 20, 0, 17, 0]
+
+
+def naive_masked(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The bitmask's definition, bit by bit: token t of row j is kept iff bit t % 32 of word t // 32 is set."""
+    out = logits.clone()
+    words = bitmask.tolist()
+    for j, row in enumerate(rows):
+        for t in range(logits.shape[1]):
+            if not (words[j][t // 32] >> (t % 32)) & 1:
+                out[row, t] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows,vocab", [(1, 5), (3, 32), (4, 77), (6, 333)])
+def test_apply_token_bitmask_matches_the_bit_definition(ops, dtype, num_rows, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(num_rows + 2, vocab, generator=gen).to(dtype)
+    words = (vocab + 31) // 32 + 1  # wider than needed, as masks of a larger vocabulary are
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (num_rows, words), generator=gen, dtype=torch.int32)
+    bitmask[0] = 0  # nothing allowed
+    if num_rows > 1:
+        bitmask[1] = -1  # everything allowed
+    rows = torch.randperm(num_rows + 2, generator=gen)[:num_rows]
+    expected = naive_masked(logits, bitmask, rows.tolist())
+    native_out, reference_out = logits.clone(), logits.clone()
+    ops.apply_token_bitmask(native_out, bitmask, rows)
+    REFERENCE_OPS.apply_token_bitmask(reference_out, bitmask, rows)
+    assert torch.equal(native_out, expected) and torch.equal(reference_out, expected)
+
+
+def test_apply_token_bitmask_large_vocabulary(ops):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(64, 32000, generator=gen).to(torch.bfloat16)
+    bitmask = torch.zeros(64, 1000, dtype=torch.int32)
+    bitmask[:, :3] = torch.randint(-(2**31), 2**31 - 1, (64, 3), generator=gen, dtype=torch.int32)
+    bitmask[5] = -1
+    rows = torch.arange(64)
+    native_out, reference_out = logits.clone(), logits.clone()
+    ops.apply_token_bitmask(native_out, bitmask, rows)
+    REFERENCE_OPS.apply_token_bitmask(reference_out, bitmask, rows)
+    assert torch.equal(native_out, reference_out)
+    assert torch.equal(native_out[5], logits[5]) and torch.isinf(native_out[0, 96:]).all()

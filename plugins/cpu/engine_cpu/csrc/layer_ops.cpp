@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
+#include <limits>
 #include <type_traits>
 
 #include "vec.h"
@@ -239,6 +241,55 @@ void argmax(torch::Tensor out, torch::Tensor logits) {
     const scalar_t* xp = logits.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) op[r] = argmax_row(xp + r * n, n);
+    });
+  });
+}
+
+// structured output: logits[rows[j], t] = -inf wherever bit t % 32 of bitmask[j][t / 32] is clear
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(), "apply_token_bitmask: contiguous [N, V] logits");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt,
+              "apply_token_bitmask: contiguous [M, W] int32 bitmask");
+  TORCH_CHECK(rows.dim() == 1 && rows.is_contiguous() && rows.scalar_type() == at::kLong &&
+                  rows.numel() == bitmask.size(0),
+              "apply_token_bitmask: rows is [M] int64");
+  const int64_t n = logits.size(1), words = bitmask.size(1), count = rows.numel(), num_rows = logits.size(0);
+  TORCH_CHECK(words * 32 >= n, "apply_token_bitmask: the bitmask is narrower than the vocabulary");
+  const int32_t* mp = bitmask.data_ptr<int32_t>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < count; ++j)
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < num_rows, "apply_token_bitmask: row out of range");
+  DISPATCH_F32_BF16(logits.scalar_type(), "apply_token_bitmask", [&] {
+    scalar_t* xp = logits.data_ptr<scalar_t>();
+    const scalar_t ninf = static_cast<scalar_t>(-std::numeric_limits<float>::infinity());
+    at::parallel_for(0, count, 1, [&](int64_t b, int64_t e) {
+      for (int64_t j = b; j < e; ++j) {
+        scalar_t* x = xp + rp[j] * n;
+        const uint32_t* m = reinterpret_cast<const uint32_t*>(mp + j * words);
+        int64_t w = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        // 32 tokens a word: one 64-byte blend of bf16 logits, or two of fp32, under the word as a mask
+        for (; (w + 1) * 32 <= n; ++w) {
+          const uint32_t word = m[w];
+          if (word == 0xFFFFFFFFu) continue;
+          scalar_t* p = x + w * 32;
+          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+            const __m512i keep = _mm512_loadu_si512(p);
+            _mm512_storeu_si512(p, _mm512_mask_blend_epi16(word, _mm512_set1_epi16(static_cast<int16_t>(0xFF80)), keep));
+          } else {
+            const __m512 ninf16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+            _mm512_storeu_ps(p, _mm512_mask_blend_ps(static_cast<__mmask16>(word), ninf16, _mm512_loadu_ps(p)));
+            _mm512_storeu_ps(p + 16, _mm512_mask_blend_ps(static_cast<__mmask16>(word >> 16), ninf16, _mm512_loadu_ps(p + 16)));
+          }
+        }
+#endif
+        for (; w * 32 < n; ++w) {
+          const uint32_t word = m[w];
+          if (word == 0xFFFFFFFFu) continue;
+          const int64_t base = w * 32, end = std::min<int64_t>(32, n - base);
+          for (int64_t t = 0; t < end; ++t) x[base + t] = ((word >> t) & 1u) ? x[base + t] : ninf;
+        }
+      }
     });
   });
 }

@@ -218,6 +218,7 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
 void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 void silu_and_mul(torch::Tensor out, torch::Tensor x);
 void argmax(torch::Tensor out, torch::Tensor logits);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 
 // packed_attention.cpp
 bool packed_kv_supported(int64_t head_size, int64_t block_size);
@@ -250,4 +251,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotate-half RoPE on q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up");
   m.def("argmax", &argmax, "out[r] = first index of the maximum of logits[r] (fp32 / bf16)");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "logits[rows[j], t] = -inf where bitmask[j] clears t");
 }

@@ -294,10 +294,18 @@ def test_greedy_output_is_the_same_with_speculation_preemption_and_any_batch(tin
         StructuredOutputsParams(json={"type": "nonsense"}),
         StructuredOutputsParams(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}),
         StructuredOutputsParams(regex="([a-z]"),
+        StructuredOutputsParams(json={"type": "array", "contains": {"type": "integer"}}),
         StructuredOutputsParams(grammar='root ::= ("a"'),
         StructuredOutputsParams(grammar="root ::= " + " | ".join(f'"w{i}"' for i in range(60000))),
     ],
-    ids=["invalid-schema", "dangling-ref", "invalid-regex", "invalid-grammar", "oversized-grammar"],
+    ids=[
+        "invalid-schema",
+        "dangling-ref",
+        "invalid-regex",
+        "unsupported-keyword",
+        "invalid-grammar",
+        "oversized-grammar",
+    ],
 )
 def test_bad_constraints_are_refused_and_the_engine_goes_on(tiny_llm, constraint):
     with pytest.raises(ConstraintError) as info:

@@ -156,6 +156,7 @@ def test_streamed_constrained_output_validates(client):
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, 400),
     ({"structured_outputs": {"regex": "([a-z]"}}, 400),
+    ({"structured_outputs": {"json": {"type": "array", "contains": {"type": "integer"}}}}, 400),  # unsupported
     ({"structured_outputs": {"grammar": 'root ::= ("a"'}}, 400),
     ({"structured_outputs": {"grammar": "root ::= " + " | ".join(f'"w{i}"' for i in range(100000))}}, 400),  # ~1 MB
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400),

@@ -1,0 +1,1 @@
+"""engine-xgrammar: a structured-output backend that compiles constraints with xgrammar."""

@@ -368,6 +368,83 @@ def test_max_whitespace_and_strict_mode(tokenizer):
     assert m.validate_tokens(tokens) < len(tokens)
 
 
+def test_schema_depth_is_bounded(tokenizer):
+    """xgrammar's conversion time grows with about the cube of a schema's depth: deeper than
+    max_schema_depth is refused before it starts."""
+
+    def nested(depth):
+        schema = {"type": "integer"}
+        for _ in range(depth - 1):
+            schema = {"type": "array", "items": schema, "maxItems": 1}
+        return schema
+
+    backend = build_backend(tokenizer, config={"max_schema_depth": 8})
+    backend.compile(P(json=nested(8)))
+    with pytest.raises(ConstraintError, match="more than 8 deep"):
+        backend.compile(P(json=nested(9)))
+    tag = {"structures": [{"begin": "<a>", "schema": nested(9), "end": "</a>"}], "triggers": ["<a>"]}
+    with pytest.raises(ConstraintError, match="more than 8 deep"):
+        backend.compile(P(structural_tag=tag))
+    default = build_backend(tokenizer)
+    with pytest.raises(ConstraintError, match="more than 128 deep"):
+        default.compile(P(json=nested(129)))
+    # a value nested past Python's recursion limit is an error of the constraint, too
+    deep_value: list = []
+    for _ in range(5000):
+        deep_value = [deep_value]
+    with pytest.raises(ConstraintError, match="nested too deeply"):
+        default.compile(P(json={"const": deep_value}))
+
+
+def test_compile_cache_setting(tokenizer):
+    backend = build_backend(tokenizer, config={"cache_limit_mb": 16})
+    first = backend.compile(P(json=OBJECT))
+    second = backend.compile(P(json=OBJECT))
+    assert np.array_equal(
+        allowed_tokens(backend, backend.matcher(first, 0)), allowed_tokens(backend, backend.matcher(second, 0))
+    )
+    backend.close()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"regex": "(a{0,1000}){0,1000}"},
+        {"regex": "[a-z]{1,100000}"},
+        {"regex": "(a|aa)*(x+x+)+y"},
+        {"regex": "(.*a){30}"},
+        {"grammar": "root ::= r0\n" + "\n".join(f"r{i} ::= r{i + 1}" for i in range(3000)) + '\nr3000 ::= "a"'},
+        {"json": {"type": "string", "minLength": 5000, "maxLength": 100000}},
+        {"json": {"type": "integer", "minimum": -(10**15), "maximum": 10**15}},
+    ],
+    ids=["nested-counted", "long-counted", "ambiguous", "dot-star-30", "rule-chain", "long-string", "wide-range"],
+)
+def test_pathological_constraints_compile_quickly(backend, tokenizer, spec):
+    """Constraints that are slow for backtracking or automaton-building matchers compile in
+    well under a second with xgrammar, and fill masks in milliseconds."""
+    import time
+
+    started = time.perf_counter()
+    compiled = backend.compile(P(**spec))
+    assert time.perf_counter() - started < 10
+    m = backend.matcher(compiled, 0)
+    for _ in range(10):
+        started = time.perf_counter()
+        ids = allowed_tokens(backend, m)
+        assert time.perf_counter() - started < 1
+        ids = ids[ids != tokenizer.eos_token_id]
+        if not ids.size:
+            break
+        assert m.accept_tokens([int(ids[0])])
+
+
+def test_too_deep_nesting_is_an_error(backend):
+    with pytest.raises(ConstraintError, match="Invalid grammar: .*Nest layer exceeded"):
+        backend.compile(P(grammar="root ::= " + "(" * 5000 + '"a"' + ")" * 5000))
+    with pytest.raises(ConstraintError, match="Invalid regex: .*Nest layer exceeded"):
+        backend.compile(P(regex="(" * 5000 + "a" + ")" * 5000))
+
+
 def test_no_eos_in_the_vocabulary_is_refused(tokenizer):
     with pytest.raises(ValueError, match="EOS"):
         build_backend(tokenizer, eos_token_ids=(10**6,))

@@ -86,7 +86,7 @@ def python_regex(regex: str) -> str:
             while j < n and regex[j] != "]":
                 j += 2 if regex[j] == "\\" else 1
             body = regex[i + 1 : j]
-            out.append(f"[{body}{_NO_SURROGATES}]" if negated else f"[{body}]")
+            out.append(f"[{body}{_NO_SURROGATES}]" if negated else _positive_class(body))
             i = j + 1
         elif c == ".":
             out.append(f"[^\\n{_NO_SURROGATES}]")
@@ -95,6 +95,39 @@ def python_regex(regex: str) -> str:
             out.append(c)
             i += 1
     return "".join(out)
+
+
+def _positive_class(body: str) -> str:
+    """The regex class ``[body]`` (not negated), written without the surrogates where it
+    holds any (``[\\s\\S]``, ``[\\u0000-\\uffff]``): its members as xgrammar reads them
+    (from its printed grammar), less U+D800 to U+DFFF, each as ``\\u{...}``."""
+    text = f"[{body}]"
+    try:
+        printed = str(xgr.Grammar.from_regex(text)).strip()
+    except Exception:  # xgrammar's parser reports it when the regex is compiled
+        return text
+    head, tail = "root ::= ((", "))"
+    if not (printed.startswith(head + "[") and printed.endswith("]" + tail)) or "\n" in printed:
+        return text  # one character (printed as a string), or not a plain class
+    members = printed[len(head) + 1 : -len(tail) - 1]
+    try:
+        ranges: list[tuple[int, int]] = []
+        j = 0
+        while j < len(members):
+            # the class is not negated: a "^" first is a member (xgrammar prints it unescaped)
+            a, j = _class_char(members, j)
+            b = a
+            if j + 1 < len(members) and members[j] == "-":
+                b, j = _class_char(members, j + 1)
+            ranges.append((a, b))
+    except (IndexError, ValueError):
+        return text
+    kept = _without_surrogates(False, ranges)
+    if kept is None:
+        return text
+    if not kept:
+        raise ConstraintError(f"Invalid regex: the character class {text} holds only UTF-16 surrogates.")
+    return "[" + "".join(f"\\u{{{a:x}}}" + ("" if a == b else f"-\\u{{{b:x}}}") for a, b in kept) + "]"
 
 
 _CLASS_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B, "b": 0x08, "a": 0x07, "e": 0x1B, "0": 0}

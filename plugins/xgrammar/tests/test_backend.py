@@ -15,6 +15,7 @@ from xgrammar_helpers import (
     allowed_tokens,
     backend_class,
     build_backend,
+    byte_tokens,
     compile_,
     encode,
     mask_ids,
@@ -538,6 +539,34 @@ def test_python_regex():
     assert py(r"[]a.]\D\d") == r"[]a.][^\d\ud800-\udfff]\d"
     assert py(r"[^]x]\W\S\s") == r"[^]x\ud800-\udfff][^\w\ud800-\udfff][^\s\ud800-\udfff]\s"
     assert py(r"[\]^.]") == r"[\]^.]"
+    # positive classes spanning the surrogates are spelled out without them
+    assert py(r"[\u0000-\uffff]") == r"[\u{0}-\u{d7ff}\u{e000}-\u{ffff}]"
+    assert py(r"[\^a]") == r"[\^a]"  # no surrogate: as written
+    with pytest.raises(ConstraintError):
+        py(r"[\ud800-\udbff]")
+
+
+def test_no_surrogates_where_any_character_may_come(backend, tokenizer):
+    """Bytes ED A0-BF (a UTF-16 surrogate's encoding) never follow one another where any
+    character may come: negated classes, ".", [\\s\\S], JSON strings, GBNF classes."""
+    byte = byte_tokens(tokenizer)
+    ed, a0, x80, nine_f = byte[0xED], byte[0xA0], byte[0x80], byte[0x9F]
+    for spec, prefix in (
+        ({"regex": "[\\s\\S]+"}, ""),
+        ({"regex": "[\\u0000-\\uffff]+"}, ""),
+        ({"regex": ".+"}, ""),
+        ({"regex": "[^a]+"}, ""),
+        ({"regex": "\\W+"}, ""),
+        ({"grammar": "root ::= [\\0-\\U0010ffff]+"}, ""),
+        ({"grammar": 'root ::= "(" [^()]+ ")"'}, "("),
+        ({"json": {"type": "string"}}, '"'),
+        ({"json": {"type": "string", "pattern": "^.+$"}}, '"'),
+        ({"json_object": True}, '{"'),
+    ):
+        m = backend.matcher(compile_(backend, **spec), 0)
+        assert m.accept_tokens(encode(tokenizer, prefix))
+        assert m.validate_tokens([ed, a0, x80]) < 3, spec
+        assert m.validate_tokens([ed, nine_f, x80]) == 3, spec  # U+D7C0, a character
 
 
 def test_patch_json_strings():

@@ -131,3 +131,18 @@ class Walker:
         ended = [w.text(self.tokenizer) for w in walks if w.ended]
         assert len(ended) >= n // 2, f"only {len(ended)} of {n} walks ended"
         return ended
+
+
+def byte_tokens(tokenizer) -> dict[int, int]:
+    """Byte value -> the id of the byte-level BPE token that is that byte alone (GPT-2's
+    byte-to-character table: printable Latin-1 as itself, the rest from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    vocab = tokenizer.get_vocab()
+    return {b: vocab[c] for b, c in chars.items()}

@@ -195,6 +195,11 @@ class XGrammarBackend(StructuredOutputBackend):
             tag = grammars.structural_tag_format(
                 spec, lambda schema: self.json_grammar(schema, constraint.disable_any_whitespace)
             )
+            for schema in grammars.tag_json_schemas(tag):  # of a tag in xgrammar's own format
+                try:
+                    self._check_schema(schema)
+                except ConstraintError as exc:
+                    raise ConstraintError(f"Invalid structural tag: in a json_schema content: {exc}") from None
             try:
                 text = str(xgr.Grammar.from_structural_tag(tag))
             except Exception as exc:
@@ -212,7 +217,7 @@ class XGrammarBackend(StructuredOutputBackend):
         except RecursionError:
             raise ConstraintError("Invalid JSON schema: it is nested too deeply.") from None
 
-    def _json_grammar(self, schema: Any, disable_any_whitespace: bool) -> str:
+    def _check_schema(self, schema: Any) -> None:
         grammars.check_depth(schema, self.max_schema_depth)
         if not self.lenient:
             problems = grammars.unsupported_keywords(schema)
@@ -223,6 +228,9 @@ class XGrammarBackend(StructuredOutputBackend):
                     + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
                     + ' (set "lenient": true in --structured-output-config to ignore what it does not enforce).'
                 )
+
+    def _json_grammar(self, schema: Any, disable_any_whitespace: bool) -> str:
+        self._check_schema(schema)
         try:
             text = json.dumps(grammars.python_patterns(schema), allow_nan=False)
         except (TypeError, ValueError) as exc:

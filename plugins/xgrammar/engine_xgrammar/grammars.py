@@ -431,3 +431,18 @@ def structural_tag_format(tag: dict, json_grammar) -> dict:
         "type": "structural_tag",
         "format": {"type": "triggered_tags", "triggers": list(triggers), "tags": tags},
     }
+
+
+def tag_json_schemas(tag: Any) -> Iterator[Any]:
+    """The JSON schemas of the ``json_schema`` contents in a structural tag of xgrammar's
+    format (none in one converted by :func:`structural_tag_format`: its contents are
+    grammars)."""
+    stack = [tag]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and "json_schema" in node:
+                yield node["json_schema"]
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)

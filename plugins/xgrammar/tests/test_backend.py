@@ -288,6 +288,13 @@ def weather_tag(**change):
         ({"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a"]}, "has no 'schema'"),
         ({**weather_tag(), "extra": 1}, "unknown key 'extra'"),
         ({"type": "structural_tag", "format": {"type": "no_such_format"}}, "Invalid structural tag"),
+        (
+            {
+                "type": "structural_tag",
+                "format": {"type": "json_schema", "json_schema": {"type": "array", "uniqueItems": True}},
+            },
+            "uniqueItems",
+        ),
     ],
 )
 def test_invalid_structural_tags(backend, tag, needle):

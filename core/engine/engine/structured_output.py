@@ -117,7 +117,10 @@ class StructuredOutputManager:
         """The compiled constraint, from the cache or compiled now (waiting at most the
         timeout). Raises :class:`ConstraintError` for a constraint the backend refuses."""
         constraint = self.effective(constraint)
-        key = constraint.key
+        try:
+            key = constraint.key
+        except RecursionError:
+            raise ConstraintError(f"The {constraint.kind} constraint is nested too deeply.") from None
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)

@@ -13,26 +13,9 @@ import jsonschema
 import pytest
 
 from engine.sampling_params import StructuredOutputsParams as P
+from engine.testing.kit.structured_output import whitespace_outside_strings
 
 JSON_WHITESPACE = " \t\n\r"
-
-
-def outside_strings(text: str) -> str:
-    """The characters of a JSON text that are not inside a string."""
-    out, in_string, escaped = [], False, False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        else:
-            out.append(ch)
-    return "".join(out)
 
 
 SCHEMAS = {
@@ -111,7 +94,7 @@ def test_json_schema_walks_validate(walker, tokenizer, name, compact):
         text = walk.text(tokenizer)
         jsonschema.validate(json.loads(text), schema)
         if compact:
-            assert not set(outside_strings(text)) & set(JSON_WHITESPACE), repr(text)
+            assert not whitespace_outside_strings(text), repr(text)
 
 
 def test_flexible_whitespace_is_allowed_and_compact_refuses_it(backend, tokenizer):

@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from engine.sampling_params import StructuredOutputsParams as P
+from engine.testing.kit.structured_output import whitespace_outside_strings
 
 WALKS = 12
 
@@ -24,24 +25,6 @@ def strict_json(text: str):
         raise ValueError(f"{name} is not JSON")
 
     return json.loads(text, parse_constant=refuse)
-
-
-def outside_strings(text: str) -> str:
-    """The characters of a JSON text that are not inside a string."""
-    out, in_string, escaped = [], False, False
-    for ch in text:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        else:
-            out.append(ch)
-    return "".join(out)
 
 
 SCHEMAS = {
@@ -130,7 +113,7 @@ def test_json_schema_walks_validate(walker, name, disable_any_whitespace):
     for text in texts:
         jsonschema.validate(strict_json(text), schema)
         if disable_any_whitespace:
-            assert not set(outside_strings(text)) & set(" \t\n\r"), f"whitespace in {text!r}"
+            assert not whitespace_outside_strings(text), f"whitespace in {text!r}"
 
 
 def test_json_object_walks_are_objects(walker):
@@ -138,7 +121,7 @@ def test_json_object_walks_are_objects(walker):
         for text in walker.texts(P(json_object=True, disable_any_whitespace=compact), WALKS, seed=3):
             assert isinstance(strict_json(text), dict), text
             if compact:
-                assert not set(outside_strings(text)) & set(" \t\n\r"), f"whitespace in {text!r}"
+                assert not whitespace_outside_strings(text), f"whitespace in {text!r}"
 
 
 def test_bounded_strings_hold_no_raw_control_characters(walker):

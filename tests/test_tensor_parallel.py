@@ -232,8 +232,15 @@ def free_port() -> int:
 @contextmanager
 def tensor_parallel_server(path: Path, plugin: str) -> Iterator[tuple[subprocess.Popen, int]]:
     """``engine serve`` on two ranks, up and answering; killed on the way out if still running."""
-    port = free_port()
-    server = start_server(path, plugin, port)
+    for attempt in range(3):
+        port = free_port()
+        try:
+            server = start_server(path, plugin, port)
+            break
+        except AssertionError as exc:
+            # the port was free when chosen; the ranks' rendezvous may take it before the server binds it
+            if "address already in use" not in str(exc) or attempt == 2:
+                raise
     try:
         yield server, port
     finally:

@@ -26,8 +26,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("engine")
 
-_SHIFTS = torch.arange(32, dtype=torch.int32)
-
 
 @dataclass
 class StepMasks:
@@ -81,12 +79,6 @@ def _allow_stop_tokens(request: Request, bitmask: torch.Tensor, row: int) -> Non
         if word < bitmask.shape[1]:
             value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << (token % 32))
             bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int32 [N, W] -> bool [N, vocab_size]: True where the token may be drawn."""
-    bits = (bitmask.unsqueeze(-1) >> _SHIFTS.to(bitmask.device)) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], ops: LayerOps = REFERENCE_OPS) -> None:

@@ -126,6 +126,8 @@ def test_plugins_json_lists_the_installed_plugins_and_their_components(capsys):
         "spec_proposers",
         "kv_tiers",
         "structured_output_backends",
+        "tool_parsers",
+        "reasoning_parsers",
     }
     assert {
         "name": "cpu",

@@ -1,4 +1,4 @@
-"""Component registries: the six hooks, names, qualnames, laziness, duplicates, selection."""
+"""Component registries: the registration hooks, names, qualnames, laziness, duplicates, selection."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class NotATier:
 
 
 # -------------------------------------------------------------------------
-# the six hooks
+# the registration hooks
 # -------------------------------------------------------------------------
 
 COMPONENTS_MODULE = """
@@ -61,7 +61,9 @@ from engine.interfaces.model import Model
 from engine.interfaces.platform import Availability, MemoryInfo, Platform
 from engine.interfaces.quantizer import Quantizer
 from engine.interfaces.spec_proposer import Drafts, SpecProposer
+from engine.interfaces.reasoning_parser import ReasoningParser
 from engine.interfaces.structured_output import StructuredOutputBackend
+from engine.interfaces.tool_parser import ParsedToolCalls, ToolParser
 
 
 class ThrowawayPlatform(Platform):
@@ -155,6 +157,20 @@ class ThrowawayStructuredOutput(StructuredOutputBackend):
 
     def matcher(self, compiled, max_rollback):
         raise NotImplementedError
+
+
+class ThrowawayToolParser(ToolParser):
+    name = "throwaway_tools"
+
+    def parse(self, text):
+        return ParsedToolCalls(text)
+
+    def parse_partial(self, text):
+        return ParsedToolCalls(text)
+
+
+class ThrowawayReasoningParser(ReasoningParser):
+    name = "throwaway_reasoning"
 """
 
 CLASS_FOR_KIND = {
@@ -165,6 +181,8 @@ CLASS_FOR_KIND = {
     "spec_proposers": "ThrowawayProposer",
     "kv_tiers": "ThrowawayTier",
     "structured_output_backends": "ThrowawayStructuredOutput",
+    "tool_parsers": "ThrowawayToolParser",
+    "reasoning_parsers": "ThrowawayReasoningParser",
 }
 
 
@@ -183,6 +201,8 @@ HOOKS = [
     "register_spec_proposers",
     "register_kv_tiers",
     "register_structured_output_backends",
+    "register_tool_parsers",
+    "register_reasoning_parsers",
 ]
 
 

@@ -150,3 +150,34 @@ def register_structured_output_backends(register: RegisterCallback) -> None:
 
     Every implementation is called; return values are ignored.
     """
+
+
+# -------------------------------------------------------------------------
+# tool calls and reasoning
+# -------------------------------------------------------------------------
+
+
+@hookspec
+def register_tool_parsers(register: RegisterCallback) -> None:
+    """Register tool-call parsers (a model family's tool-call format).
+
+    :param register: call ``register("name", ParserClass or "module:Class")``; the key is
+        what ``--tool-call-parser`` accepts and what a model class names in its
+        ``tool_parser`` attribute. The class implements
+        :class:`engine.interfaces.tool_parser.ToolParser`.
+
+    Every implementation is called; return values are ignored.
+    """
+
+
+@hookspec
+def register_reasoning_parsers(register: RegisterCallback) -> None:
+    """Register reasoning parsers (a thinking model's reasoning markers).
+
+    :param register: call ``register("name", ParserClass or "module:Class")``; the key is
+        what ``--reasoning-parser`` accepts and what a model class names in its
+        ``reasoning_parser`` attribute. The class subclasses
+        :class:`engine.interfaces.reasoning_parser.ReasoningParser`.
+
+    Every implementation is called; return values are ignored.
+    """

@@ -39,12 +39,19 @@ class Model(torch.nn.Module, ABC):
     """
 
     # A model family whose checkpoints ship their prompt format as code, not as a tokenizer chat
-    # template, sets this to a function ``(messages, *, add_generation_prompt, options) -> str``:
+    # template, sets this to a function ``(messages, *, add_generation_prompt, options, tools) -> str``:
     # ``messages`` are dicts with ``role`` and ``content`` (assistant turns may carry
-    # ``reasoning_content``), ``options`` the request's ``chat_template_kwargs`` plus its
-    # ``reasoning_effort``; it raises ``ValueError`` for what it cannot express (a 400 reply).
-    # The chat endpoints then use it instead of the tokenizer's template.
+    # ``reasoning_content`` and ``tool_calls``: ``[{"id", "type": "function", "function": {"name",
+    # "arguments": dict}}]``; ``tool`` turns carry ``tool_call_id``), ``options`` the request's
+    # ``chat_template_kwargs`` plus its ``reasoning_effort``, ``tools`` the declared functions as
+    # OpenAI writes them (``[{"type": "function", "function": {...}}]``, or None); it raises
+    # ``ValueError`` for what it cannot express (a 400 reply). The chat endpoints then use it
+    # instead of the tokenizer's template.
     chat_encoder: ClassVar[Callable[..., str] | None] = None
+    # The registered names of the family's tool-call and reasoning parsers, which
+    # ``--tool-call-parser auto`` and ``--reasoning-parser auto`` pick (None: the family has none).
+    tool_parser: ClassVar[str | None] = None
+    reasoning_parser: ClassVar[str | None] = None
     # A model with more than one residual stream (DeepSeek-V4) sets this and, while the engine
     # sets ``keep_pre_head_hidden_states``, stores each forward's hidden states before its final
     # collapse and norm in ``pre_head_hidden_states`` [T, ...] (what its MTP layers read).

@@ -1,4 +1,4 @@
-"""The seven component registries, filled by calling the registration hooks through pluggy."""
+"""The nine component registries, filled by calling the registration hooks through pluggy."""
 
 from __future__ import annotations
 
@@ -55,6 +55,20 @@ KINDS: tuple[ComponentKind, ...] = (
         "engine.interfaces.structured_output:StructuredOutputBackend",
         "--structured-output-backend",
     ),
+    ComponentKind(
+        "tool_parsers",
+        "register_tool_parsers",
+        "tool-call parser",
+        "engine.interfaces.tool_parser:ToolParser",
+        "--tool-call-parser",
+    ),
+    ComponentKind(
+        "reasoning_parsers",
+        "register_reasoning_parsers",
+        "reasoning parser",
+        "engine.interfaces.reasoning_parser:ReasoningParser",
+        "--reasoning-parser",
+    ),
 )
 
 
@@ -68,6 +82,8 @@ class Components:
     spec_proposers: Registry[Any]
     kv_tiers: Registry[Any]
     structured_output_backends: Registry[Any]
+    tool_parsers: Registry[Any]
+    reasoning_parsers: Registry[Any]
 
     def __init__(self) -> None:
         self.added_by: dict[str, dict[str, list[str]]] = {}  # plugin -> kind attr -> names it added

@@ -184,7 +184,7 @@ def scan_json(text: str, start: int) -> int | None:
     if i >= n:
         return None
     depth, in_string, escaped = 0, False, False
-    if text[i] not in "{[\"":
+    if text[i] not in '{["':
         while i < n and text[i] not in ",}] \t\r\n":
             i += 1
         return i if i < n else None

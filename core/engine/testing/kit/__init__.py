@@ -31,6 +31,8 @@ _CLASSES = {
     "QuantizerTests": "engine.testing.kit.quantizer",
     "SpecProposerTests": "engine.testing.kit.spec_proposer",
     "StructuredOutputBackendTests": "engine.testing.kit.structured_output",
+    "ToolParserTests": "engine.testing.kit.parsers",
+    "ReasoningParserTests": "engine.testing.kit.parsers",
 }
 
 __all__ = ["KitTests", "capability_skip", *_CLASSES]

@@ -132,6 +132,17 @@ class EngineConfig(BaseModel):
         description="Longest constraint (schema, regex, grammar, choices) in characters; a longer one is refused.",
     )
 
+    tool_call_parser: str = Field(
+        "auto",
+        description="How tool calls are read out of the output: a registered tool-call parser (engine plugins "
+        "lists them), module.path:Class, 'auto' (the model family's own, if it has one) or 'none'.",
+    )
+    reasoning_parser: str = Field(
+        "auto",
+        description="How a thinking model's reasoning is split from its answer (reasoning_content): a registered "
+        "reasoning parser, module.path:Class, 'auto' (the model family's own, if it has one) or 'none'.",
+    )
+
     @field_validator(
         "kv_tier_config", "quantization_config", "speculative_config", "structured_output_config", mode="before"
     )
@@ -171,6 +182,11 @@ class ServerConfig(BaseModel):
     served_model_name: str | None = Field(None, description="Model name clients send; default: the model argument.")
     metrics_public: bool = Field(False, description="Serve /metrics without the API key.")
     max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted, in bytes.")
+    enable_auto_tool_choice: bool = Field(
+        False,
+        description="Let the model decide whether to call a tool (tool_choice 'auto', the default when tools "
+        "are given): its output is read for calls with the tool-call parser.",
+    )
 
     @field_validator("api_key")
     @classmethod

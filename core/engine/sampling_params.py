@@ -112,6 +112,28 @@ class StructuredOutputsParams:
         return len(self.key)
 
 
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """A thinking model's reasoning markers as token ids (from its reasoning parser):
+    ``start`` opens the reasoning, ``end`` closes it, ``forced_end`` (which begins with
+    ``end``) is what the engine writes when a thinking budget runs out; ``starts_open``:
+    the prompt left the reasoning open, so the output begins inside it."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    forced_end: tuple[int, ...]
+    starts_open: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("start", "end", "forced_end"):
+            ids = getattr(self, name)
+            if not ids or any(not _is_int(t) or t < 0 for t in ids):
+                raise ValueError(f"reasoning_markers.{name} must be a non-empty sequence of token ids, got {ids!r}.")
+            object.__setattr__(self, name, tuple(ids))
+        if self.forced_end[: len(self.end)] != self.end:
+            raise ValueError("reasoning_markers.forced_end must begin with reasoning_markers.end.")
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token, what to report about it, and when to stop.
@@ -165,6 +187,16 @@ class SamplingParams:
       keep the output an instance of the constraint can be drawn; this mask is applied to
       the logits before anything above (so logprobs are of the masked distribution, -inf
       for the tokens it excludes, as in vLLM).
+
+    Reasoning (thinking models):
+
+    - ``reasoning_markers`` (``ReasoningMarkers``; None: the output is not read for
+      reasoning): the engine follows the output through the reasoning block and counts its
+      tokens (the markers' own tokens excepted). An output constraint applies from the
+      token after the block when the output begins inside one.
+    - ``thinking_token_budget`` (None: no limit; needs ``reasoning_markers``): once the
+      reasoning has that many tokens, the engine writes ``forced_end`` in place of what
+      the model samples, and the answer follows.
     """
 
     n: int = 1
@@ -186,6 +218,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
+    reasoning_markers: ReasoningMarkers | None = None
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -255,6 +289,19 @@ class SamplingParams:
             raise ValueError(
                 f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}."
             )
+        if isinstance(self.reasoning_markers, dict):
+            self.reasoning_markers = ReasoningMarkers(**self.reasoning_markers)
+        if self.reasoning_markers is not None and not isinstance(self.reasoning_markers, ReasoningMarkers):
+            raise ValueError(
+                f"reasoning_markers must be a ReasoningMarkers, got {type(self.reasoning_markers).__name__}."
+            )
+        if self.thinking_token_budget is not None:
+            _check_int("thinking_token_budget", self.thinking_token_budget, minimum=0)
+            if self.reasoning_markers is None:
+                raise ValueError(
+                    "thinking_token_budget needs reasoning_markers: the model's reasoning parser says where its "
+                    "reasoning ends (start the server with a --reasoning-parser)."
+                )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}.")

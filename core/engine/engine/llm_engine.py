@@ -17,6 +17,7 @@ from engine.engine.setup import EngineSetup, check_tensor_parallel, resolve_setu
 from engine.engine.speculation import make_spec_decoder
 from engine.engine.stats import EngineStats
 from engine.engine.structured_output import StructuredOutputManager
+from engine.runtime.reasoning import start_tracking
 from engine.interfaces.model import Model
 from engine.model_loader.checkpoint import eos_token_ids
 from engine.plugins.manager import EnginePluginManager, get_plugin_manager
@@ -231,6 +232,7 @@ class LLMEngine:
         )
         if params.structured_outputs is not None:  # compiled once per constraint (the server compiles first)
             request.grammar = self.structured_output.matcher(params.structured_outputs)
+        start_tracking(request)
         self.output_processor.add(request)
         if self.kv_tier is not None:
             self.kv_tier.prefetch(request)

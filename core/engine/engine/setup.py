@@ -51,6 +51,8 @@ class EngineSetup:
     proposer_cls: type | None
     kv_tier_cls: type | None
     structured_output_cls: type | None = None  # None: no backend installed (constraints are refused)
+    tool_parser_cls: type | None = None  # None: tool calls are not read (tool choice is refused)
+    reasoning_parser_cls: type | None = None  # None: the output is all content
 
     @property
     def dtype(self) -> torch.dtype:
@@ -106,6 +108,10 @@ def resolve_setup(config: EngineConfig, components: Any) -> EngineSetup:
         proposer_cls=resolve_proposer(config, components),
         kv_tier_cls=resolve_kv_tier(config, components),
         structured_output_cls=resolve_structured_output_backend(config, components),
+        tool_parser_cls=resolve_parser(config.tool_call_parser, components.tool_parsers, model_cls.tool_parser),
+        reasoning_parser_cls=resolve_parser(
+            config.reasoning_parser, components.reasoning_parsers, model_cls.reasoning_parser
+        ),
     )
 
 
@@ -224,6 +230,25 @@ def resolve_structured_output_backend(config: EngineConfig, components: Any) -> 
             name = registry.names()[0]
         else:
             return None
+    return registry.get(name)
+
+
+def resolve_parser(name: str, registry: Any, family_default: str | None) -> type | None:
+    """A parser class: the one ``name``\ d, the model family's own for ``auto`` (None when it has
+    none, or names one no installed plugin registers), None for ``none``."""
+    if name == "none":
+        return None
+    if name == "auto":
+        if family_default is None:
+            return None
+        if family_default not in registry:
+            logger.warning(
+                "the model family's %s %r is not registered by any loaded plugin; none is used",
+                registry.kind,
+                family_default,
+            )
+            return None
+        return registry.get(family_default)
     return registry.get(name)
 
 

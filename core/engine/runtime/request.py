@@ -58,6 +58,8 @@ class Request:
         self.stop_reason: int | str | None = None  # stop token id or stop string
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.grammar = None  # GrammarMatcher of its structured_outputs constraint, set by the engine
+        self.reasoning = None  # ReasoningTracker when its sampling params name reasoning markers
+        self.deferred_grammar = None  # the matcher, while the output is in a reasoning block it began in
         self.want_prompt_logits = want_prompt_logits
         self.prompt_logits: list = []  # per-chunk logits tensors when want_prompt_logits
         # sample `index` of the n asked for by `parent_request_id` (None when n == 1)

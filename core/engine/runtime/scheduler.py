@@ -13,6 +13,7 @@ from typing import Protocol
 from engine.runtime.batch import ModelOutput, ScheduledBatch
 from engine.runtime.kv_cache_manager import KVCacheManager
 from engine.runtime.request import Request, RequestStatus
+from engine.runtime.reasoning import may_force, next_token, release_constraint
 from engine.runtime.structured_output import advance, valid_drafts
 
 __all__ = ["DraftPlanner", "ScheduledBatch", "Scheduler", "StopCheck"]
@@ -139,8 +140,8 @@ class Scheduler:
         ``running`` samples for is taken to have one more token, which the runner fills in from
         that step's output (``PLACEHOLDER``). None when the next step depends on what only that
         step's outcome tells: requests waiting to be admitted, a preemption, speculation,
-        penalties, a pending min_tokens or an output constraint (their sampling reads the output),
-        prompt logits;
+        penalties, a pending min_tokens, an output constraint or a thinking budget (their sampling
+        reads the output), prompt logits;
         the engine then schedules after it."""
         if self.spec is not None or self.waiting:
             return None
@@ -151,7 +152,13 @@ class Scheduler:
         for request in sorted(self.running, key=lambda r: r.sort_key):
             params = request.sampling_params
             pending_min = params.min_tokens and request.num_output_tokens <= params.min_tokens
-            if params.has_penalties or pending_min or request.needs_prompt_logits or request.grammar is not None:
+            if (
+                params.has_penalties
+                or pending_min
+                or request.needs_prompt_logits
+                or request.grammar is not None
+                or may_force(request)
+            ):
                 return None
             computing, samples = in_flight.get(id(request), (0, False))
             computed, total = request.num_computed_tokens + computing, request.num_tokens + samples
@@ -183,9 +190,11 @@ class Scheduler:
         be rejected)."""
         room = self.max_num_batched_tokens - batch.total_tokens
         for i, tokens, probs in self.spec.propose(batch):
-            tokens = valid_drafts(batch.requests[i], tokens)  # drafts the output constraint allows
+            request = batch.requests[i]
+            # drafts the output constraint allows; none where the engine may write the next token itself
+            tokens = [] if may_force(request) else valid_drafts(request, tokens)
             count = min(len(tokens), room)
-            if count and self.kv_manager.allocate_lookahead(batch.requests[i], count):
+            if count and self.kv_manager.allocate_lookahead(request, count):
                 batch.drafts[i] = tokens[:count]
                 if probs is not None:
                     batch.draft_probs[i] = probs[:count]
@@ -223,8 +232,10 @@ class Scheduler:
                 if accepted < len(drafts):
                     rejected.append(request)
             for token in tokens:
+                token = next_token(request, token)  # a thinking budget may close the reasoning here
                 request.append_token(token)
                 status = check(request, advance(request, token, request.check_stop(self.max_model_len)))
+                release_constraint(request)
                 if status is not None:
                     self.finish(request, status)
                     finished.append(request)

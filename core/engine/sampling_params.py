@@ -28,7 +28,11 @@ class StructuredOutputsParams:
     - ``grammar``: an EBNF grammar in GBNF (llama.cpp) notation, rooted at ``root``.
     - ``structural_tag``: free text in which every trigger string starts a segment
       ``begin + JSON + end`` whose JSON follows the structure's schema; a dict (or its JSON
-      text) ``{"structures": [{"begin": ..., "schema": {...}, "end": ...}], "triggers": [...]}``.
+      text) ``{"structures": [{"begin": ..., "schema": {...}, "end": ...}], "triggers": [...]}``,
+      with two optional booleans (default false) that force a segment, as tool calling
+      needs: ``at_least_one``: the output begins with a segment (no text before it), then
+      goes on as above; ``stop_after_first``: the output ends right after its first
+      segment. With both, the output is exactly one segment.
 
     ``disable_any_whitespace``: JSON is written without whitespace between its tokens
     (otherwise any JSON whitespace may appear there). EOS and stop tokens are masked until

@@ -147,22 +147,31 @@ def _plain_unicode_escapes(text: str) -> str:
     return _ESCAPE.sub(plain, text)
 
 
+STRUCTURAL_TAG_FLAGS = ("at_least_one", "stop_after_first")
+
+
 def structural_tag_grammar(tag: Any, disable_any_whitespace: bool, lenient: bool) -> str:
     """Free text in which every trigger starts a segment ``begin + JSON + end``.
 
     ``tag`` is ``{"structures": [{"begin": str, "schema": {...}, "end": str}, ...],
-    "triggers": [str, ...]}``. Each structure's ``begin`` must start with one of the
+    "triggers": [str, ...]}``, and optionally the booleans ``at_least_one`` (the output
+    begins with a segment, no text before it) and ``stop_after_first`` (the output ends
+    right after its first segment). Each structure's ``begin`` must start with one of the
     triggers; the shortest such trigger is the one the text meets first, so it is the one
     that starts the structure. Triggers are matched as text, never as special tokens.
     """
     if not isinstance(tag, dict):
         raise ConstraintError("The structural_tag constraint must be a JSON object.")
-    unknown = sorted(set(tag) - {"structures", "triggers", "type"})
+    unknown = sorted(set(tag) - {"structures", "triggers", "type", *STRUCTURAL_TAG_FLAGS})
     if unknown or tag.get("type", "structural_tag") != "structural_tag":
         raise ConstraintError(
             'The structural_tag constraint must be {"structures": [{"begin": ..., "schema": {...}, "end": ...}], '
-            f'"triggers": [...]}}; got the keys {sorted(tag)}.'
+            f'"triggers": [...]}} (and optionally "at_least_one", "stop_after_first"); got the keys {sorted(tag)}.'
         )
+    for flag in STRUCTURAL_TAG_FLAGS:
+        if not isinstance(tag.get(flag, False), bool):
+            raise ConstraintError(f"The structural_tag constraint's {flag!r} must be true or false, got {tag[flag]!r}.")
+    at_least_one, stop_after_first = tag.get("at_least_one", False), tag.get("stop_after_first", False)
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(structures, list) or not structures:
         raise ConstraintError("The structural_tag constraint needs a non-empty list 'structures'.")
@@ -203,9 +212,49 @@ def structural_tag_grammar(tag: Any, disable_any_whitespace: bool, lenient: bool
             )
         )
     try:
-        return llguidance.StructTag.to_grammar(tags, assume_special=False)
+        if not (at_least_one or stop_after_first):
+            return llguidance.StructTag.to_grammar(tags, assume_special=False)
+        return _forcing_tags_lark(tags, at_least_one, stop_after_first)
     except (AssertionError, ValueError, TypeError, RecursionError) as exc:
         raise ConstraintError(f"The structural_tag constraint cannot be compiled: {exc}") from None
+
+
+def _forcing_tags_lark(tags: list[llguidance.StructTag], at_least_one: bool, stop_after_first: bool) -> str:
+    """The Lark grammar of ``tags`` with ``at_least_one`` and / or ``stop_after_first``, in
+    the shape of ``StructTag.to_grammar``'s: free text is the lexeme ``TAG_TEXT``, and a
+    segment met in it starts with a lazy lexeme of text up to the first occurrence of its
+    trigger, so that the text holds a trigger only where a segment starts.
+
+    - at_least_one: a segment first (its ``begin`` written out), then free text with
+      segments, as without either key;
+    - stop_after_first: free text, then at most one segment, which ends the output;
+    - both: exactly one segment, and nothing else.
+    """
+    rules = []
+    if at_least_one:  # segments at the very start
+        for i, tag in enumerate(tags):
+            rules.append(f"first_{i}: {_literal(tag.begin)} %json {json.dumps(tag.grammar)} {_literal(tag.end)}")
+    if not (at_least_one and stop_after_first):  # segments met in free text
+        for i, tag in enumerate(tags):
+            rules.append(f"tag_{i}_trig[lazy]: TAG_TEXT {_literal(tag.trigger)}")
+            rules.append(
+                f"tag_{i}: tag_{i}_trig {_literal(tag.begin[len(tag.trigger) :])} "
+                f"%json {json.dumps(tag.grammar)} {_literal(tag.end)}"
+            )
+    first = " | ".join(f"first_{i}" for i in range(len(tags)))
+    triggered = " | ".join(f"tag_{i}" for i in range(len(tags)))
+    if at_least_one and stop_after_first:
+        start = f"start: {first}"
+    elif at_least_one:
+        start = f"start: ({first}) ({triggered})* TAG_TEXT"
+    else:
+        start = f"start: TAG_TEXT | {triggered}"
+    return "\n".join(["%llguidance {}", start, "TAG_TEXT: /(.|\\n)*/", *rules]) + "\n"
+
+
+def _literal(text: str) -> str:
+    """``text`` as a Lark string literal; nothing for the empty string (Lark has no empty literal)."""
+    return json.dumps(text) if text else ""
 
 
 def _with_options(schema: dict, defaults: dict | None, overrides: dict | None) -> dict:

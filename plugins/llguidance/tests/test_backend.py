@@ -52,6 +52,8 @@ def test_plugin_module_imports_nothing_heavy():
 # refusals
 
 
+STRUCTURAL_TAG = {"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": ["<a"]}
+
 INVALID = [
     (P(regex="(a"), "regex", "unclosed group"),
     (P(regex="(?=a)b"), "regex", "look-around"),
@@ -102,6 +104,22 @@ INVALID = [
         "contains",
     ),
     (P(structural_tag={"format": {}, "type": "structural_tag"}), "structural_tag", "structures"),
+    (
+        P(structural_tag={**STRUCTURAL_TAG, "at_least_one": "yes"}),
+        "structural_tag",
+        "'at_least_one' must be true or false, got 'yes'",
+    ),
+    (
+        P(structural_tag={**STRUCTURAL_TAG, "stop_after_first": 1}),
+        "structural_tag",
+        "'stop_after_first' must be true or false, got 1",
+    ),
+    (
+        P(structural_tag={**STRUCTURAL_TAG, "at_least_one": True, "stop_after_first": None}),
+        "structural_tag",
+        "'stop_after_first' must be true or false",
+    ),
+    (P(structural_tag={**STRUCTURAL_TAG, "at_least_once": True}), "structural_tag", "at_least_once"),
 ]
 
 
@@ -442,16 +460,28 @@ def test_structural_tag_triggers_are_text(backend, tokenizer):
         "triggers": ["<tool>"],
     }
     eos = tokenizer.eos_token_id
-    for compact, text, ok in [
-        (False, 'look: <tool>{"q": "x"}</tool> done', True),
-        (True, 'look: <tool>{"q":"x"}</tool> done', True),
-        (True, 'look: <tool>{"q": "x"}</tool> done', False),
-        (False, "look: <tool>nope</tool>", False),
-        (False, "no call at all", True),
+    first, stop = {"at_least_one": True}, {"stop_after_first": True}
+    for compact, keys, text, ok in [
+        (False, {}, 'look: <tool>{"q": "x"}</tool> done', True),
+        (True, {}, 'look: <tool>{"q":"x"}</tool> done', True),
+        (True, {}, 'look: <tool>{"q": "x"}</tool> done', False),
+        (False, {}, "look: <tool>nope</tool>", False),
+        (False, {}, "no call at all", True),
+        (True, first, '<tool>{"q":"x"}</tool> then <tool>{"q":"y"}</tool>', True),
+        (True, first, '<tool>{"q": "x"}</tool>', False),
+        (False, first, 'look: <tool>{"q": "x"}</tool>', False),
+        (False, first, '<tool>{"q": "x"}</tool> then <tool>nope</tool>', False),
+        (True, stop, 'look: <tool>{"q":"x"}</tool>', True),
+        (True, stop, 'look: <tool>{"q": "x"}</tool>', False),
+        (False, stop, 'look: <tool>{"q": "x"}</tool> done', False),
+        (False, stop, "no call at all", True),
+        (True, {**first, **stop}, '<tool>{"q":"x"}</tool>', True),
+        (False, {**first, **stop}, '<tool>{"q": "x"}</tool> ', False),
     ]:
-        matcher = backend.matcher(backend.compile(P(structural_tag=tag, disable_any_whitespace=compact)), 0)
+        constraint = P(structural_tag={**tag, **keys}, disable_any_whitespace=compact)
+        matcher = backend.matcher(backend.compile(constraint), 0)
         tokens = encode(tokenizer, text) + [eos]
-        assert (matcher.validate_tokens(tokens) == len(tokens)) is ok, text
+        assert (matcher.validate_tokens(tokens) == len(tokens)) is ok, (keys, compact, text)
 
 
 def test_structural_tag_starts_at_the_shortest_trigger(backend, tokenizer):

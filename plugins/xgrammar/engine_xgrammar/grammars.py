@@ -380,18 +380,29 @@ def python_patterns(schema: Any) -> Any:
 # structural tags
 
 
+STRUCTURAL_TAG_FLAGS = ("at_least_one", "stop_after_first")
+
+
 def structural_tag_format(tag: dict, json_grammar) -> dict:
     """xgrammar's structural tag for ``tag``: the engine's (vLLM's) format
     ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`` becomes a
-    ``triggered_tags`` format whose contents are ``json_grammar(schema)`` (EBNF text); one
+    ``triggered_tags`` format whose contents are ``json_grammar(schema)`` (EBNF text), with
+    the optional booleans ``at_least_one`` (the output begins with a tag) and
+    ``stop_after_first`` (it ends right after the first tag) passed on as they are; one
     already in xgrammar's format (``{"type": "structural_tag", "format": {...}}``) is kept."""
     if "format" in tag and "structures" not in tag:
         return tag
-    unknown = sorted(set(tag) - {"type", "structures", "triggers"})
+    unknown = sorted(set(tag) - {"type", "structures", "triggers", *STRUCTURAL_TAG_FLAGS})
     if unknown:
-        raise ConstraintError(f"Invalid structural tag: unknown key {unknown[0]!r} (expected structures, triggers).")
+        raise ConstraintError(
+            f"Invalid structural tag: unknown key {unknown[0]!r} (expected structures, triggers, at_least_one, "
+            "stop_after_first)."
+        )
     if tag.get("type", "structural_tag") != "structural_tag":
         raise ConstraintError(f"Invalid structural tag: type must be 'structural_tag', got {tag['type']!r}.")
+    for flag in STRUCTURAL_TAG_FLAGS:
+        if not isinstance(tag.get(flag, False), bool):
+            raise ConstraintError(f"Invalid structural tag: {flag!r} must be true or false, got {tag[flag]!r}.")
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(structures, list) or not structures:
         raise ConstraintError("Invalid structural tag: 'structures' must be a non-empty list.")
@@ -429,7 +440,12 @@ def structural_tag_format(tag: dict, json_grammar) -> dict:
             raise ConstraintError(f"Invalid structural tag: the trigger {trigger!r} begins none of the structures.")
     return {
         "type": "structural_tag",
-        "format": {"type": "triggered_tags", "triggers": list(triggers), "tags": tags},
+        "format": {
+            "type": "triggered_tags",
+            "triggers": list(triggers),
+            "tags": tags,
+            **{flag: tag[flag] for flag in STRUCTURAL_TAG_FLAGS if flag in tag},
+        },
     }
 
 

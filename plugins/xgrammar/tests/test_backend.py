@@ -287,6 +287,9 @@ def weather_tag(**change):
         (weather_tag(begin=""), "non-empty string 'begin'"),
         ({"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": ["<a"]}, "has no 'schema'"),
         ({**weather_tag(), "extra": 1}, "unknown key 'extra'"),
+        (weather_tag(at_least_one="yes"), "'at_least_one' must be true or false, got 'yes'"),
+        (weather_tag(stop_after_first=1), "'stop_after_first' must be true or false, got 1"),
+        (weather_tag(at_least_one=True, stop_after_first=None), "'stop_after_first' must be true or false"),
         ({"type": "structural_tag", "format": {"type": "no_such_format"}}, "Invalid structural tag"),
         (
             {
@@ -302,6 +305,20 @@ def test_invalid_structural_tags(backend, tag, needle):
         compile_(backend, structural_tag=tag)
     assert str(info.value).startswith("Invalid structural tag"), str(info.value)
     assert needle in str(info.value)
+
+
+def test_structural_tag_keys_reach_triggered_tags():
+    """at_least_one and stop_after_first are passed to xgrammar's triggered_tags as given;
+    without them its format is as before."""
+    for keys in (
+        {},
+        {"at_least_one": True},
+        {"stop_after_first": True},
+        {"at_least_one": False, "stop_after_first": True},
+    ):
+        fmt = grammars.structural_tag_format(weather_tag(**keys), lambda schema: 'root ::= "{}"')["format"]
+        assert set(fmt) == {"type", "triggers", "tags", *keys}, fmt
+        assert {k: fmt[k] for k in keys} == keys
 
 
 UNENFORCED = [

@@ -5,7 +5,8 @@ The checks walk each constraint at random, token by token, drawing only what the
 backend's bitmask allows, and judge the finished text with an independent reference:
 ``jsonschema`` for JSON Schemas, ``json.loads`` for JSON objects, ``re.fullmatch`` for
 regexes (and for GBNF grammars, through a Python regex of the same language), membership
-for choices. Along the way every mask must keep out the tokens the tokenizer does not
+for choices, a scan for a structural tag's segments, each one's JSON judged by
+``jsonschema``. Along the way every mask must keep out the tokens the tokenizer does not
 have and its special tokens (EOS aside), allow EOS exactly when the matcher says the
 output can end, admit only well-formed UTF-8 (RFC 3629) where any character may come,
 and come out the same whatever the row held before. The matcher's
@@ -238,6 +239,57 @@ def choice_check(choices: Sequence[str]) -> Callable[[str], None]:
     return check
 
 
+def tag_segments(tag: dict, text: str) -> list[tuple[int, int, str]]:
+    """The segments of ``text`` under the structural tag ``tag`` (the engine's format), each
+    as (start, end, its JSON's text), found by a plain scan: the first trigger in the free
+    text starts a segment, which is one structure's ``begin``, a JSON value valid against
+    its schema, and its ``end``; the free text resumes after it. AssertionError (or a JSON
+    or ``jsonschema`` error) where ``text`` breaks that. The begins of the kit's tags are
+    prefix-free, so a segment's structure is the one whose begin is there."""
+    import jsonschema
+
+    decoder = json.JSONDecoder(parse_constant=_no_constant)
+    segments, pos = [], 0
+    while True:
+        hits = [i for i in (text.find(t, pos) for t in tag["triggers"]) if i >= 0]
+        if not hits:
+            return segments
+        start = min(hits)
+        structures = [s for s in tag["structures"] if text.startswith(s["begin"], start)]
+        assert len(structures) == 1, f"the trigger at {start} of {text!r} starts {len(structures)} structures"
+        structure = structures[0]
+        json_start = start + len(structure["begin"])
+        value, json_end = decoder.raw_decode(text, json_start)
+        jsonschema.validate(value, structure["schema"])
+        assert text.startswith(structure["end"], json_end), (
+            f"the segment at {start} of {text!r} has no {structure['end']!r} after its JSON"
+        )
+        pos = json_end + len(structure["end"])
+        segments.append((start, pos, text[json_start:json_end]))
+
+
+def structural_tag_check(
+    tag: dict, *, at_least_one: bool = False, stop_after_first: bool = False, compact: bool = False
+) -> Callable[[str], None]:
+    """The reference of a structural tag: its segments (:func:`tag_segments`); with
+    ``at_least_one`` the text starts with one; with ``stop_after_first`` there is at most
+    one and nothing after it (so with both, the text is exactly one segment); with
+    ``compact`` (disable_any_whitespace) no segment's JSON has whitespace outside strings."""
+
+    def check(text: str) -> None:
+        segments = tag_segments(tag, text)
+        if at_least_one:
+            assert segments and segments[0][0] == 0, f"{text!r} does not start with a segment"
+        if stop_after_first:
+            assert len(segments) <= 1, f"{text!r} has {len(segments)} segments"
+            assert not segments or segments[0][1] == len(text), f"{text!r} goes on after its first segment"
+        if compact:
+            loose = [j for _, _, j in segments if whitespace_outside_strings(j)]
+            assert not loose, f"whitespace outside strings in the segments' JSON {loose!r}"
+
+    return check
+
+
 # the constraints walked; each schema's instances are finite, so walks end
 
 SCHEMAS: dict[str, dict] = {
@@ -383,6 +435,35 @@ WEATHER_TAG = {
     "triggers": ["<tool="],
 }
 
+# two triggers, one of them starting two structures; the begins are prefix-free
+TOOLS_TAG = {
+    "structures": [
+        WEATHER_TAG["structures"][0],
+        {
+            "begin": "<tool=get_time>",
+            "schema": {
+                "type": "object",
+                "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+            "end": "</tool>",
+        },
+        {"begin": "[[note:", "schema": {"type": "string", "maxLength": 4}, "end": "]]"},
+    ],
+    "triggers": ["<tool=", "[["],
+}
+
+# the keys that force a segment, whether JSON is compact (disable_any_whitespace), and the
+# texts walks start from: nothing where the output must begin with a segment; where free
+# text may come first, free text and each trigger, so that walks enter segments too
+FORCING_TAGS = (
+    pytest.param({"at_least_one": True}, False, ("",), id="at_least_one"),
+    pytest.param({"stop_after_first": True}, False, ("Hi", "Hi <tool=", "[["), id="stop_after_first"),
+    pytest.param({"at_least_one": True, "stop_after_first": True}, False, ("",), id="at_least_one-stop_after_first"),
+    pytest.param({"at_least_one": True}, True, ("",), id="at_least_one-compact"),
+)
+
 INVALID = (
     pytest.param({"json": {"type": "nonsense"}}, id="json-unknown-type"),
     pytest.param({"json": {"type": 12}}, id="json-type-not-a-string"),
@@ -447,15 +528,23 @@ class StructuredOutputBackendTests(KitTests):
     def matcher(self, backend: Any, compiled: Any) -> Any:
         return backend.matcher(compiled, MAX_ROLLBACK)
 
-    def walk(self, backend: Any, compiled: Any, seed: int) -> list[int] | None:
+    def walk(self, backend: Any, compiled: Any, seed: int, prefix: Sequence[int] = ()) -> list[int] | None:
         """One random walk to EOS (its tokens, EOS last), checking every mask on the way;
-        None when it did not end within ``MAX_WALK`` tokens."""
+        None when it did not end within ``MAX_WALK`` tokens. The walk starts with the tokens
+        of ``prefix``, each of which must be allowed."""
         import torch
 
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
         m = self.matcher(backend, compiled)
         eos, tokens = eos_id(), []
+        for token in prefix:
+            allowed = allowed_of(m)
+            check_mask(allowed, f"walk {seed}, after {text_of(tokens)!r}")
+            assert bool(allowed[token]) and m.accept_tokens([token]), (
+                f"walk {seed}: the token {token} of its prefix is refused after {text_of(tokens)!r}"
+            )
+            tokens.append(token)
         for step in range(MAX_WALK):
             where = f"walk {seed}, after {text_of(tokens)!r}"
             allowed = allowed_of(m)
@@ -464,7 +553,7 @@ class StructuredOutputBackendTests(KitTests):
             assert m.can_terminate() == eos_allowed, (
                 f"{where}: can_terminate() is {m.can_terminate()} but the mask {'allows' if eos_allowed else 'bars'} EOS"
             )
-            if step == 0:
+            if step == 0 and not prefix:
                 assert not eos_allowed, "EOS is allowed before any output (the constraint's language has no empty text)"
             others = allowed.clone()
             others[eos] = False
@@ -484,11 +573,13 @@ class StructuredOutputBackendTests(KitTests):
             assert not m.is_terminated(), f"{where}: is_terminated() is True before EOS"
         return None
 
-    def run_walks(self, backend: Any, compiled: Any, check: Callable[[str], None], *, seed: int = 0) -> list[str]:
-        """The texts of ``WALKS`` random walks, each checked by the reference."""
+    def run_walks(
+        self, backend: Any, compiled: Any, check: Callable[[str], None], *, seed: int = 0, prefix: Sequence[int] = ()
+    ) -> list[str]:
+        """The texts of ``WALKS`` random walks (from ``prefix``), each checked by the reference."""
         texts = []
         for i in range(WALKS):
-            tokens = self.walk(backend, compiled, seed * 1000 + i)
+            tokens = self.walk(backend, compiled, seed * 1000 + i, prefix)
             if tokens is None:
                 continue
             text = text_of(tokens)
@@ -679,6 +770,64 @@ class StructuredOutputBackendTests(KitTests):
         valid = max(k for k in range(len(wrong) + 1) if '{"city"'.startswith(text_of(wrong[:k])))
         assert m.validate_tokens(wrong) == valid < len(wrong), (
             f"validate_tokens of '{{\"town\"' inside the segment gave {m.validate_tokens(wrong)}, expected {valid}"
+        )
+
+    @pytest.mark.parametrize(("keys", "compact", "prefixes"), FORCING_TAGS)
+    def test_structural_tag_forcing_walks(
+        self, backend: Any, keys: dict, compact: bool, prefixes: tuple[str, ...]
+    ) -> None:
+        """Random walks through a structural tag with ``at_least_one`` and / or
+        ``stop_after_first`` end in text the reference accepts: every segment's JSON follows
+        its structure's schema; with at_least_one the text starts with a segment, with
+        stop_after_first it has at most one and nothing after it (exactly one when a trigger
+        was written); with disable_any_whitespace the segments' JSON is compact."""
+        compiled = self.compile(backend, structural_tag={**TOOLS_TAG, **keys}, disable_any_whitespace=compact)
+        check = structural_tag_check(TOOLS_TAG, compact=compact, **keys)
+        for seed, prefix in enumerate(prefixes, start=50):
+            texts = self.run_walks(backend, compiled, check, seed=seed, prefix=encode(prefix))
+            if any(t in prefix for t in TOOLS_TAG["triggers"]):
+                counts = {len(tag_segments(TOOLS_TAG, text)) for text in texts}
+                assert counts == {1}, f"walks from {prefix!r} have {counts} segments"
+            if keys.get("at_least_one"):
+                firsts = {s["begin"] for s in TOOLS_TAG["structures"] for text in texts if text.startswith(s["begin"])}
+                assert len(firsts) > 1, f"every walk began with {firsts}"
+
+    def test_structural_tag_forcing(self, backend: Any) -> None:
+        """at_least_one: nothing but a begin (no text, no EOS) at the start; after the first
+        segment, free text and segments (alone) or only EOS (with stop_after_first).
+        stop_after_first alone: the empty output and free text may end; after the first
+        segment only EOS may come."""
+        eos, segment = eos_id(), '<tool=get_time>{"zone": "UTC"}</tool>'
+        begins = [s["begin"].encode() for s in TOOLS_TAG["structures"]]
+        for keys in ({"at_least_one": True}, {"at_least_one": True, "stop_after_first": True}):
+            compiled = self.compile(backend, structural_tag={**TOOLS_TAG, **keys})
+            m = self.matcher(backend, compiled)
+            start = allowed_of(m)
+            check_mask(start, f"{keys}, at the start")
+            assert not bool(start[eos]), f"{keys}: EOS is allowed before any segment"
+            wrong = [
+                token_bytes()[t]
+                for t in start.nonzero().flatten().tolist()
+                if not any(b.startswith(token_bytes()[t]) or token_bytes()[t].startswith(b) for b in begins)
+            ]
+            assert not wrong, f"{keys}: tokens that begin no structure are allowed at the start: {wrong[:5]}"
+            assert m.accept_tokens(encode(segment)) and m.can_terminate()
+            after = allowed_of(m)
+            check_mask(after, f"{keys}, after {segment!r}")
+            if keys.get("stop_after_first"):
+                assert after.nonzero().flatten().tolist() == [eos], f"{keys}: more may follow the first segment"
+            else:
+                wrong = encode(" then [[nope")
+                assert m.validate_tokens(wrong) < len(wrong), f"{keys}: a trigger after the first segment is text"
+                assert m.accept_tokens(encode(' then [[note:"ab"]] and <tool=get_time>{"zone": "CET"}</tool>.'))
+                assert m.can_terminate(), f"{keys}: free text with segments after the first cannot end"
+
+        m = self.matcher(backend, self.compile(backend, structural_tag={**TOOLS_TAG, "stop_after_first": True}))
+        assert m.can_terminate() and bool(allowed_of(m)[eos]), "stop_after_first: the empty output may not end"
+        assert m.accept_tokens(encode("Hi there")) and m.can_terminate(), "stop_after_first: free text may not end"
+        assert m.accept_tokens(encode(" " + segment)) and m.can_terminate()
+        assert allowed_of(m).nonzero().flatten().tolist() == [eos], (
+            "stop_after_first: more may follow the first segment"
         )
 
     def test_validate_rollback_and_reset(self, backend: Any) -> None:

@@ -234,8 +234,8 @@ def resolve_structured_output_backend(config: EngineConfig, components: Any) -> 
 
 
 def resolve_parser(name: str, registry: Any, family_default: str | None) -> type | None:
-    """A parser class: the one ``name``\ d, the model family's own for ``auto`` (None when it has
-    none, or names one no installed plugin registers), None for ``none``."""
+    """A parser class: the one ``name`` names, the model family's own for ``auto`` (None when it
+    has none, or names one no loaded plugin registers), None for ``none``."""
     if name == "none":
         return None
     if name == "auto":

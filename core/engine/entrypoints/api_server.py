@@ -1,7 +1,7 @@
 """The HTTP server: a FastAPI app over an ``AsyncEngine``, served by uvicorn.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/messages``
-(Anthropic shape), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (Anthropic shape), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 Every route but ``/health`` needs the API key when one is set (``/metrics`` too,
 unless ``metrics_public``). A client that disconnects aborts its request.
 """
@@ -21,13 +21,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import ServerConfig
-from engine.entrypoints.anthropic_serving import AnthropicServing, MessagesRequest
+from engine.entrypoints.anthropic_serving import AnthropicServing, CountTokensRequest, MessagesRequest
 from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from engine.entrypoints.errors import APIError, bad_request, from_validation_error, refusal
 from engine.entrypoints.generation import Generation, finish_status, parse_priority
 from engine.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from engine.entrypoints.openai_serving import OpenAIServing
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from engine.entrypoints.tool_calling import ChatTools
 from engine.interfaces.structured_output import ConstraintError
 from engine.version import __version__
 
@@ -46,7 +47,13 @@ def build_app(
     ``sampling_defaults`` fill the sampling fields a request leaves out."""
     app = FastAPI(title="engine", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(model_name, lambda: engine.stats, engine.kv_tier_counters, engine.spec_decode_stats)
-    openai = OpenAIServing(engine, metrics, model_name, sampling_defaults)
+    chat_tools = ChatTools(
+        getattr(engine, "tool_parser_cls", None),
+        getattr(engine, "reasoning_parser_cls", None),
+        engine.tokenizer,
+        config.enable_auto_tool_choice,
+    )
+    openai = OpenAIServing(engine, metrics, model_name, sampling_defaults, chat_tools)
     anthropic = AnthropicServing(openai)
     public = set(PUBLIC_PATHS) | ({"/metrics"} if config.metrics_public else set())
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
@@ -143,8 +150,19 @@ def build_app(
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         body = await parse(request, MessagesRequest)
-        generation = await anthropic.messages(body, parse_priority(request.headers))
-        return await respond(request, generation, anthropic.whole, anthropic.stream, body.stream, "messages")
+        generation, reader = await anthropic.messages(body, parse_priority(request.headers))
+        return await respond(
+            request,
+            generation,
+            lambda g: anthropic.whole(g, reader),
+            lambda g: anthropic.stream(g, reader),
+            body.stream,
+            "messages",
+        )
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> dict:
+        return await anthropic.count_tokens(await parse(request, CountTokensRequest))
 
     async def respond(
         request: Request,

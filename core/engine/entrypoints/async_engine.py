@@ -48,6 +48,7 @@ class SampleDelta:
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last delta
     stop_reason: int | str | None = None
     num_output_tokens: int = 0  # output tokens of this sample so far
+    num_reasoning_tokens: int = 0  # of which in its reasoning block (when its params name reasoning markers)
 
 
 @dataclass
@@ -147,6 +148,14 @@ class AsyncEngine:
     @property
     def chat_encoder(self) -> Any:
         return self.engine.chat_encoder
+
+    @property
+    def tool_parser_cls(self) -> type | None:
+        return self.engine.setup.tool_parser_cls
+
+    @property
+    def reasoning_parser_cls(self) -> type | None:
+        return self.engine.setup.reasoning_parser_cls
 
     @property
     def max_model_len(self) -> int:
@@ -325,6 +334,7 @@ class AsyncEngine:
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason if finished else None,
             num_output_tokens=len(output),
+            num_reasoning_tokens=request.reasoning.num_reasoning_tokens if request.reasoning is not None else 0,
         )
 
     def kv_tier_counters(self) -> dict[str, float] | None:

@@ -82,42 +82,109 @@ class CompletionFormatter:
 
 
 class ChatFormatter:
-    def __init__(self, chunk: Callable, logprobs_of: Callable) -> None:
-        self.chunk, self.logprobs_of = chunk, logprobs_of
+    """Chat completions: whole responses and stream chunks, each choice's output read by its
+    ``OutputReader`` into reasoning, content and tool calls."""
+
+    def __init__(
+        self, chunk: Callable, logprobs_of: Callable, readers: list, *, include_reasoning: bool, reasoning: bool
+    ) -> None:
+        self.chunk, self.logprobs_of, self.readers = chunk, logprobs_of, readers
+        self.include_reasoning = include_reasoning
+        self.reasoning = reasoning  # a reasoning parser is on: usage counts reasoning tokens
+
+    def usage(self, generation: Generation) -> dict:
+        usage = usage_of(generation)
+        if self.reasoning:
+            usage["completion_tokens_details"] = {"reasoning_tokens": generation.num_reasoning_tokens}
+        return usage
+
+    def _reader(self, index: int) -> Any:
+        return self.readers[index % len(self.readers)]
 
     async def whole(self, generation: Generation) -> dict:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": s.text},
-                "logprobs": self.logprobs_of(s.logprobs, 0),
-                "finish_reason": s.finish_reason,
-                "stop_reason": s.stop_reason,
-            }
-            for i, s in enumerate(await collect(generation))
-        ]
-        return self.chunk(choices, usage_of(generation), stream=False)
+        choices = []
+        for i, s in enumerate(await collect(generation)):
+            read = self._reader(i).read(s.text)
+            message: dict[str, Any] = {"role": "assistant", "content": read.content}
+            if read.tool_calls:
+                message["content"] = read.content if read.content.strip() else None
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in read.tool_calls
+                ]
+            if read.reasoning is not None and self.include_reasoning:
+                message["reasoning_content"] = message["reasoning"] = read.reasoning
+            choices.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "logprobs": self.logprobs_of(s.logprobs, 0),
+                    "finish_reason": _finish_reason(s.finish_reason, bool(read.tool_calls)),
+                    "stop_reason": s.stop_reason,
+                }
+            )
+        return self.chunk(choices, self.usage(generation), stream=False)
 
     async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
         for i in range(generation.params.n):
             first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
             yield sse(self.chunk([first], stream=True))
+        called: set[int] = set()
         async for index, delta in generation.deltas():
             if not (delta.text or delta.finish_reason or delta.token_ids):
                 continue
-            content = {"content": delta.text} if delta.text else {}
+            reader = self._reader(index)
+            read = reader.feed(delta.text) if delta.text else None
+            if delta.finish_reason is not None:
+                last = reader.finish()
+                read = last if read is None else _join(read, last)
+            content: dict[str, Any] = {}
+            if read is not None:
+                if read.reasoning and self.include_reasoning:
+                    content["reasoning_content"] = content["reasoning"] = read.reasoning
+                if read.content:
+                    content["content"] = read.content
+                if read.tool_calls:
+                    called.add(index)
+                    content["tool_calls"] = [_call_delta(c) for c in read.tool_calls]
+            if not content and delta.finish_reason is None and not delta.logprobs:
+                continue  # text held back (it may begin a marker)
             choice = {
                 "index": index,
                 "delta": content,
                 "logprobs": self.logprobs_of(delta.logprobs, 0),
-                "finish_reason": delta.finish_reason,
+                "finish_reason": _finish_reason(delta.finish_reason, index in called),
             }
             if delta.finish_reason is not None:
                 choice["stop_reason"] = delta.stop_reason
             yield sse(self.chunk([choice], stream=True))
         if include_usage:
-            yield sse(self.chunk([], usage_of(generation), stream=True))
+            yield sse(self.chunk([], self.usage(generation), stream=True))
         yield "data: [DONE]\n\n"
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _join(a: Any, b: Any) -> Any:
+    a.reasoning += b.reasoning
+    a.content += b.content
+    a.tool_calls.extend(b.tool_calls)
+    return a
+
+
+def _call_delta(call: Any) -> dict:
+    """A tool-call delta as OpenAI streams it: the first one of a call carries its id, type
+    and name, the rest only argument fragments."""
+    if call.name is not None:
+        return {
+            "index": call.index,
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+    return {"index": call.index, "function": {"arguments": call.arguments}}
 
 
 def sse(data: dict) -> str:

@@ -99,6 +99,7 @@ class Generation:
         self.arrival = time.monotonic()
         self.timings = {i: SampleTiming(self.arrival) for i in range(len(prompts) * params.n)}
         self.output_tokens = {i: 0 for i in self.timings}
+        self.reasoning_tokens = {i: 0 for i in self.timings}
         self.finish_reasons: dict[int, str] = {}
         self.constraint_param: str | None = None  # the body field its output constraint came from
         self._streams: list[RequestStream] | None = None
@@ -110,6 +111,10 @@ class Generation:
     @property
     def num_output_tokens(self) -> int:
         return sum(self.output_tokens.values())
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return sum(self.reasoning_tokens.values())
 
     async def start(self) -> None:
         """Add every prompt to the engine. A refused prompt (``ValueError``) aborts the
@@ -170,6 +175,7 @@ class Generation:
                 index = position * n + delta.index
                 self.timings[index].mark(time.monotonic(), len(delta.token_ids))
                 self.output_tokens[index] = delta.num_output_tokens
+                self.reasoning_tokens[index] = delta.num_reasoning_tokens
                 if delta.finish_reason is not None:
                     self.finish_reasons[index] = delta.finish_reason
                 yield index, delta

@@ -11,7 +11,9 @@ from engine.entrypoints.errors import APIError, bad_request, refusal
 from engine.entrypoints.formatting import ChatFormatter, CompletionFormatter, collect, sse, token_text, usage_of
 from engine.entrypoints.generation import Generation, PromptInput, check_text, new_request_id
 from engine.entrypoints.metrics import ServerMetrics
-from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, _SamplingFields
+from engine.entrypoints.tool_calling import ChatTools, OutputReader, ToolChoice, check_tools, openai_arguments
+from engine.interfaces.tool_parser import Tool
 from engine.runtime.logprobs import LogprobEntry
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -56,10 +58,12 @@ class OpenAIServing:
         metrics: ServerMetrics,
         model_name: str,
         sampling_defaults: dict[str, Any] | None = None,
+        chat_tools: ChatTools | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
+        self.chat_tools = chat_tools or ChatTools(None, None, engine.tokenizer)
         # the checkpoint's generation_config.json settings, for the fields a request leaves out
         self.sampling_defaults = dict(sampling_defaults or {})
 
@@ -116,8 +120,17 @@ class OpenAIServing:
         return requested
 
     def sampling_params(
-        self, body: _SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        body: _SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        *,
+        tool_constraint: StructuredOutputsParams | None = None,
+        **extra: Any,
     ) -> SamplingParams:
+        """The request's ``SamplingParams``; ``tool_constraint``: the constraint its tool choice
+        imposes (refused beside one of its own); ``extra``: further fields (reasoning)."""
         fields: dict[str, Any] = dict(
             n=body.n,
             max_tokens=max_tokens,
@@ -153,6 +166,18 @@ class OpenAIServing:
             )
         try:
             fields["structured_outputs"] = structured_outputs(body)
+        except ValueError as exc:
+            raise refusal(exc, default_param=constraint_param(body)) from None
+        if tool_constraint is not None:
+            if fields["structured_outputs"] is not None:
+                raise bad_request(
+                    f"tool_choice forces a tool call, which is a constraint of its own: drop "
+                    f"{constraint_param(body)} or choose tools with 'auto'.",
+                    param="tool_choice",
+                )
+            fields["structured_outputs"] = tool_constraint
+        fields.update(extra)
+        try:
             return SamplingParams(**fields)
         except ValueError as exc:
             raise refusal(exc, default_param=constraint_param(body)) from None
@@ -245,25 +270,78 @@ class OpenAIServing:
 
     # /v1/chat/completions
 
-    def chat_prompt(self, body: ChatCompletionRequest) -> PromptInput:
-        tokenizer = self.require_tokenizer("chat")
-        messages = []
+    def chat_messages(self, body: ChatCompletionRequest) -> list[dict]:
+        """The conversation as chat templates read it: earlier calls with their arguments as
+        objects, each tool result after the call it answers."""
+        messages: list[dict] = []
+        open_calls: dict[str, str] = {}  # call id -> function name, of calls not answered yet
         for i, message in enumerate(body.messages):
-            text = check_text(message.text(), f"messages.{i}.content")
-            messages.append({"role": message.role, "content": text})
-            if message.reasoning_content is not None:
-                messages[-1]["reasoning_content"] = check_text(
-                    message.reasoning_content, f"messages.{i}.reasoning_content"
-                )
-        if not any(m["content"] for m in messages):
+            where = f"messages.{i}"
+            text = check_text(message.text(), f"{where}.content")
+            entry: dict[str, Any] = {"role": message.role, "content": text}
+            reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+            if reasoning is not None:
+                entry["reasoning_content"] = check_text(reasoning, f"{where}.reasoning_content")
+            if message.role == "assistant":
+                open_calls = {}
+                if message.tool_calls:
+                    calls = []
+                    for k, call in enumerate(message.tool_calls):
+                        arguments = openai_arguments(
+                            call.function.arguments, f"{where}.tool_calls.{k}.function.arguments"
+                        )
+                        calls.append(
+                            {
+                                "id": call.id,
+                                "type": "function",
+                                "function": {"name": call.function.name, "arguments": arguments},
+                            }
+                        )
+                        open_calls[call.id] = call.function.name
+                    entry["tool_calls"] = calls
+            elif message.role == "tool":
+                if message.tool_call_id not in open_calls:
+                    raise bad_request(
+                        f"{where} answers the tool call {message.tool_call_id!r}, but no assistant message before it "
+                        f"made a call with that id that is still unanswered.",
+                        param=f"{where}.tool_call_id",
+                    )
+                entry["tool_call_id"] = message.tool_call_id
+                entry["name"] = open_calls.pop(message.tool_call_id)
+            else:
+                open_calls = {}
+            if message.name is not None and message.role != "tool":
+                entry["name"] = message.name
+            messages.append(entry)
+        if not any(m["content"] or m.get("tool_calls") for m in messages):
             raise bad_request("Every message is empty: give some content.", param="messages")
-        options = dict(body.chat_template_kwargs or {})
-        if body.reasoning_effort is not None:
-            options["reasoning_effort"] = body.reasoning_effort
+        return messages
+
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[Tool],
+        options: dict[str, Any],
+        add_generation_prompt: bool = True,
+    ) -> PromptInput:
+        """The prompt of a conversation: through the model family's chat encoder, else the
+        tokenizer's chat template, with the declared tools."""
+        tokenizer = self.require_tokenizer("chat")
+        declared = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    **({"description": t.description} if t.description is not None else {}),
+                    "parameters": t.parameters,
+                },
+            }
+            for t in tools
+        ] or None
         encoder = getattr(self.engine, "chat_encoder", None)
         if encoder is not None:  # the model family's own prompt format
             try:
-                text = encoder(messages, add_generation_prompt=body.add_generation_prompt, options=options)
+                text = encoder(messages, add_generation_prompt=add_generation_prompt, options=options, tools=declared)
             except ValueError as exc:
                 raise bad_request(f"The model's chat format rejected these messages: {exc}", param="messages") from None
             return PromptInput(self.check_ids(tokenizer.encode(text, add_special_tokens=False), "messages"), text)
@@ -272,28 +350,70 @@ class OpenAIServing:
         try:
             text = tokenizer.apply_chat_template(
                 messages,
+                tools=declared,
                 tokenize=False,
-                add_generation_prompt=body.add_generation_prompt,
+                add_generation_prompt=add_generation_prompt,
                 **options,
             )
         except Exception as exc:  # the template rejects the conversation (roles, order)
             raise bad_request(f"The chat template rejected these messages: {exc}", param="messages") from None
         return PromptInput(self.check_ids(tokenizer.encode(text, add_special_tokens=False), "messages"), text)
 
+    def chat_prompt(self, body: ChatCompletionRequest, tools: list[Tool] | None = None) -> PromptInput:
+        options = dict(body.chat_template_kwargs or {})
+        if body.reasoning_effort is not None:
+            options["reasoning_effort"] = body.reasoning_effort
+        return self.render_chat(self.chat_messages(body), tools or [], options, body.add_generation_prompt)
+
+    def reasoning_fields(self, prompt: PromptInput, budget: int | None, choice: ToolChoice, param: str) -> dict:
+        """The sampling fields a chat request's reasoning and tools need."""
+        fields: dict[str, Any] = {}
+        markers = self.chat_tools.reasoning_markers(prompt.text)
+        if markers is not None:
+            fields["reasoning_markers"] = markers
+        if budget is not None:
+            if markers is None:
+                raise bad_request(
+                    f"{param} needs a reasoning parser, and this server has none for its model: start it with "
+                    f"--reasoning-parser NAME (engine plugins lists them).",
+                    param=param,
+                )
+            fields["thinking_token_budget"] = budget
+        if self.chat_tools.needs_special_tokens(choice):
+            fields["skip_special_tokens"] = False
+        return fields
+
     async def chat(self, body: ChatCompletionRequest, priority: int) -> tuple[Generation, Callable]:
         self.check_model(body.model)
-        prompts = [self.chat_prompt(body)]
+        tools = check_tools(
+            [(t.function.name, t.function.description, t.function.parameters) for t in body.tools or []], "tools"
+        )
+        named = body.tool_choice.function.name if isinstance(body.tool_choice, NamedToolChoice) else None
+        mode = "named" if named is not None else body.tool_choice
+        param = "tool_choice.function.name" if named is not None else "tool_choice"
+        choice = self.chat_tools.choice(tools, mode, named, body.parallel_tool_calls, param)
+        prompts = [self.chat_prompt(body, tools)]
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(body.requested_max_tokens, prompts, param, "messages")
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling_params(body, max_tokens, num_logprobs)
+        budget_param = "thinking_token_budget" if body.thinking_token_budget is not None else "max_reasoning_tokens"
+        params = self.sampling_params(
+            body,
+            max_tokens,
+            num_logprobs,
+            tool_constraint=self.chat_tools.constraint(tools, choice, "tool_choice"),
+            **self.reasoning_fields(prompts[0], body.reasoning_budget, choice, budget_param),
+        )
         generation = Generation(
             self.engine, self.metrics, "chat", new_request_id("chatcmpl"), prompts, params, priority
         )
-        generation.constraint_param = constraint_param(body)
-        return generation, self._chat_formatter(body, generation)
+        generation.constraint_param = "tool_choice" if choice.mode in ("required", "named") else constraint_param(body)
+        readers = [self.chat_tools.reader(tools, choice, prompts[0].text) for _ in range(body.n)]
+        return generation, self._chat_formatter(body, generation, readers)
 
-    def _chat_formatter(self, body: ChatCompletionRequest, generation: Generation) -> Callable:
+    def _chat_formatter(
+        self, body: ChatCompletionRequest, generation: Generation, readers: list[OutputReader]
+    ) -> Callable:
         created = int(time.time())
         tokenizer = self.engine.tokenizer
 
@@ -332,7 +452,8 @@ class OpenAIServing:
                 )
             return {"content": content}
 
-        return ChatFormatter(chunk, logprobs_of)
+        reasoning = self.chat_tools.reasoning_parser is not None
+        return ChatFormatter(chunk, logprobs_of, readers, include_reasoning=body.include_reasoning, reasoning=reasoning)
 
 
 __all__ = ["OpenAIServing", "collect", "sse", "usage_of"]

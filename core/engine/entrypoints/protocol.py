@@ -167,16 +167,77 @@ def join_text(content: str | list[TextPart] | None) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
+class FunctionCallParam(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str  # the text of a JSON object
+
+
+class ToolCallParam(BaseModel):
+    """An assistant message's ``tool_calls[i]``: a call it made earlier in the conversation."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None  # an assistant turn's reasoning, as reasoning models return it
+    reasoning: str | None = None  # the same, under vLLM's newer name
+    tool_calls: list[ToolCallParam] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role} messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"only tool messages carry a tool_call_id, not {self.role} messages")
+        return self
 
     def text(self) -> str:
         return join_text(self.content)
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call that function."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -188,9 +249,12 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # handed to the chat template (or the model's chat encoder)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: StrictBool | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    include_reasoning: StrictBool = True  # vLLM: leave reasoning_content out of the reply when false
+    thinking_token_budget: StrictInt | None = Field(None, ge=0)
+    max_reasoning_tokens: StrictInt | None = Field(None, ge=0)  # the same limit, under its other name
 
     @model_validator(mode="after")
     def _check_chat(self) -> "ChatCompletionRequest":
@@ -198,11 +262,21 @@ class ChatCompletionRequest(_SamplingFields):
             raise ParamError("messages", "messages must hold at least one message.")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs needs logprobs set to true.")
-        if self.tools:
-            raise UnsupportedParameter("tools", "tool calling is not supported by this server.")
-        if self.tool_choice not in (None, "none"):
-            raise UnsupportedParameter("tool_choice", "tool calling is not supported by this server.")
+        if (
+            self.thinking_token_budget is not None
+            and self.max_reasoning_tokens is not None
+            and self.thinking_token_budget != self.max_reasoning_tokens
+        ):
+            raise ParamError(
+                "max_reasoning_tokens", "thinking_token_budget and max_reasoning_tokens are one limit: give one."
+            )
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ParamError("tool_choice", "tool_choice needs tools: declare the functions the model may call.")
         return self
+
+    @property
+    def reasoning_budget(self) -> int | None:
+        return self.thinking_token_budget if self.thinking_token_budget is not None else self.max_reasoning_tokens
 
     @property
     def requested_max_tokens(self) -> int | None:

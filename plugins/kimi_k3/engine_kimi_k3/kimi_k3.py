@@ -211,6 +211,9 @@ class K3DecoderLayer(nn.Module):
 
 
 class KimiK3ForConditionalGeneration(Model):
+    tool_parser = "kimi_k3"  # XTML channels, not K2's tokens
+    reasoning_parser = "kimi_k3"
+
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
         dtype, tp = init.dtype, init.tp

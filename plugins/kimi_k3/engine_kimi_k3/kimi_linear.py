@@ -211,6 +211,7 @@ class KimiDeltaAttention(nn.Module):
 
 class KimiLinearForCausalLM(Model):
     supports_tensor_parallel = True
+    tool_parser = "kimi_k2"  # Kimi-Linear-Instruct writes K2's calls and does not think
 
     def __init__(self, init: ModelInit) -> None:
         super().__init__()

@@ -30,7 +30,7 @@ def signature_text(fn) -> str:
 
 
 def test_there_are_hooks_to_check():
-    assert len(hook_functions()) == 7
+    assert len(hook_functions()) == 9
 
 
 @pytest.mark.parametrize("fn", hook_functions(), ids=lambda fn: fn.__name__)

@@ -17,13 +17,13 @@ from engine.engine.setup import EngineSetup, check_tensor_parallel, resolve_setu
 from engine.engine.speculation import make_spec_decoder
 from engine.engine.stats import EngineStats
 from engine.engine.structured_output import StructuredOutputManager
-from engine.runtime.reasoning import start_tracking
 from engine.interfaces.model import Model
 from engine.model_loader.checkpoint import eos_token_ids
 from engine.plugins.manager import EnginePluginManager, get_plugin_manager
 from engine.runtime.batch import ScheduledBatch
 from engine.runtime.kv_cache_manager import KVCacheManager
 from engine.runtime.kv_tier_connector import KVTierConnector
+from engine.runtime.reasoning import start_tracking
 from engine.runtime.request import Request, RequestStatus
 from engine.runtime.scheduler import Scheduler
 from engine.sampling_params import SamplingParams

@@ -182,6 +182,7 @@ class ToolCallParam(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCallParam
+    index: StrictInt | None = None  # what a client accumulated from a stream carries; not used
 
 
 class ChatMessage(BaseModel):

@@ -12,8 +12,8 @@ from typing import Protocol
 
 from engine.runtime.batch import ModelOutput, ScheduledBatch
 from engine.runtime.kv_cache_manager import KVCacheManager
-from engine.runtime.request import Request, RequestStatus
 from engine.runtime.reasoning import may_force, next_token, release_constraint
+from engine.runtime.request import Request, RequestStatus
 from engine.runtime.structured_output import advance, valid_drafts
 
 __all__ = ["DraftPlanner", "ScheduledBatch", "Scheduler", "StopCheck"]

@@ -33,6 +33,8 @@ _CLASSES = {
     "StructuredOutputBackendTests": "engine.testing.kit.structured_output",
     "ToolParserTests": "engine.testing.kit.parsers",
     "ReasoningParserTests": "engine.testing.kit.parsers",
+    "ToolCase": "engine.testing.kit.parsers",
+    "ReasoningCase": "engine.testing.kit.parsers",
 }
 
 __all__ = ["KitTests", "capability_skip", *_CLASSES]

@@ -114,8 +114,12 @@ def test_plugins_json_lists_the_installed_plugins_and_their_components(capsys):
         "platforms": ["cpu"],
         "attention_backends": ["cpu_indexer", "cpu_kda", "cpu_mla", "cpu_paged"],
     }
-    assert llama["hooks"] == ["register_models"]
-    assert llama["components"] == {"models": LLAMA_ARCHITECTURES}
+    assert llama["hooks"] == ["register_models", "register_reasoning_parsers", "register_tool_parsers"]
+    assert llama["components"] == {
+        "models": LLAMA_ARCHITECTURES,
+        "tool_parsers": ["hermes", "llama3_json", "mistral"],
+        "reasoning_parsers": ["qwen3"],
+    }
 
     components = report["components"]
     assert set(components) == {

@@ -114,6 +114,7 @@ class LlamaAttentionBlock(nn.Module):
 
 class LlamaForCausalLM(Model):
     variant: ClassVar[Variant] = Variant()
+    tool_parser = "llama3_json"
     supports_tensor_parallel = True
 
     def __init__(self, init: ModelInit) -> None:
@@ -203,11 +204,15 @@ class LlamaForCausalLM(Model):
 
 class MistralForCausalLM(LlamaForCausalLM):
     variant = Variant(qkv_bias=False, o_bias=False, sliding_window="all")
+    tool_parser = "mistral"
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     variant = Variant(qkv_bias=True, o_bias=False, sliding_window="layer_types")
+    tool_parser = "hermes"
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     variant = Variant(qk_norm=True, sliding_window="layer_types")
+    tool_parser = "hermes"
+    reasoning_parser = "qwen3"

@@ -38,6 +38,9 @@ class Llama3JsonToolParser(ToolParser):
         return ParsedToolCalls(text) if calls is None else ParsedToolCalls("")
 
     def structural_tag(self, tools: Sequence[Tool], *, parallel: bool) -> dict | None:
+        """One forced call, even when parallel calls are allowed: the format's calls must be the
+        whole output, and a structural tag cannot keep the text after a call to ``; ``
+        followed by another call."""
         structures = [
             {"begin": f'{{"name": {json.dumps(tool.name)}, "parameters": ', "schema": tool.parameters, "end": "}"}
             for tool in tools
@@ -46,7 +49,7 @@ class Llama3JsonToolParser(ToolParser):
             "structures": structures,
             "triggers": ['{"name": '],
             "at_least_one": True,
-            "stop_after_first": not parallel,
+            "stop_after_first": True,
         }
 
     def _read(self, text: str, final: bool) -> tuple[ToolCall, ...] | None:

@@ -104,15 +104,23 @@ def _encode(path: str, text: str) -> list[int]:
 
 
 def make_scripted_checkpoint(
-    path: Path, script: list[tuple[str, str]], *, tokenizer_from: Path, chat_template: str | None = None
+    path: Path,
+    script: list[tuple[str, str]],
+    *,
+    tokenizer_from: Path,
+    chat_template: str | None = None,
+    added_tokens: tuple[str, ...] = (),
 ) -> Path:
     """A checkpoint of ``ScriptedForCausalLM`` with the tokenizer of ``tokenizer_from`` (and
-    ``chat_template`` in place of its own), answering by ``script``."""
+    ``chat_template`` in place of its own, ``added_tokens`` added as ordinary tokens, as
+    Qwen3 has ``<think>``), answering by ``script``."""
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    if added_tokens:
+        tokenizer.add_tokens(list(added_tokens))
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)

@@ -180,6 +180,8 @@ def attention_spec(dims: Dims, rope: dict, *, tp: TensorParallel) -> AttentionSp
 
 class DeepseekV3ForCausalLM(Model):
     sparse_attention = False  # V3.2: an indexer in every layer
+    tool_parser = "deepseek_v3"  # V3 and R1; V3.1 checkpoints (same architecture) need deepseek_v31
+    reasoning_parser = "deepseek_r1"
     supports_tensor_parallel = True
 
     def __init__(self, init: ModelInit) -> None:
@@ -243,6 +245,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
 
     sparse_attention = True
     supports_tensor_parallel = False  # its indexer is not sharded yet
+    tool_parser = "deepseek_v32"  # DSML in a <｜DSML｜function_calls> block
 
 
 def decoder_layer(

@@ -1,4 +1,5 @@
-"""Hook implementations of engine-deepseek-v4. Imports nothing heavy."""
+"""Hook implementations of engine-deepseek-v4: the three models, the ``mtp`` proposer, the
+family's tool-call parsers and its reasoning parser. Imports nothing heavy."""
 
 import engine
 
@@ -13,3 +14,16 @@ def register_models(register):
 @engine.hookimpl
 def register_spec_proposers(register):
     register("mtp", "engine_deepseek_v4.mtp:MtpProposer")
+
+
+@engine.hookimpl
+def register_tool_parsers(register):
+    register("deepseek_v3", "engine_deepseek_v4.parsers.deepseek_v3:DeepSeekV3ToolParser")
+    register("deepseek_v31", "engine_deepseek_v4.parsers.deepseek_v3:DeepSeekV31ToolParser")
+    register("deepseek_v32", "engine_deepseek_v4.parsers.dsml:DeepSeekV32ToolParser")
+    register("deepseek_v4", "engine_deepseek_v4.parsers.dsml:DeepSeekV4ToolParser")
+
+
+@engine.hookimpl
+def register_reasoning_parsers(register):
+    register("deepseek_r1", "engine_deepseek_v4.parsers.reasoning:DeepSeekR1ReasoningParser")

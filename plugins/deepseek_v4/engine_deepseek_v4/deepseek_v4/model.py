@@ -29,6 +29,8 @@ logger = logging.getLogger("engine.deepseek")
 
 class DeepseekV4ForCausalLM(Model):
     chat_encoder = staticmethod(encode_chat)  # V4 ships its prompt format as code (chat_v4.py)
+    tool_parser = "deepseek_v4"  # DSML in a <｜DSML｜tool_calls> block
+    reasoning_parser = "deepseek_r1"
     provides_pre_head_hidden_states = True  # the streams before hc_head, which its MTP block reads
 
     def __init__(self, init: ModelInit) -> None:

@@ -380,3 +380,148 @@ def test_internal_error_is_500_without_a_traceback(path):
     error = error_of(path, r, 500, mentions="RuntimeError")
     assert "secret internal detail" not in r.text and "Traceback" not in r.text and 'File "' not in r.text
     assert "see the server log" in error["message"]
+
+
+# 14. tools, tool results and reasoning
+
+
+def _tool(name="f", parameters=None):
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
+
+
+def _anthropic_tool(name="f", schema=None):
+    return {"name": name, "input_schema": schema or {"type": "object"}}
+
+
+CALLED = [
+    {"role": "user", "content": "hi"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+    },
+]
+USED = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+]
+
+
+@pytest.mark.parametrize(
+    "fields, param, mentions",
+    [
+        ({"tools": [_tool(parameters={"type": "objekt"})], "tool_choice": "required"}, "tools.0.parameters", "schema"),
+        ({"tools": [_tool(parameters={"type": "string"})], "tool_choice": "required"}, "tools.0.parameters", "object"),
+        ({"tools": [_tool(), _tool()], "tool_choice": "required"}, "tools.1.name", "unique"),
+        ({"tools": [_tool("two words")], "tool_choice": "required"}, "tools.0.name", "name"),
+        (
+            {"tools": [_tool()], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice.function.name",
+            "'g'",
+        ),
+        ({"tool_choice": "required"}, "tool_choice", "tools"),
+        ({"tools": [_tool()]}, "tool_choice", "--enable-auto-tool-choice"),
+        ({"tools": [_tool()], "tool_choice": "auto"}, "tool_choice", "--enable-auto-tool-choice"),
+        (
+            {"messages": [*HI, {"role": "tool", "tool_call_id": "call_9", "content": "x"}]},
+            "messages.1.tool_call_id",
+            "call_9",
+        ),
+        (
+            {"messages": [*CALLED, {"role": "tool", "tool_call_id": "call_2", "content": "x"}]},
+            "messages.2.tool_call_id",
+            "call_2",
+        ),
+        ({"messages": [{"role": "tool", "content": "x"}]}, None, "tool_call_id"),
+        (
+            {
+                "messages": [
+                    *HI,
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+                        ],
+                    },
+                ]
+            },
+            "messages.1.tool_calls.0.function.arguments",
+            "json",
+        ),
+        ({"thinking_token_budget": 5}, "thinking_token_budget", "--reasoning-parser"),
+        ({"thinking_token_budget": 5, "max_reasoning_tokens": 6}, "max_reasoning_tokens", "one limit"),
+        ({"thinking_token_budget": -1}, "thinking_token_budget", None),
+        (
+            {"tools": [_tool()], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "constraint",
+        ),
+    ],
+)
+def test_malformed_tools_and_reasoning_on_chat(http, fields, param, mentions):
+    error = openai_error(post(http, CHAT, **fields), 400, mentions=mentions)
+    if param is not None:
+        assert error["param"] == param
+    assert post(http, CHAT).status_code == 200  # the server still serves
+
+
+@pytest.mark.parametrize(
+    "fields, mentions",
+    [
+        ({"tools": [_anthropic_tool(schema={"type": "objekt"})], "tool_choice": {"type": "any"}}, "schema"),
+        ({"tools": [_anthropic_tool(), _anthropic_tool()], "tool_choice": {"type": "any"}}, "unique"),
+        ({"tools": [_anthropic_tool()], "tool_choice": {"type": "tool", "name": "g"}}, "'g'"),
+        ({"tools": [_anthropic_tool()], "tool_choice": {"type": "tool"}}, "name"),
+        ({"tool_choice": {"type": "any"}}, "tools"),
+        ({"tools": [_anthropic_tool()], "tool_choice": {"type": "auto"}}, "--enable-auto-tool-choice"),
+        ({"tools": [{"input_schema": {"type": "object"}}]}, "name"),
+        (
+            {
+                "messages": [
+                    *HI[:0],
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "x"}]},
+                ]
+            },
+            "toolu_9",
+        ),
+        (
+            {"messages": [*USED, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2"}]}]},
+            "toolu_2",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]},
+            "tool_use",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "text"),
+        (
+            {
+                "messages": [
+                    {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "{}"}]}
+                ]
+            },
+            "input",
+        ),
+        ({"thinking": {"type": "enabled"}}, "budget_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2}}, "max_tokens"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1}}, "--reasoning-parser"),
+    ],
+)
+def test_malformed_tools_and_thinking_on_messages(http, fields, mentions):
+    anthropic_error(post(http, MSG, **fields), 400, mentions=mentions)
+    assert post(http, MSG).status_code == 200
+
+
+def test_malformed_count_tokens(http):
+    anthropic_error(
+        http.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": []}), 400, mentions="messages"
+    )
+    anthropic_error(
+        http.post(
+            "/v1/messages/count_tokens", json={"model": "tiny", "messages": HI, "tools": [_anthropic_tool("a b")]}
+        ),
+        400,
+        mentions="name",
+    )
+    r = http.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": HI})
+    assert r.status_code == 200 and r.json()["input_tokens"] > 0

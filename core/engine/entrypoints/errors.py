@@ -103,6 +103,10 @@ def from_validation_error(exc: ValidationError) -> APIError:
     """A pydantic error on a request body, as one 400 naming the first bad field."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": str(exc), "type": ""}
+    # a value that matches no member of a union fails once per member: the member that got
+    # furthest into it says best what is wrong (a content block of an unknown type, not "not a string")
+    same_field = [e for e in errors if e.get("loc", ())[:1] == first.get("loc", ())[:1]]
+    first = max(same_field, key=lambda e: len(e.get("loc", ())), default=first)
     ctx = first.get("ctx") or {}
     cause = ctx.get("error")
     if isinstance(cause, ParamError):

@@ -49,12 +49,59 @@ ANTHROPIC_TOOLS = [
     for t in TOOLS
 ]
 
-# each family's call of get_weather(ARGS), as its chat template / model card writes one
+# each family's call of get_weather(ARGS) after a thinking block, and its final answer, as its chat
+# template / model card writes them: (plugin, tool parser, reasoning parser, first reply, final reply)
 CALL = json.dumps(ARGS)
+THINK = f"<think>{THINKING}</think>"
+K3_ARGS = "".join(
+    f'<|open|>argument key="{k}" type="string"<|sep|>{v}<|close|>argument<|sep|>' for k, v in ARGS.items()
+)
 FAMILIES = {
-    "hermes": ("llama", "qwen3", f'<tool_call>\n{{"name": "get_weather", "arguments": {CALL}}}\n</tool_call>'),
-    "llama3_json": ("llama", "qwen3", f'{{"name": "get_weather", "parameters": {CALL}}}'),
-    "mistral": ("llama", "qwen3", f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {CALL}}}]'),
+    "hermes": (
+        "llama",
+        "qwen3",
+        f'{THINK}<tool_call>\n{{"name": "get_weather", "arguments": {CALL}}}\n</tool_call>',
+        ANSWER,
+    ),
+    "llama3_json": ("llama", "qwen3", f'{THINK}{{"name": "get_weather", "parameters": {CALL}}}', ANSWER),
+    "mistral": ("llama", "qwen3", f'{THINK}[TOOL_CALLS][{{"name": "get_weather", "arguments": {CALL}}}]', ANSWER),
+    "deepseek_v3": (
+        "deepseek_v4",
+        "deepseek_r1",
+        f"{THINK}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{CALL}\n```"
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        ANSWER,
+    ),
+    "deepseek_v31": (
+        "deepseek_v4",
+        "deepseek_r1",
+        f"{THINK}<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{CALL}<｜tool▁call▁end｜>"
+        "<｜tool▁calls▁end｜>",
+        ANSWER,
+    ),
+    "deepseek_v4": (
+        "deepseek_v4",
+        "deepseek_r1",
+        f'{THINK}\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+        + "\n".join(f'<｜DSML｜parameter name="{k}" string="true">{v}</｜DSML｜parameter>' for k, v in ARGS.items())
+        + "\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+        ANSWER,
+    ),
+    "kimi_k2": (
+        "kimi_k3",
+        "kimi",
+        f"{THINK}<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        f"{CALL}<|tool_call_end|><|tool_calls_section_end|>",
+        ANSWER,
+    ),
+    "kimi_k3": (
+        "kimi_k3",
+        "kimi_k3",
+        f"<|open|>think<|sep|>{THINKING}<|close|>think<|sep|><|open|>tools<|sep|>"
+        f'<|open|>call tool="get_weather" index="1"<|sep|>{K3_ARGS}<|close|>call<|sep|><|close|>tools<|sep|>'
+        "<|close|>message<|sep|>",
+        f"<|open|>response<|sep|>{ANSWER}<|close|>response<|sep|><|close|>message<|sep|>",
+    ),
 }
 
 
@@ -66,8 +113,8 @@ def family(request, tmp_path_factory):
     from engine.entrypoints.serve import start_server
 
     tool_parser = request.param
-    plugin, reasoning_parser, call = FAMILIES[tool_parser]
-    script = [("", f"<think>\n{THINKING}\n</think>\n\n{call}"), (SECOND_TURN, ANSWER)]
+    plugin, reasoning_parser, first, final = FAMILIES[tool_parser]
+    script = [("", first), (SECOND_TURN, final)]
     path = make_scripted_checkpoint(
         tmp_path_factory.mktemp(f"scripted-{tool_parser}"),
         script,
@@ -118,7 +165,7 @@ def test_openai_tool_loop(openai_client):
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
-    assert choice.message.reasoning_content == f"\n{THINKING}\n"
+    assert choice.message.reasoning_content == THINKING
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id
     assert json.loads(call.function.arguments) == ARGS
@@ -153,7 +200,7 @@ def test_openai_tool_loop_streaming(openai_client):
     assert all(d.id is None and d.function.name is None for d in deltas[1:])
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     reasoning = "".join(getattr(ch.delta, "reasoning_content", None) or "" for c in chunks for ch in c.choices)
-    assert reasoning == f"\n{THINKING}\n"
+    assert reasoning == THINKING
     assert chunks[-1].usage.completion_tokens_details.reasoning_tokens > 0
 
     messages += [
@@ -189,9 +236,9 @@ def test_anthropic_tool_loop_with_thinking(anthropic_client, streaming):
     assert first.stop_reason == "tool_use"
     kinds = [block.type for block in first.content]
     assert kinds == ["thinking", "tool_use"], kinds
-    assert first.content[0].thinking == f"\n{THINKING}\n"
+    assert first.content[0].thinking == THINKING
     use = first.content[1]
-    assert use.name == "get_weather" and use.input == ARGS and use.id.startswith("toolu_")
+    assert use.name == "get_weather" and use.input == ARGS and use.id
 
     messages += [
         {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in first.content]},

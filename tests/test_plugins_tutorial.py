@@ -107,11 +107,11 @@ def test_following_the_tutorial_verbatim_gives_a_working_plugin(tmp_path):
     assert re.search(r"\d+ passed", output) and " failed" not in output, output
 
 
-def structured_tutorial() -> dict[str, str]:
-    """{relative path: content} of the structured-output tutorial: each fenced block is the
-    file named by the last backticked ``engine-choices/...`` path in the prose before it."""
+def section_files(title: str, folder: str) -> dict[str, str]:
+    """{relative path: content} of the tutorial section ``title``: each fenced block is the
+    file named by the last backticked ``folder/...`` path in the prose before it."""
     text = (ROOT / "PLUGINS.md").read_text(encoding="utf-8")
-    start = text.index("## Tutorial: a structured-output backend")
+    start = text.index(f"## {title}")
     section = text[start : text.index("\n## ", start + 1)]
     files: dict[str, str] = {}
     pending = None
@@ -127,32 +127,26 @@ def structured_tutorial() -> dict[str, str]:
                 files[pending] = "\n".join(block) + "\n"
             pending = None
             continue
-        found = re.findall(r"`(engine-choices/[\w./-]+\.\w+)`", line)
+        found = re.findall(rf"`({re.escape(folder)}/[\w./-]+\.\w+)`", line)
         if found:
             pending = found[-1]
     return files
 
 
-def test_structured_output_tutorial_backend_passes_the_kit(tmp_path):
-    files = structured_tutorial()
-    assert set(files) == {
-        "engine-choices/pyproject.toml",
-        "engine-choices/engine_choices/plugin.py",
-        "engine-choices/engine_choices/backend.py",
-        "engine-choices/tests/test_kit.py",
-    }
+def run_kit_of(tmp_path: Path, files: dict[str, str], folder: str, package: str, plugin: str) -> str:
+    """Write ``files``, then run the plugin's kit tests with the plugin loaded by its module
+    path (it is not pip-installed here); the pytest output."""
     for relative, content in files.items():
         path = tmp_path / relative
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(content, encoding="utf-8")
-    (tmp_path / "engine-choices/engine_choices/__init__.py").write_text("", encoding="utf-8")
-    # not pip-installed here: the plugin is loaded by its module path instead of its entry-point name
-    kit_test = tmp_path / "engine-choices/tests/test_kit.py"
+    (tmp_path / folder / package / "__init__.py").write_text("", encoding="utf-8")
+    kit_test = tmp_path / folder / "tests/test_kit.py"
     kit_test.write_text(
-        kit_test.read_text(encoding="utf-8").replace('plugin = "choices"', 'plugin = "engine_choices.plugin"'),
+        kit_test.read_text(encoding="utf-8").replace(f'plugin = "{plugin}"', f'plugin = "{package}.plugin"'),
         encoding="utf-8",
     )
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "engine-choices"), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / folder), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", str(kit_test), "-q", "-p", "no:cacheprovider", "-rs"],
         cwd=tmp_path,
@@ -163,3 +157,27 @@ def test_structured_output_tutorial_backend_passes_the_kit(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "failed" not in result.stdout
+    return result.stdout
+
+
+def test_structured_output_tutorial_backend_passes_the_kit(tmp_path):
+    files = section_files("Tutorial: a structured-output backend", "engine-choices")
+    assert set(files) == {
+        "engine-choices/pyproject.toml",
+        "engine-choices/engine_choices/plugin.py",
+        "engine-choices/engine_choices/backend.py",
+        "engine-choices/tests/test_kit.py",
+    }
+    run_kit_of(tmp_path, files, "engine-choices", "engine_choices", "choices")
+
+
+def test_parser_tutorial_parsers_pass_the_kit(tmp_path):
+    files = section_files("Tutorial: a model family's tool-call and reasoning parsers", "engine-functags")
+    assert set(files) == {
+        "engine-functags/pyproject.toml",
+        "engine-functags/engine_functags/plugin.py",
+        "engine-functags/engine_functags/parsers.py",
+        "engine-functags/tests/test_kit.py",
+    }
+    output = run_kit_of(tmp_path, files, "engine-functags", "engine_functags", "functags")
+    assert "skipped" in output  # the tokenizer check: the tutorial gives none

@@ -99,11 +99,14 @@ class ToolParser(ABC):
 
     @abstractmethod
     def parse_partial(self, text: str) -> ParsedToolCalls:
-        """What is certain of an output of which ``text`` is the beginning: the content
+        """What can be said of an output of which ``text`` is the beginning: the content
         that no continuation can turn into part of a call, and the calls begun so far,
         each with its name once the text has all of it (``""`` before) and the leading
-        part of its arguments that every continuation keeps. Each later text's answer (and
-        :meth:`parse` of the whole) extends this one: content and arguments only grow."""
+        part of its arguments written so far. Each later text's answer extends this one
+        (content and arguments only grow), and so does :meth:`parse` of the whole when
+        its calls are well formed. A call that turns out malformed (cut short, arguments
+        that are not an object) is content in :meth:`parse`; a stream cannot take back
+        what it sent of it, so a parser may instead report a call only once it is whole."""
 
     def structural_tag(self, tools: Sequence[Tool], *, parallel: bool) -> dict | None:
         """A ``structural_tag`` constraint (the engine's format, see
@@ -135,7 +138,7 @@ class ToolCallStream:
             if any(marker in self.text[start:] for marker in self.parser.markers):
                 self._inside = True
             else:
-                end = len(self.text) - _held_back(self.text, self.parser.markers)
+                end = len(self.text) - held_back(self.text, self.parser.markers)
                 content = self.text[self._content : end]
                 self._content = max(self._content, end)
                 return ToolStreamDelta(content)
@@ -162,7 +165,7 @@ class ToolCallStream:
         return ToolStreamDelta(content, tuple(deltas))
 
 
-def _held_back(text: str, markers: Sequence[str]) -> int:
+def held_back(text: str, markers: Sequence[str]) -> int:
     """The length of the longest tail of ``text`` that begins one of ``markers``."""
     longest = 0
     for marker in markers:

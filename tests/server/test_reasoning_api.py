@@ -7,6 +7,7 @@ tokens (as Qwen3 has them) and the qwen3 reasoning parser."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -142,3 +143,54 @@ def test_anthropic_thinking_budget(served):
     thinking, text = message.content
     assert thinking.type == "thinking" and len(tokenizer.encode(thinking.thinking, add_special_tokens=False)) == 7
     assert text.type == "text" and text.text
+
+
+@pytest.fixture(scope="module")
+def served_open(tmp_path_factory):
+    """The same model under a template that opens the reasoning in the prompt (as Qwen3's
+    thinking templates do), replying with reasoning, the closing marker, then plain text."""
+    from scripted_model import make_scripted_checkpoint
+    from transformers import AutoTokenizer
+
+    from engine.config import EngineConfig, ServerConfig
+    from engine.entrypoints.serve import start_server
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    template = tokenizer.chat_template.replace("<|assistant|>\n", "<|assistant|>\n<think>")
+    assert template != tokenizer.chat_template
+    reasoning = "".join(_single_token_words(tokenizer, 20))
+    path = make_scripted_checkpoint(
+        tmp_path_factory.mktemp("scripted-open"),
+        [("", f"{reasoning}</think>\n\nnot json at all")],
+        tokenizer_from=DEMO_MODEL_DIR,
+        chat_template=template,
+        added_tokens=("<think>", "</think>"),
+    )
+    config = EngineConfig(
+        model=str(path),
+        plugins=["cpu", "llama", "xgrammar", "scripted_model"],
+        dtype="float32",
+        kv_cache_memory=0.02,
+        reasoning_parser="qwen3",
+    )
+    running = start_server(config, ServerConfig(port=0, api_key=API_KEY))
+    yield running, reasoning
+    running.stop()
+
+
+def test_an_output_constraint_starts_after_the_reasoning(served_open):
+    running, reasoning = served_open
+    schema = {"type": "object", "properties": {"x": {"enum": [1]}}, "required": ["x"], "additionalProperties": False}
+    with _client(running) as client:
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "2+2?"}],
+            max_tokens=100,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )
+    message = r.choices[0].message
+    # the reasoning is the model's own free text; the answer after it is held to the schema
+    assert message.reasoning_content == reasoning
+    assert json.loads(message.content) == {"x": 1} and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens_details.reasoning_tokens == 20

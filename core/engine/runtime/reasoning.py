@@ -30,8 +30,9 @@ class ReasoningTracker:
         self.phase = Phase.IN if markers.starts_open else Phase.BEFORE
         self.num_reasoning_tokens = 0
         self._opening: list[int] = []  # output tokens while BEFORE
-        self._recent: list[int] = []  # the last tokens in the block, to find the end marker
+        self._recent: list[tuple[int, bool]] = []  # the last tokens in the block (and whether counted)
         self._forced: list[int] = []  # closing tokens still to write
+        self._wrote_forced = False  # the token being observed is one the engine wrote
 
     @property
     def forcing(self) -> bool:
@@ -46,11 +47,13 @@ class ReasoningTracker:
     def substitute(self, token: int) -> int:
         """The token the output gets in place of the sampled ``token``: the next closing
         token while the budget forces the block closed, else ``token``."""
+        self._wrote_forced = True
         if self._forced:
             return self._forced.pop(0)
         if self.phase is Phase.IN and self.budget is not None and self.num_reasoning_tokens >= self.budget:
             self._forced = list(self.markers.forced_end)
             return self._forced.pop(0)
+        self._wrote_forced = False
         return token
 
     def observe(self, token: int) -> bool:
@@ -67,12 +70,15 @@ class ReasoningTracker:
             return False
         if self.phase is not Phase.IN:
             return False
+        # the engine's closing tokens are never reasoning tokens; the model's are, until they
+        # turn out to be the end marker
         end = self.markers.end
-        self.num_reasoning_tokens += 1
-        self._recent.append(token)
+        counted = not self._wrote_forced
+        self.num_reasoning_tokens += counted
+        self._recent.append((token, counted))
         del self._recent[: -len(end)]
-        if tuple(self._recent) == end:
-            self.num_reasoning_tokens -= len(end)
+        if tuple(t for t, _ in self._recent) == end:
+            self.num_reasoning_tokens -= sum(c for _, c in self._recent)
             self.phase = Phase.AFTER
             return True
         return False

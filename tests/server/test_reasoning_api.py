@@ -194,3 +194,22 @@ def test_an_output_constraint_starts_after_the_reasoning(served_open):
     assert message.reasoning_content == reasoning
     assert json.loads(message.content) == {"x": 1} and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens_details.reasoning_tokens == 20
+
+
+def test_the_closing_token_a_budget_writes_is_what_logprobs_report(served):
+    running, _, reasoning = served
+    with _client(running) as client:
+        model = client.models.list().data[0].id
+        r = client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "2+2?"}],
+            max_tokens=30,
+            logprobs=True,
+            extra_body={"thinking_token_budget": 5},
+        )
+    entries = r.choices[0].logprobs.content
+    tokens = [entry.token for entry in entries]
+    words = [" " + word for word in reasoning.split(" ")[1:6]]  # the reasoning's first five tokens
+    assert tokens[:7] == ["<think>", *words, "</think>"]
+    closing = entries[6]
+    assert closing.logprob == 0.0  # the only token the engine allowed there

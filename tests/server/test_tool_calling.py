@@ -228,9 +228,12 @@ def test_anthropic_tool_loop_with_thinking(anthropic_client, streaming):
         if not streaming:
             return anthropic_client.messages.create(messages=messages, **kwargs)
         with anthropic_client.messages.stream(messages=messages, **kwargs) as stream:
-            for _ in stream:
-                pass
-            return stream.get_final_message()
+            events = [event for event in stream if event.type == "content_block_delta"]
+            final = stream.get_final_message()
+        kinds = {event.delta.type for event in events}
+        if any(block.type == "tool_use" for block in final.content):
+            assert {"thinking_delta", "input_json_delta"} <= kinds, kinds
+        return final
 
     first = create(messages)
     assert first.stop_reason == "tool_use"

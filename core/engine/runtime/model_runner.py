@@ -14,6 +14,7 @@ from engine.interfaces.model import Model
 from engine.runtime.batch import PLACEHOLDER, ModelOutput, ScheduledBatch, StepTimings
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.logprobs import record_prompt_logprobs
+from engine.runtime.reasoning import force_logits
 from engine.runtime.request import Request
 from engine.runtime.sampler import Sampler
 from engine.runtime.structured_output import StepMasks, fill_step_masks, mask_logits
@@ -226,6 +227,7 @@ class ModelRunner:
         rows = [ends[i] - 1 for i in indices]
         logits = self.logits(hidden, rows)
         mask_logits(logits, self._masks, indices, [1] * len(indices), self.sampler.ops)
+        force_logits(logits, requests)  # a spent thinking budget: the closing tokens
         sampled = self.sampler(logits, requests)
         if sampled.logprobs is not None:  # recorded by the output processor, on the engine's thread
             self._sample_logprobs = (requests, sampled.logprobs)

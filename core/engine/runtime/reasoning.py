@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from engine.runtime.request import Request
     from engine.sampling_params import ReasoningMarkers
@@ -43,6 +45,14 @@ class ReasoningTracker:
     def may_force(self) -> bool:
         """A later token may be one the engine writes (the step must see what was sampled)."""
         return self.budget is not None and self.phase is not Phase.AFTER
+
+    def next_forced(self) -> int | None:
+        """The token the engine writes next (None: the model's sample is kept)."""
+        if self._forced:
+            return self._forced[0]
+        if self.phase is Phase.IN and self.budget is not None and self.num_reasoning_tokens >= self.budget:
+            return self.markers.forced_end[0]
+        return None
 
     def substitute(self, token: int) -> int:
         """The token the output gets in place of the sampled ``token``: the next closing
@@ -116,3 +126,14 @@ def release_constraint(request: Request) -> None:
 
 def may_force(request: Request) -> bool:
     return request.reasoning is not None and request.reasoning.may_force
+
+
+def force_logits(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Rows of ``logits`` (one per request, in order) of requests whose next token the engine
+    writes allow that token alone, so that it is what the sampler draws (its logprob, as
+    under an output constraint, is that of the masked distribution)."""
+    for row, request in enumerate(requests):
+        token = request.reasoning.next_forced() if request.reasoning is not None else None
+        if token is not None:
+            logits[row].fill_(float("-inf"))
+            logits[row, token] = 0.0

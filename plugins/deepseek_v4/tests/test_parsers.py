@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from engine.interfaces.tool_parser import Tool, ToolStreamDelta
+from engine.interfaces.tool_parser import Tool
 from engine.testing.kit import ReasoningCase, ReasoningParserTests, ToolCase, ToolParserTests
 
 TOOLS = (
@@ -118,20 +118,62 @@ def test_v3_keeps_the_calls_before_a_break_and_the_rest_is_content():
     assert (parsed.content, len(parsed.tool_calls)) == ("hi", 1)
 
 
-def test_a_stream_sends_each_call_whole_when_it_closes():
+def char_by_char(parser, text: str) -> list[dict]:
+    """Stream ``text`` a character at a time: per call, its name and id, where it opened (the
+    length of the text then fed) and its argument fragments, each with where it came."""
+    stream, calls = parser.streamer(), []
+    deltas = [(i + 1, stream.feed(ch)) for i, ch in enumerate(text)] + [(len(text), stream.finish())]
+    for at, delta in deltas:
+        for d in delta.tool_calls:
+            if d.name is not None:
+                assert d.index == len(calls)
+                calls.append({"name": d.name, "id": d.id, "opened": at, "fragments": []})
+            if d.arguments:
+                calls[d.index]["fragments"].append((at, d.arguments))
+    return calls
+
+
+def so_far(call: dict, at: int) -> str:
+    """A streamed call's arguments once ``text[:at]`` was fed."""
+    return "".join(fragment for when, fragment in call["fragments"] if when <= at)
+
+
+def streamed_arguments(calls: list[dict]) -> list[tuple[str, str]]:
+    return [(c["name"], "".join(fragment for _, fragment in c["fragments"])) for c in calls]
+
+
+def test_v3_streams_a_call_from_its_name_on():
     from engine_deepseek_v4.parsers.deepseek_v3 import DeepSeekV3ToolParser
 
-    text = "Hi" + CALLS + v3_call("search", '{"query": "x"}') + "\n" + v3_call("search", '{"query": "y"}')
-    first_end = text.index(CALL_END) + len(CALL_END)
+    first, second = '{"query": "a ``` b", "num_results": 3}', '{"location": "Paris"}'
+    text = "Hi" + CALLS + v3_call("search", first) + "\n" + v3_call("get_weather", second) + CALLS_END
+    calls = char_by_char(DeepSeekV3ToolParser(TOOLS), text)
+    assert streamed_arguments(calls) == [("search", first), ("get_weather", second)]
+    # the name at the json fence, before any argument
+    fence = text.index("```json") + len("```json")
+    assert calls[0]["opened"] == fence and so_far(calls[0], fence) == ""
+    # the arguments as the model writes them, a fence inside a string held only until it is not the closing one
+    assert so_far(calls[0], text.index("```", fence)) == '{"query": "a'
+    assert so_far(calls[0], text.index("```", fence) + 3) == '{"query": "a'
+    assert so_far(calls[0], text.index(" b") + 2) == '{"query": "a ``` b'
+    assert len(calls[0]["fragments"]) > 3
+    # nothing of the closing fence or the end marker: all of the object once it closes
+    closing = text.index("\n```" + CALL_END)
+    for at in range(closing, text.index(CALL_END) + len(CALL_END)):
+        assert so_far(calls[0], at) == first
+    assert calls[1]["opened"] == text.index("```json", closing) + len("```json")
+    assert calls[1]["opened"] < text.index(second) + len(second)
+
+
+def test_v3_a_call_it_opened_that_turns_out_malformed_is_content_in_the_end():
+    from engine_deepseek_v4.parsers.deepseek_v3 import DeepSeekV3ToolParser
+
+    text = "Hi" + CALLS + v3_call("search", '{"query": x}') + CALLS_END
+    calls = char_by_char(DeepSeekV3ToolParser(TOOLS), text)
+    assert streamed_arguments(calls) == [("search", '{"query": x}')]  # opened, and it cannot be taken back
     stream = DeepSeekV3ToolParser(TOOLS).streamer()
-    assert stream.feed(text[: first_end - 1]) == ToolStreamDelta("Hi")
-    delta = stream.feed(text[first_end - 1 : first_end])
-    assert [(d.index, d.name, d.arguments) for d in delta.tool_calls] == [(0, "search", '{"query": "x"}')]
-    assert not stream.feed(text[first_end:-1])
-    assert [(d.index, d.name, d.arguments) for d in stream.feed(text[-1]).tool_calls] == [
-        (1, "search", '{"query": "y"}')
-    ]
-    assert not stream.feed(CALLS_END) and not stream.finish()
+    content = "".join(stream.feed(ch).content for ch in text) + stream.finish().content
+    assert content == text == DeepSeekV3ToolParser(TOOLS).parse(text).content
 
 
 class TestDeepSeekV31ToolParser(ToolParserTests):
@@ -170,6 +212,21 @@ class TestDeepSeekV31ToolParser(ToolParserTests):
         # another call begins before this one ends
         f'{CALLS}{CALL}get_weather{SEP}{{"location": "Tokyo"}}{CALL}search{SEP}{{"query": "x"}}{CALL_END}{CALLS_END}',
     )
+
+
+def test_v31_streams_a_call_from_its_name_on():
+    from engine_deepseek_v4.parsers.deepseek_v3 import DeepSeekV31ToolParser
+
+    first, second = '{"location": "Tokyo", "unit": "celsius"}', '{"query": "x"}'
+    text = f"{CALLS}{CALL}get_weather{SEP} {first} {CALL_END}{CALL}search{SEP}{second}{CALL_END}{CALLS_END}"
+    calls = char_by_char(DeepSeekV31ToolParser(TOOLS), text)
+    assert streamed_arguments(calls) == [("get_weather", first), ("search", second)]
+    opened = text.index(SEP) + len(SEP)
+    assert calls[0]["opened"] == opened and so_far(calls[0], opened) == ""
+    assert so_far(calls[0], text.index("Tokyo") + 3) == '{"location": "Tok'
+    assert len(calls[0]["fragments"]) > 3
+    assert calls[1]["opened"] == text.index(SEP, opened) + len(SEP)
+    assert len(calls[1]["fragments"]) > 1
 
 
 def test_structural_tags_of_v3_and_v31_begin_at_the_arguments():
@@ -323,6 +380,40 @@ def test_the_v4_encoder_writes_calls_the_v4_parser_reads():
     parsed = DeepSeekV4ToolParser(TOOLS).parse(answer)
     assert parsed.content == "Sure."
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("search", arguments)]
+
+
+def test_dsml_streams_the_arguments_as_the_parameters_are_written():
+    from engine_deepseek_v4.parsers.dsml import DeepSeekV4ToolParser, DeepSeekV32ToolParser
+
+    for cls, block in ((DeepSeekV4ToolParser, "tool_calls"), (DeepSeekV32ToolParser, "function_calls")):
+        text = "On it." + dsml_block(
+            block,
+            invoke("search", ("query", "true", 'Bei "jing"\\\n北京'), ("filters", "false", '{"lang": ["zh"]}')),
+            invoke("get_weather", ("location", "true", "Shanghai")),
+        )
+        whole = cls(TOOLS).parse(text).tool_calls
+        calls = char_by_char(cls(TOOLS), text)
+        assert streamed_arguments(calls) == [(c.name, c.arguments) for c in whole]
+        assert whole[0].arguments == '{"query": "Bei \\"jing\\"\\\\\\n北京", "filters": {"lang": ["zh"]}}'
+        # the call opens with its invoke tag, before any parameter
+        opened = text.index('name="search">') + len('name="search">')
+        assert calls[0]["opened"] == opened and so_far(calls[0], opened) == "{"
+        # a string value as it grows, escaped as in the whole arguments
+        assert so_far(calls[0], text.index("Bei") + 3) == '{"query": "Bei'
+        assert so_far(calls[0], text.index('"jing') + 1) == '{"query": "Bei \\"'
+        assert so_far(calls[0], text.index("北京")) == '{"query": "Bei \\"jing\\"\\\\\\n'
+        # a string="false" value as the raw JSON text it is
+        assert (
+            so_far(calls[0], text.index('["zh"]') + 3)
+            == '{"query": "Bei \\"jing\\"\\\\\\n北京", "filters": {"lang": ["z'
+        )
+        # nothing of a closing tag; the closing brace with the invoke's end
+        end = text.index(f"</{D}invoke>")
+        assert so_far(calls[0], end + len(f"</{D}invoke>") - 1) == whole[0].arguments[:-1]
+        assert so_far(calls[0], end + len(f"</{D}invoke>")) == whole[0].arguments
+        assert len(calls[0]["fragments"]) > 10
+        assert calls[1]["opened"] < text.index("Shanghai")
+        assert so_far(calls[1], text.index("Shanghai") + 5) == '{"location": "Shang'
 
 
 def test_dsml_has_no_structural_tag():

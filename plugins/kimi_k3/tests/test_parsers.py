@@ -13,6 +13,8 @@ Every case is written by hand from the published formats:
 
 from __future__ import annotations
 
+import json
+
 from engine.interfaces.tool_parser import Tool
 from engine.testing.kit.parsers import ReasoningCase, ReasoningParserTests, ToolCase, ToolParserTests
 
@@ -76,13 +78,6 @@ K2_CASES = (
         (("get_weather", {"city": "Rome"}),),
         ("get_weather:0",),
     ),
-    # a malformed call beside a good one is content, as written; the good one is a call
-    ToolCase(
-        f'Checking.{S}{B}functions.get_weather:0{A}{{"city": Beijing}}{C}{B}functions.get_weather:1{A}{{"city": "Beijing"}}{C}{E}',
-        f'Checking.{B}functions.get_weather:0{A}{{"city": Beijing}}{C}',
-        (("get_weather", {"city": "Beijing"}),),
-        ("functions.get_weather:1",),
-    ),
     # the output stopped after its last call, before the section's end
     ToolCase(f"{S}{WEATHER_0}", "", (("get_weather", {"city": "Beijing"}),), ("functions.get_weather:0",)),
     # text after a section, then another section
@@ -114,6 +109,76 @@ class TestKimiK2ToolParser(OneManagerPerTest, ToolParserTests):
     tools = (Tool("get_weather", CITY), Tool("search", QUERY))
     cases = K2_CASES
     malformed = K2_MALFORMED
+
+
+def char_by_char(parser, text: str) -> list[dict]:
+    """Stream ``text`` a character at a time: per call, its name and id, where it opened (the
+    length of the text then fed) and its argument fragments, each with where it came."""
+    stream, calls = parser.streamer(), []
+    deltas = [(i + 1, stream.feed(ch)) for i, ch in enumerate(text)] + [(len(text), stream.finish())]
+    for at, delta in deltas:
+        for d in delta.tool_calls:
+            if d.name is not None:
+                assert d.index == len(calls)
+                calls.append({"name": d.name, "id": d.id, "opened": at, "fragments": []})
+            if d.arguments:
+                calls[d.index]["fragments"].append((at, d.arguments))
+    return calls
+
+
+def so_far(call: dict, at: int) -> str:
+    """A streamed call's arguments once ``text[:at]`` was fed."""
+    return "".join(fragment for when, fragment in call["fragments"] if when <= at)
+
+
+def streamed(calls: list[dict]) -> list[tuple[str, str | None, str]]:
+    return [(c["name"], c["id"], "".join(fragment for _, fragment in c["fragments"])) for c in calls]
+
+
+def streamed_content(parser, text: str) -> str:
+    stream = parser.streamer()
+    return "".join(stream.feed(ch).content for ch in text) + stream.finish().content
+
+
+def k2_parser():
+    from engine_kimi_k3.parsers.kimi_k2 import KimiK2ToolParser
+
+    return KimiK2ToolParser(TestKimiK2ToolParser.tools)
+
+
+def test_k2_streams_a_call_from_its_id_on():
+    first, second = '{"city": "Beijing", "days": [1, 2]}', '{"query": "kimi"}'
+    text = f"Checking.{S}{B}functions.get_weather:0{A} {first}\n{C}{B}functions.search:1{A}{second}{C}{E}"
+    calls = char_by_char(k2_parser(), text)
+    assert streamed(calls) == [
+        ("get_weather", "functions.get_weather:0", first),
+        ("search", "functions.search:1", second),
+    ]
+    # name and id at the argument marker, before any argument
+    opened = text.index(A) + len(A)
+    assert calls[0]["opened"] == opened and so_far(calls[0], opened) == ""
+    assert so_far(calls[0], text.index("Beijing") + 3) == '{"city": "Bei'
+    assert len(calls[0]["fragments"]) > 3
+    # nothing of the end marker (nor the whitespace before it): all of the object once it closes
+    for at in range(text.index(first) + len(first), text.index(C) + len(C)):
+        assert so_far(calls[0], at) == first
+    assert calls[1]["opened"] == text.index(A, opened) + len(A)
+    assert len(calls[1]["fragments"]) > 1
+
+
+def test_k2_a_malformed_call_beside_a_good_one():
+    """The malformed call is content, as written, and the good one is a call. A stream has
+    opened the malformed one (its name and id came before its arguments went wrong) and
+    cannot take it back; what it sends as content still adds up to the whole text's."""
+    bad = f'{B}functions.get_weather:0{A}{{"city": Beijing}}{C}'
+    text = f'Checking.{S}{bad}{B}functions.get_weather:1{A}{{"city": "Beijing"}}{C}{E}'
+    parsed = k2_parser().parse(text)
+    assert parsed.content == f"Checking.{bad}"
+    assert [(c.name, c.arguments, c.id) for c in parsed.tool_calls] == [
+        ("get_weather", '{"city": "Beijing"}', "functions.get_weather:1")
+    ]
+    assert char_by_char(k2_parser(), text)[0]["id"] == "functions.get_weather:0"
+    assert streamed_content(k2_parser(), text) == parsed.content
 
 
 # Kimi K3 (XTML)
@@ -183,7 +248,8 @@ K3_CASES = (
     # an answer without calls
     ToolCase(f"{RO}Hello there.{RC}{MC}", "Hello there."),
     ToolCase(f"Hello there.{RC}{MC}", "Hello there."),
-    # a malformed call beside a good one
+    # a malformed call beside a good one (a stream opens the malformed call, with "{", and the
+    # good one then comes under its index: its name and arguments extend what was sent)
     ToolCase(
         f"{TO}{call('get_weather', 1, arg('days', 'number', 'two'))}{call('get_weather', 2, arg('city', 'string', 'Oslo'))}{TC}",
         call("get_weather", 1, arg("days", "number", "two")),
@@ -206,6 +272,55 @@ class TestKimiK3ToolParser(OneManagerPerTest, ToolParserTests):
     tools = (Tool("get_weather", CITY), Tool("search", QUERY), Tool("now"), Tool("run&log"))
     cases = K3_CASES
     malformed = K3_MALFORMED
+
+
+def k3_parser():
+    from engine_kimi_k3.parsers.kimi_k3 import KimiK3ToolParser
+
+    return KimiK3ToolParser(TestKimiK3ToolParser.tools)
+
+
+def test_k3_streams_string_arguments_as_written_and_the_others_whole():
+    raw = 'Bei "jing"\\\n北京'
+    text = (
+        f"{RO}On it.{RC}{TO}"
+        + call("get_weather", 1, arg("city", "string", raw), arg("days", "array", "[1,2]"), arg("note", "string", "x"))
+        + call("search", 2, arg("query", "string", "louvre"))
+        + f"{TC}{MC}"
+    )
+    whole = k3_parser().parse(text).tool_calls
+    assert whole[0].arguments == '{"city": "Bei \\"jing\\"\\\\\\n北京", "days": [1, 2], "note": "x"}'
+    calls = char_by_char(k3_parser(), text)
+    assert streamed(calls) == [(c.name, None, c.arguments) for c in whole]
+    # the call opens with its tag, before any argument
+    opened = text.index('index="1"<|sep|>') + len('index="1"<|sep|>')
+    assert calls[0]["opened"] == opened and so_far(calls[0], opened) == "{"
+    # a string argument as it grows, escaped as in the whole arguments
+    assert so_far(calls[0], text.index("Bei") + 3) == '{"city": "Bei'
+    assert so_far(calls[0], text.index('"jing') + 1) == '{"city": "Bei \\"'
+    assert so_far(calls[0], text.index("北京")) == '{"city": "Bei \\"jing\\"\\\\\\n'
+    city_end = text.index("<|close|>argument<|sep|>") + len("<|close|>argument<|sep|>")
+    assert so_far(calls[0], city_end - 1) == '{"city": "Bei \\"jing\\"\\\\\\n北京'
+    assert so_far(calls[0], city_end) == '{"city": "Bei \\"jing\\"\\\\\\n北京"'
+    # a typed argument whole, once it closes: its value re-encoded
+    days_end = text.index("<|close|>argument<|sep|>", city_end) + len("<|close|>argument<|sep|>")
+    assert so_far(calls[0], days_end - 1) == so_far(calls[0], city_end)
+    assert so_far(calls[0], days_end) == so_far(calls[0], city_end) + ', "days": [1, 2]'
+    assert len(calls[0]["fragments"]) > 10
+    assert calls[1]["opened"] < text.index("louvre")
+    assert so_far(calls[1], text.index("louvre") + 3) == '{"query": "lou'
+
+
+def test_k3_a_repeated_key_is_written_again():
+    text = (
+        TO
+        + call("search", 1, arg("query", "string", "a"), arg("limit", "integer", "1"), arg("query", "string", "b"))
+        + TC
+    )
+    (whole,) = k3_parser().parse(text).tool_calls
+    assert whole.arguments == '{"query": "a", "limit": 1, "query": "b"}'
+    assert json.loads(whole.arguments) == {"query": "b", "limit": 1}
+    assert streamed(char_by_char(k3_parser(), text)) == [("search", None, whole.arguments)]
 
 
 # reasoning

@@ -14,10 +14,13 @@ How an output reads:
   another marker or the end of the output cuts short, stray text) ends the reading: from
   there, the rest of the output is content. The block's end marker may be missing.
 
-Calls are reported whole, once their end marker has come: until then a call can still turn
-out cut short or malformed, which makes it content, and a stream cannot take back a call it
-has opened. So :meth:`BlockToolParser.parse_partial` reports the complete calls, and content
-up to the first thing not yet decided (a call in progress, a tail that could begin a block).
+A stream reports a call as it is written (:meth:`BlockToolParser.read_partial_call`): once its
+name is complete, with the leading part of its arguments that no continuation of a well-formed
+call can change. So :meth:`BlockToolParser.parse_partial` reports the complete calls, then the
+call in progress, and content up to the first thing not yet decided (a call in progress, a tail
+that could begin a block). A call in progress that turns out malformed (cut short, arguments
+that do not decode) is content in :meth:`parse`; a stream has opened it and cannot take it back,
+but what it sends as content still adds up to the text.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import json
 from abc import abstractmethod
 from typing import Any, ClassVar, Sequence
 
-from engine.interfaces.tool_parser import ParsedToolCalls, ToolCall, ToolParser
+from engine.interfaces.tool_parser import ParsedToolCalls, ToolCall, ToolParser, held_back, scan_json
 
 OPEN, CLOSED, BROKEN = "open", "closed", "broken"  # how a block's reading stops
 
@@ -44,6 +47,18 @@ class BlockToolParser(ToolParser):
         """The call a body (the text between ``call_begin`` and ``call_end``) writes, or None
         when it is not well formed."""
 
+    def read_partial_call(self, body: str) -> ToolCall | None:
+        """The call a body begins (``body`` is all the text after ``call_begin``, no end
+        marker in it yet), as far as it is certain: its name once complete, with the leading
+        part of its arguments that the call, if it turns out well formed, has in
+        :meth:`read_call`; None while the name is not complete (or cannot be valid)."""
+        return None
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        """The markers that end a call's body."""
+        return (self.call_end, self.call_begin, self.block_end)
+
     def parse(self, text: str) -> ParsedToolCalls:
         return self._read(text, final=True)
 
@@ -59,7 +74,7 @@ class BlockToolParser(ToolParser):
             if begin < 0:
                 tail = text[pos:]
                 if not final:
-                    tail = tail[: len(tail) - partial_tail(tail, self.markers)]
+                    tail = tail[: len(tail) - held_back(tail, self.markers)]
                 content.append(tail)
                 break
             start = begin
@@ -72,6 +87,10 @@ class BlockToolParser(ToolParser):
                 pos = stop
                 continue
             if how == OPEN and not final:
+                if text.startswith(self.call_begin, stop):  # a call in progress
+                    call = self.read_partial_call(text[stop + len(self.call_begin) :])
+                    if call is not None:
+                        calls.append(call)
                 break  # the rest is not decided yet
             content.append(text[stop if found else start :])  # broken off, cut short, or no call in it
             break
@@ -93,7 +112,7 @@ class BlockToolParser(ToolParser):
                 could_begin = self.block_end.startswith(rest) or self.call_begin.startswith(rest)
                 return calls, j, OPEN if could_begin else BROKEN
             body = j + len(self.call_begin)
-            end, marker = find_first(text, (self.call_end, self.call_begin, self.block_end), body)
+            end, marker = find_first(text, self.stops, body)
             if marker is None:
                 return calls, j, OPEN
             call = self.read_call(text[body:end]) if marker == self.call_end else None
@@ -113,15 +132,20 @@ def find_first(text: str, markers: Sequence[str], pos: int) -> tuple[int, str | 
     return best, found
 
 
-def partial_tail(text: str, markers: Sequence[str]) -> int:
-    """The length of the longest tail of ``text`` that begins one of ``markers``."""
-    longest = 0
-    for marker in markers:
-        for size in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:size]):
-                longest = size
-                break
-    return longest
+def json_so_far(text: str, stops: Sequence[str], fence: str = "") -> str:
+    """The leading part of a call's JSON arguments that ``text``, what the call has written of
+    them so far (up to the end of the output, no end marker in it), has for certain, the
+    whitespace around them not being part of them: once the JSON value has closed
+    (:func:`~engine.interfaces.tool_parser.scan_json`), all of it; before, all but a tail that
+    could begin what closes the arguments (whitespace, the characters of ``fence``, the
+    beginning of one of ``stops``), so that no character of a closing fence or end marker
+    is ever part of them."""
+    text = text.lstrip()
+    end = scan_json(text, 0)
+    if end is not None:
+        return text[:end]
+    text = text[: len(text) - held_back(text, stops)]
+    return text.rstrip(" \t\r\n" + fence)
 
 
 def json_object(text: str) -> Any:

@@ -12,6 +12,11 @@ is kept as the call's id (the template writes it back as ``tool_call['id']`` and
 as ``## Return of ID``). Some checkpoints write the section markers in the singular
 (``<|tool_call_section_begin|>``); an id without the ``functions.`` prefix also reads. The
 guide's reader allows whitespace around the id and the arguments; it is not part of them.
+
+A stream opens a call, with its name and id, at ``<|tool_call_argument_begin|>``, then sends
+its arguments as the model writes them: the JSON text so far, less a tail that could begin the
+call's end marker, all of it once the JSON value has closed. Whole, a call's arguments are
+exactly what the stream sent of them.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import re
 from typing import Sequence
 
 from engine.interfaces.tool_parser import Tool, ToolCall
-from engine_kimi_k3.parsers.sections import SectionToolParser
+from engine_kimi_k3.parsers.sections import SectionToolParser, json_so_far
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 SECTION_END = "<|tool_calls_section_end|>"
@@ -55,6 +60,14 @@ class KimiK2ToolParser(SectionToolParser):
         except ValueError:
             return None
         return ToolCall(match["name"], arguments, call_id) if isinstance(value, dict) else None
+
+    def read_partial_call(self, body: str) -> ToolCall | None:
+        header, found, arguments = body.partition(ARGUMENT_BEGIN)
+        call_id = header.strip()
+        match = _CALL_ID.fullmatch(call_id)
+        if not found or match is None:
+            return None
+        return ToolCall(match["name"], json_so_far(arguments, self.stops), call_id)
 
     def structural_tag(self, tools: Sequence[Tool], *, parallel: bool) -> dict | None:
         """Each forced call is a section of its own whose id is ``functions.NAME:0``: a

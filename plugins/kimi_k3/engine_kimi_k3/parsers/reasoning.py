@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from engine.interfaces.reasoning_parser import ReasoningParser, ReasoningSplit
+from engine.interfaces.tool_parser import held_back
 from engine_kimi_k3.parsers.kimi_k2 import SECTION_BEGINS
-from engine_kimi_k3.parsers.sections import find_first, partial_tail
+from engine_kimi_k3.parsers.sections import find_first
 from engine_kimi_k3.parsers.xtml import ANSWER_MARKERS, THINK_CLOSE, THINK_OPEN
 
 
@@ -91,9 +92,9 @@ class KimiReasoningStream:
             return "", ""  # the output may yet open with the marker
         reasoning, rest, ended = parser._parts(text)
         if not ended:
-            held = partial_tail(reasoning, (parser.end, *parser.content_begins))
+            held = held_back(reasoning, (parser.end, *parser.content_begins))
             return reasoning[: len(reasoning) - held], ""
-        rest = rest[: len(rest) - partial_tail(rest, parser.answer_markers)]
+        rest = rest[: len(rest) - held_back(rest, parser.answer_markers)]
         return reasoning or "", parser._answer(rest)
 
     def _diff(self, reasoning: str, content: str) -> tuple[str, str]:

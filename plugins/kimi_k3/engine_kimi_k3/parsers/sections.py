@@ -12,11 +12,14 @@ How an output reads:
 - A section holding no call is content whole, its markers included. A section's end marker
   may be missing (the output stopped after its last call).
 
-Calls are reported whole, once their end marker has come: until then a call can still turn
-out cut short or malformed, which makes it content, and a stream cannot take back a call it
-has opened. So :meth:`parse_partial` reports the complete calls, and content up to the
-first thing not yet decided (a call in progress, a section with no call so far, a tail that
-could begin a marker).
+A stream reports a call as it is written (:meth:`SectionToolParser.read_partial_call`): once
+its name is complete, with the leading part of its arguments that no continuation of a
+well-formed call can change. So :meth:`parse_partial` reports the complete calls, then the call
+in progress, and content up to the first thing not yet decided (a call in progress, a section
+with no complete call so far, a tail that could begin a marker). A call in progress that turns
+out malformed is content in :meth:`parse`; a stream has opened it and cannot take it back (a
+later call of the section then comes under its index), but what it sends as content still adds
+up to the text.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import ClassVar, Sequence
 
-from engine.interfaces.tool_parser import ParsedToolCalls, ToolCall, ToolParser
+from engine.interfaces.tool_parser import ParsedToolCalls, ToolCall, ToolParser, held_back, scan_json
 
 
 class SectionToolParser(ToolParser):
@@ -38,6 +41,18 @@ class SectionToolParser(ToolParser):
     def read_call(self, body: str) -> ToolCall | None:
         """The call a block's body (between ``call_begin`` and ``call_end``) writes, or None
         when it is not well formed."""
+
+    def read_partial_call(self, body: str) -> ToolCall | None:
+        """The call a block's body begins (``body`` is all the text after ``call_begin``, no
+        end marker in it yet), as far as it is certain: its name (and id) once complete,
+        with the leading part of its arguments that the call, if it turns out well formed,
+        has in :meth:`read_call`; None while the name is not complete (or cannot be valid)."""
+        return None
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        """The markers that end a block's body."""
+        return (self.call_end, self.call_begin, *self.section_ends)
 
     def parse(self, text: str) -> ParsedToolCalls:
         return self._read(text, final=True)
@@ -59,7 +74,7 @@ class SectionToolParser(ToolParser):
             if begin is None:
                 tail = text[pos:]
                 if not final:
-                    tail = tail[: len(tail) - partial_tail(tail, self.section_begins + self.outside_markers)]
+                    tail = tail[: len(tail) - held_back(tail, self.section_begins + self.outside_markers)]
                 content.append(self._outside(tail))
                 break
             content.append(self._outside(text[pos:start]))
@@ -69,8 +84,12 @@ class SectionToolParser(ToolParser):
                 content += pieces  # the section's markers are structure: it holds a call
             elif decided:
                 content.append(text[start:end])  # no call in it: the section is content, as written
-            if not decided:
-                break  # the rest of the text is still open
+            if not decided:  # the rest of the text is still open
+                if text.startswith(self.call_begin, end):  # a call in progress
+                    call = self.read_partial_call(text[end + len(self.call_begin) :])
+                    if call is not None:
+                        calls.append(call)
+                break
             pos = end
         return ParsedToolCalls("".join(content), tuple(calls))
 
@@ -93,7 +112,7 @@ class SectionToolParser(ToolParser):
                 return calls, pieces, j + len(end), True
             if text.startswith(self.call_begin, j):
                 body = j + len(self.call_begin)
-                stop, marker = find_first(text, (self.call_end, *stops), body)
+                stop, marker = find_first(text, self.stops, body)
                 if marker is None:  # the text ends inside the call
                     if not final:
                         return calls, pieces, j, False
@@ -132,12 +151,16 @@ def find_first(text: str, markers: Sequence[str], pos: int, *, at: bool = False)
     return best, found
 
 
-def partial_tail(text: str, markers: Sequence[str]) -> int:
-    """The length of the longest tail of ``text`` that begins one of ``markers``."""
-    longest = 0
-    for marker in markers:
-        for size in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:size]):
-                longest = size
-                break
-    return longest
+def json_so_far(text: str, stops: Sequence[str]) -> str:
+    """The leading part of a call's JSON arguments that ``text``, what the call has written of
+    them so far (up to the end of the output, no end marker in it), has for certain, the
+    whitespace around them not being part of them: once the JSON value has closed
+    (:func:`~engine.interfaces.tool_parser.scan_json`), all of it; before, all but a tail that
+    could begin what closes the arguments (whitespace, the beginning of one of ``stops``), so
+    that no character of an end marker is ever part of them."""
+    text = text.lstrip()
+    end = scan_json(text, 0)
+    if end is not None:
+        return text[:end]
+    text = text[: len(text) - held_back(text, stops)]
+    return text.rstrip(" \t\r\n")

@@ -325,7 +325,6 @@ class AnthropicServing:
         start = self._message(generation, [], None, None)
         start["usage"]["output_tokens"] = 0
         yield _event("message_start", {"type": "message_start", "message": start})
-        yield _event("ping", {"type": "ping"})
         blocks = _BlockStream()
         finish = stop = None
         async for _, delta in generation.deltas():
@@ -370,6 +369,8 @@ class _BlockStream:
         events.append(
             _event("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
         )
+        if self.index == 0:  # Anthropic's order: the first block's start, then a ping
+            events.append(_event("ping", {"type": "ping"}))
         return events
 
     def close(self, empty_text: bool = False) -> list[str]:

@@ -129,7 +129,7 @@ class ToolCallStream:
         self.text = ""
         self._inside = not parser.markers  # a marker has been seen (or there are none)
         self._content = 0  # characters of content sent
-        self._calls: list[list[Any]] = []  # per call sent: [name, id, characters of arguments sent]
+        self._calls: list[list[Any]] = []  # per call sent: [name, id, arguments sent]
 
     def feed(self, delta: str) -> ToolStreamDelta:
         self.text += delta
@@ -151,18 +151,29 @@ class ToolCallStream:
         content = parsed.content[self._content :]
         self._content = max(self._content, len(parsed.content))
         deltas = []
-        for index, call in enumerate(parsed.tool_calls):
+        sent = iter(range(len(self._calls)))  # the calls sent, in order, matched to the parsed ones
+        index = next(sent, None)
+        for call in parsed.tool_calls:
             if not call.name:
                 break  # calls open in order: nothing after a call whose name is not known yet
-            if index == len(self._calls):
-                self._calls.append([call.name, call.id, len(call.arguments)])
-                deltas.append(ToolCallDelta(index, call.name, call.id, call.arguments))
+            # a sent call the parse no longer holds turned out malformed: it stays sent, unfinished,
+            # and the parsed call is matched with the next one
+            while index is not None and not self._continues(index, call):
+                index = next(sent, None)
+            if index is None:
+                self._calls.append([call.name, call.id, call.arguments])
+                deltas.append(ToolCallDelta(len(self._calls) - 1, call.name, call.id, call.arguments))
                 continue
-            sent = self._calls[index]
-            if len(call.arguments) > sent[2]:
-                deltas.append(ToolCallDelta(index, arguments=call.arguments[sent[2] :]))
-                sent[2] = len(call.arguments)
+            known = self._calls[index]
+            if len(call.arguments) > len(known[2]):
+                deltas.append(ToolCallDelta(index, arguments=call.arguments[len(known[2]) :]))
+                known[2] = call.arguments
+            index = next(sent, None)
         return ToolStreamDelta(content, tuple(deltas))
+
+    def _continues(self, index: int, call: ToolCall) -> bool:
+        name, id_, arguments = self._calls[index]
+        return call.name == name and call.id == id_ and call.arguments.startswith(arguments)
 
 
 def held_back(text: str, markers: Sequence[str]) -> int:

@@ -8,7 +8,7 @@ import json
 from typing import Any, ClassVar
 
 from engine.cli import main
-from engine.interfaces.tool_parser import Tool
+from engine.interfaces.tool_parser import Tool, ToolCall, ToolCallDelta
 from engine.testing.kit import ReasoningParserTests, ToolParserTests
 from engine.testing.kit.parsers import ReasoningCase, ToolCase
 
@@ -137,14 +137,29 @@ def test_hermes_keeps_the_arguments_text_as_written():
     assert call.arguments == '{"city":"Z\\u00fcrich" ,  "unit": "celsius"}'
 
 
-def test_hermes_calls_become_certain_at_their_closing_tag():
+def test_hermes_reports_a_call_before_its_closing_tag_and_content_only_once_certain():
     from engine_llama.parsers import HermesToolParser
 
     parser = HermesToolParser(TOOLS)
     text = 'Hi.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call'
-    assert parser.parse_partial(text).tool_calls == ()
     assert parser.parse_partial(text).content == "Hi.\n"
-    assert [c.name for c in parser.parse_partial(text + ">").tool_calls] == ["get_time"]
+    assert parser.parse_partial(text).tool_calls == (ToolCall("get_time", "{}"),)
+    assert parser.parse_partial('<tool_call>\n{"name": "get_ti').tool_calls == ()  # the name is not complete
+    # the arguments so far, never the wrapper's closing brace
+    assert parser.parse_partial('<tool_call>{"name": "get_time", "arguments": {"timezone": "UT').tool_calls == (
+        ToolCall("get_time", '{"timezone": "UT'),
+    )
+    assert parser.parse_partial('<tool_call>{"name": "get_time", "arguments": {}}').tool_calls == (
+        ToolCall("get_time", "{}"),
+    )
+    # arguments first: the call waits for its name, then comes with all the arguments written
+    assert parser.parse_partial('<tool_call>{"arguments": {"timezone": "UTC"}, "name": "get_t').tool_calls == ()
+    assert parser.parse_partial('<tool_call>{"arguments": {"timezone": "UTC"}, "name": "get_time"').tool_calls == (
+        ToolCall("get_time", '{"timezone": "UTC"}'),
+    )
+    # what can no longer be a call is no call, even before the block ends
+    assert parser.parse_partial('<tool_call>{"name": "get_time", "arguments": "UT').tool_calls == ()
+    assert parser.parse_partial('<tool_call>{"name": 3, "arguments": {').tool_calls == ()
 
 
 # -------------------------------------------------------------------------
@@ -363,3 +378,137 @@ def test_llama3_prose_streams_as_soon_as_it_cannot_be_a_call():
     assert parser.parse_partial('{"name": "get_time", "parameters": {}}').content == ""  # prose may follow
     assert parser.parse_partial("The answer {").content == "The answer {"
     assert parser.parse_partial('{"name": "get_time", "parameters": {}} and').content.endswith(" and")
+
+
+# -------------------------------------------------------------------------
+# incremental streaming
+# -------------------------------------------------------------------------
+# A stream opens a call (name, and id where the format gives one) as soon as the name is
+# complete, then sends the arguments in fragments as the model writes them.
+
+
+def fed_a_character_at_a_time(parser: Any, text: str) -> list[tuple[int, Any]]:
+    """``(characters fed so far, the delta)`` for every delta with a call in it."""
+    stream, got = parser.streamer(), []
+    for n, ch in enumerate(text, 1):
+        got.append((n, stream.feed(ch)))
+    got.append((len(text), stream.finish()))
+    return [(n, delta) for n, delta in got if delta.tool_calls]
+
+
+def assert_streams_incrementally(parser: Any, text: str, call_ids: tuple[str | None, ...] | None = None) -> None:
+    """Each call of ``text`` opens before its arguments are complete, with its name (and
+    id), and its arguments come in more than one fragment, adding up to the whole-text
+    parse's arguments."""
+    whole = parser.parse(text).tool_calls
+    assert whole
+    deltas = fed_a_character_at_a_time(parser, text)
+    for index, call in enumerate(whole):
+        mine = [(n, d) for n, delta in deltas for d in delta.tool_calls if d.index == index]
+        (opened_at, opening), rest = mine[0], mine[1:]
+        assert (opening.name, opening.id) == (call.name, call.id)
+        assert all(d.name is None and d.id is None for _, d in rest)
+        args_end = text.index(call.arguments, text.index(call.name)) + len(call.arguments)
+        assert opened_at < args_end, f"call {index} opened only once its arguments were complete"
+        fragments = [d.arguments for _, d in mine if d.arguments]
+        assert len(fragments) > 1 and "".join(fragments) == call.arguments, fragments
+    if call_ids is not None:
+        assert tuple(call.id for call in whole) == call_ids
+
+
+def test_hermes_streams_a_call_incrementally():
+    from engine_llama.parsers import HermesToolParser
+
+    text = (
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "search", "arguments": ' + TRICKY_JSON + "}\n</tool_call>"
+    )
+    assert_streams_incrementally(HermesToolParser(TOOLS), text)
+    # the name once complete, and not a character of the wrapper's "}" or of </tool_call> in the arguments
+    deltas = fed_a_character_at_a_time(HermesToolParser(TOOLS), text)
+    first_open = deltas[0][0]
+    assert text[:first_open].endswith('"get_weather"')
+
+
+def test_hermes_streams_arguments_written_before_the_name_once_the_name_is_complete():
+    from engine_llama.parsers import HermesToolParser
+
+    text = '<tool_call>\n{"arguments": {"timezone": "Asia/Tokyo"}, "name": "get_time"}\n</tool_call>'
+    deltas = fed_a_character_at_a_time(HermesToolParser(TOOLS), text)
+    (n, first), *_ = deltas
+    assert text[:n].endswith('"get_time"')
+    assert first.tool_calls == (ToolCallDelta(0, "get_time", None, '{"timezone": "Asia/Tokyo"}'),)
+
+
+def test_mistral_streams_calls_incrementally_with_their_ids():
+    from engine_llama.parsers import MistralToolParser
+
+    v11 = (
+        '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris", "unit": "celsius"}'
+        "[TOOL_CALLS]search[CALL_ID]Z9y8X7w6v[ARGS]" + TRICKY_JSON
+    )
+    assert_streams_incrementally(MistralToolParser(TOOLS), v11, ("a1B2c3D4e", "Z9y8X7w6v"))
+    v13 = 'I will check.[TOOL_CALLS]get_weather[ARGS]{"city": "Tokyo", "unit": "fahrenheit"}'
+    assert_streams_incrementally(MistralToolParser(TOOLS), v13, (None,))
+    # the list form, when the id comes before the arguments (or is not given, see below)
+    listed = (
+        '[TOOL_CALLS] [{"name": "get_weather", "id": "a1B2c3D4e", "arguments": {"city": "Paris"}},'
+        ' {"id": "Z9y8X7w6v", "name": "search", "arguments": ' + TRICKY_JSON + "}]"
+    )
+    assert_streams_incrementally(MistralToolParser(TOOLS), listed, ("a1B2c3D4e", "Z9y8X7w6v"))
+
+
+def test_mistral_list_calls_open_with_their_ids():
+    """In the list form the id must come with the name: a call whose id follows its
+    arguments (as mistral_common writes them), or that has none, opens as its object
+    closes, whole, before the list closes."""
+    from engine_llama.parsers import MistralToolParser
+
+    text = (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"},'
+        ' {"name": "get_time", "arguments": {"timezone": "UTC"}}]'
+    )
+    deltas = fed_a_character_at_a_time(MistralToolParser(TOOLS), text)
+    assert [d.tool_calls for _, d in deltas] == [
+        (ToolCallDelta(0, "get_weather", "a1B2c3D4e", '{"city": "Paris"}'),),
+        (ToolCallDelta(1, "get_time", None, '{"timezone": "UTC"}'),),
+    ]
+    assert text[: deltas[0][0]].endswith('"id": "a1B2c3D4e"')  # before the object's "}"
+    assert text[: deltas[1][0]].endswith('"arguments": {"timezone": "UTC"}}')  # before the list's "]"
+
+
+def test_mistral_opens_a_call_once_its_arguments_object_begins():
+    from engine_llama.parsers import MistralToolParser
+
+    parser = MistralToolParser(TOOLS)
+    assert parser.parse_partial("[TOOL_CALLS]get_weather[CALL_ID]a1B2").tool_calls == ()
+    assert parser.parse_partial("[TOOL_CALLS]get_weather[CALL_ID]a1B2[ARGS]").tool_calls == ()
+    assert parser.parse_partial('[TOOL_CALLS]get_weather[CALL_ID]a1B2[ARGS]{"ci').tool_calls == (
+        ToolCall("get_weather", '{"ci', "a1B2"),
+    )
+    assert parser.parse_partial('[TOOL_CALLS]get_weather[ARGS]"Paris"').tool_calls == ()  # no object: no call
+
+
+def test_llama3_streams_calls_incrementally():
+    from engine_llama.parsers import Llama3JsonToolParser
+
+    text = (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+        '{"name": "search", "parameters": ' + TRICKY_JSON + "}"
+    )
+    assert_streams_incrementally(Llama3JsonToolParser(TOOLS), text)
+    assert_streams_incrementally(
+        Llama3JsonToolParser(TOOLS), '\n{"name": "get_time", "arguments": {"timezone": "UTC"}}'
+    )
+
+
+def test_llama3_prose_after_a_call_it_opened_is_content_too():
+    from engine_llama.parsers import Llama3JsonToolParser
+
+    text = '{"name": "get_time", "parameters": {"timezone": "UTC"}}\nThat should do it.'
+    stream = Llama3JsonToolParser(TOOLS).streamer()
+    deltas = [*(stream.feed(ch) for ch in text), stream.finish()]
+    assert [d.name for delta in deltas for d in delta.tool_calls if d.name] == ["get_time"]  # opened, not taken back
+    assert "".join(delta.content for delta in deltas) == text
+    assert Llama3JsonToolParser(TOOLS).parse(text).tool_calls == ()
+    assert Llama3JsonToolParser(TOOLS).parse_partial('Sure! {"name": "get_time"').tool_calls == ()  # prose first

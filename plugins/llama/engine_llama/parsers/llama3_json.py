@@ -11,18 +11,26 @@ and an ``"arguments"`` key in place of ``"parameters"`` is accepted the same way
 The calls must be the whole output (whitespace and an opening ``<|python_tag|>`` aside):
 JSON inside prose, or prose after the calls, is content. So nothing is certain until the
 output ends, unless it can no longer be calls only (then it is content as it streams).
+
+A stream does not wait for the end: while the output so far is calls (after whitespace
+and ``<|python_tag|>``), the last one perhaps unfinished, it opens each call once its
+``"name"`` value is complete and sends its arguments object as it is written. Output
+that does not begin as a call (prose first) streams as content from the start. When prose
+follows calls the stream has opened, or a call turns out malformed, the output is
+content after all: the stream cannot take back the calls it opened, and goes on to send
+the whole output as content, the calls' text included.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Sequence
 
 from engine.interfaces.tool_parser import ParsedToolCalls, Tool, ToolCall, ToolParser, scan_json
-from engine_llama.parsers.json_text import call_from_object, skip_whitespace
+from engine_llama.parsers.json_text import call_from_object, call_so_far, call_structures, skip_whitespace
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATOR = ";"
+ARGUMENTS = ("parameters", "arguments")  # the template's key, and the one vLLM accepts too
 
 
 class Llama3JsonToolParser(ToolParser):
@@ -35,18 +43,14 @@ class Llama3JsonToolParser(ToolParser):
 
     def parse_partial(self, text: str) -> ParsedToolCalls:
         calls = self._read(text, final=False)
-        return ParsedToolCalls(text) if calls is None else ParsedToolCalls("")
+        return ParsedToolCalls(text) if calls is None else ParsedToolCalls("", calls)
 
     def structural_tag(self, tools: Sequence[Tool], *, parallel: bool) -> dict | None:
         """One forced call, even when parallel calls are allowed: the format's calls must be the
         whole output, and a structural tag cannot keep the text after a call to ``; ``
         followed by another call."""
-        structures = [
-            {"begin": f'{{"name": {json.dumps(tool.name)}, "parameters": ', "schema": tool.parameters, "end": "}"}
-            for tool in tools
-        ]
         return {
-            "structures": structures,
+            "structures": call_structures(tools, "", "", arguments_key="parameters"),
             "triggers": ['{"name": '],
             "at_least_one": True,
             "stop_after_first": True,
@@ -54,30 +58,33 @@ class Llama3JsonToolParser(ToolParser):
 
     def _read(self, text: str, final: bool) -> tuple[ToolCall, ...] | None:
         """The calls that make up the whole of ``text``; None when it is not calls only.
-        A partial read (not ``final``) answers ``()`` while the text may still become
-        calls only."""
-        undecided = None if final else ()
+        A partial read (not ``final``) answers, while the text may still become calls only,
+        the calls begun so far: the whole ones, and an unfinished last one once its name is
+        complete, as far as it is written."""
         i = skip_whitespace(text, 0)
         if text.startswith(PYTHON_TAG, i):
             i = skip_whitespace(text, i + len(PYTHON_TAG))
         elif not final and i < len(text) and PYTHON_TAG.startswith(text[i:]):
-            return undecided
+            return ()
         calls: list[ToolCall] = []
         while True:
             if i == len(text):
-                return undecided
+                return None if final else tuple(calls)
             if text[i] != "{":
                 return None
             end = scan_json(text, i)
             if end is None:
-                return undecided
-            call = call_from_object(text[i:end], ("parameters", "arguments"))
+                if final:
+                    return None
+                call = call_so_far(text[i:], ARGUMENTS)
+                return (*calls, call) if call is not None else tuple(calls)
+            call = call_from_object(text[i:end], ARGUMENTS)
             if call is None:
                 return None
             calls.append(call)
             k = skip_whitespace(text, end)
             if k == len(text):
-                return tuple(calls) if final else ()
+                return tuple(calls)
             if text[k] != SEPARATOR:
                 return None
             i = skip_whitespace(text, k + 1)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -18,10 +17,6 @@ from engine.interfaces.tool_parser import Tool, ToolCall, ToolCallDelta, ToolPar
 from engine.sampling_params import ReasoningMarkers, StructuredOutputsParams
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-
-
-def new_tool_call_id(prefix: str = "call_") -> str:
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
 def check_tools(tools: Sequence[tuple[str, str | None, Any]], param: str) -> list[Tool]:
@@ -127,7 +122,7 @@ class OutputReader:
         while len(self._ids) <= index:
             self._ids.append("")
         if not self._ids[index]:
-            self._ids[index] = own or new_tool_call_id(self.id_prefix)
+            self._ids[index] = own or self.tools.new_call_id(self.id_prefix)
         return self._ids[index]
 
     def read(self, text: str) -> ReadOutput:

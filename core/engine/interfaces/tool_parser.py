@@ -19,6 +19,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
@@ -115,6 +116,12 @@ class ToolParser(ABC):
         ``parameters``; one call and nothing after it unless ``parallel``. None when the
         format cannot be forced this way (``tool_choice`` ``required`` is then refused)."""
         return None
+
+    def new_call_id(self, prefix: str) -> str:
+        """An id for a call the format gives none (OpenAI's ``call_...``, Anthropic's
+        ``toolu_...`` with their ``prefix``). A family whose chat template checks the ids it
+        is sent back (Mistral's: nine letters and digits) makes its own."""
+        return f"{prefix}{uuid.uuid4().hex[:24]}"
 
     def streamer(self) -> ToolCallStream:
         return ToolCallStream(self)

@@ -512,3 +512,11 @@ def test_llama3_prose_after_a_call_it_opened_is_content_too():
     assert "".join(delta.content for delta in deltas) == text
     assert Llama3JsonToolParser(TOOLS).parse(text).tool_calls == ()
     assert Llama3JsonToolParser(TOOLS).parse_partial('Sure! {"name": "get_time"').tool_calls == ()  # prose first
+
+
+def test_mistral_makes_the_nine_character_ids_its_templates_accept_back():
+    from engine_llama.parsers import MistralToolParser
+
+    ids = {MistralToolParser(TOOLS).new_call_id("call_") for _ in range(50)}
+    assert len(ids) == 50
+    assert all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)

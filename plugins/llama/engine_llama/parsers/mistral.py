@@ -28,6 +28,8 @@ opened for it.
 from __future__ import annotations
 
 import re
+import secrets
+import string
 
 from engine.interfaces.tool_parser import ParsedToolCalls, ToolCall, held_back, scan_json
 from engine_llama.parsers.json_text import (
@@ -41,6 +43,7 @@ from engine_llama.parsers.json_text import (
 
 TOOL_CALLS, CALL_ID, ARGS = "[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"
 ARGUMENTS = ("arguments",)  # the key of a call object's arguments
+ID_ALPHABET = string.ascii_letters + string.digits
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")  # OpenAI's function names (with dots)
 
 
@@ -52,6 +55,10 @@ class MistralToolParser(MarkedJsonToolParser):
     # MistralForCausalLM checkpoints write. Parallel calls repeat the group, which the
     # parser reads as one sequence.
     call_before, call_after = f"{TOOL_CALLS}[", "]"
+
+    def new_call_id(self, prefix: str) -> str:
+        """Nine letters and digits, the only ids Mistral's chat templates accept back."""
+        return "".join(secrets.choice(ID_ALPHABET) for _ in range(9))
 
     def read(self, text: str, final: bool) -> ParsedToolCalls:
         first = text.find(TOOL_CALLS)

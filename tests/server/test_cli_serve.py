@@ -97,3 +97,23 @@ def test_serve_rejects_bad_options_in_one_line(chat_checkpoint):
     )
     assert result.returncode == 1
     assert result.stderr.strip() == "engine serve: error: --max-num-seqs: Input should be greater than or equal to 1"
+
+
+def test_a_busy_port_is_refused_before_the_model_loads():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "engine.cli", "serve", "--port", str(port), "--plugins", "cpu,llama"],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env={**os.environ, "ENGINE_API_KEY": ""},
+        )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert f"engine serve: error: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "--port" in result.stderr
+    # refused first: the model was never loaded and nothing claimed to serve
+    assert "engine ready" not in output and "serving" not in output and "Traceback" not in output

@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig, ServerConfig
@@ -58,14 +59,37 @@ def make_app(
     if defaults:
         logger.info("sampling defaults from generation_config.json: %s", defaults)
     engine = AsyncEngine(llm_engine, on_error=on_error)
-    model_name = server_config.served_model_name or engine_config.model
+    model_name = served_name(engine_config, server_config)
     return build_app(engine, server_config, model_name, defaults), engine
+
+
+def served_name(engine_config: EngineConfig, server_config: ServerConfig) -> str:
+    """The model id clients send: ``--served-model-name``, else the model argument as given
+    for a built-in or Hub name, else a local directory's own name (not its whole path)."""
+    if server_config.served_model_name:
+        return server_config.served_model_name
+    model = engine_config.model
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.resolve().name
+    return model
+
+
+WEAK_KEY_CHARS = 16
 
 
 def resolve_api_key(server_config: ServerConfig) -> ServerConfig:
     """``--api-key`` wins; else ``$ENGINE_API_KEY`` when set."""
     if server_config.api_key is None and os.environ.get(API_KEY_ENV):
-        return server_config.model_copy(update={"api_key": os.environ[API_KEY_ENV]})
+        server_config = server_config.model_copy(update={"api_key": os.environ[API_KEY_ENV]})
+    key = server_config.api_key
+    if key is not None and len(key) < WEAK_KEY_CHARS:
+        logger.warning(
+            "the API key has %d characters: one that short can be guessed; use at least %d random ones "
+            "(python -c 'import secrets; print(secrets.token_urlsafe(32))')",
+            len(key),
+            WEAK_KEY_CHARS,
+        )
     return server_config
 
 
@@ -91,14 +115,19 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, *, log_level
         timer.daemon = True
         timer.start()
 
-    app, engine = make_app(engine_config, server_config, on_error=on_error)
+    sock = listen(server_config.host, server_config.port)  # a busy port is refused before the model loads
+    try:
+        app, engine = make_app(engine_config, server_config, on_error=on_error)
+    except BaseException:
+        sock.close()
+        raise
     if server_config.api_key is None and server_config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", server_config.host)
     logger.info(
         "serving %s on http://%s:%d",
-        server_config.served_model_name or engine_config.model,
+        served_name(engine_config, server_config),
         server_config.host,
-        server_config.port,
+        sock.getsockname()[1],
     )
     server = uvicorn.Server(
         uvicorn.Config(
@@ -111,12 +140,30 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, *, log_level
         )
     )
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on, as uvicorn.run swallows it
         pass
     finally:
         engine.shutdown()
     return 1 if failed.is_set() else 0
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (0: a free port) and listening, made before anything
+    slow happens, so that a port another process holds is refused at once."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; another process holds the port, or the "
+            f"address is not this machine's. Choose another with --port (0 picks a free one) or --host."
+        ) from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def start_server(engine_config: EngineConfig, server_config: ServerConfig, *, progress: bool = False) -> RunningServer:
@@ -127,10 +174,12 @@ def start_server(engine_config: EngineConfig, server_config: ServerConfig, *, pr
     import uvicorn
 
     server_config = resolve_api_key(server_config)
-    app, engine = make_app(engine_config, server_config, progress=progress)
-    sock = socket.socket(socket.AF_INET6 if ":" in server_config.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((server_config.host, server_config.port))
+    sock = listen(server_config.host, server_config.port)
+    try:
+        app, engine = make_app(engine_config, server_config, progress=progress)
+    except BaseException:
+        sock.close()
+        raise
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)

@@ -179,7 +179,10 @@ class ServerConfig(BaseModel):
         description="Key every endpoint but /health requires (Authorization: Bearer KEY or x-api-key: KEY); "
         "default: $ENGINE_API_KEY, else none.",
     )
-    served_model_name: str | None = Field(None, description="Model name clients send; default: the model argument.")
+    served_model_name: str | None = Field(
+        None,
+        description="Model name clients send; default: the model argument, or a local directory's own name.",
+    )
     metrics_public: bool = Field(False, description="Serve /metrics without the API key.")
     max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted, in bytes.")
     enable_auto_tool_choice: bool = Field(

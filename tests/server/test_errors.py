@@ -382,7 +382,7 @@ def test_internal_error_is_500_without_a_traceback(path):
     assert "see the server log" in error["message"]
 
 
-# 14. tools, tool results and reasoning
+# 18. tools, tool results and reasoning
 
 
 def _tool(name="f", parameters=None):
@@ -525,3 +525,49 @@ def test_malformed_count_tokens(http):
     )
     r = http.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": HI})
     assert r.status_code == 200 and r.json()["input_tokens"] > 0
+
+
+# 19. the smaller rough edges
+
+
+def test_a_405_names_the_methods_the_route_takes(http):
+    r = http.get(C)
+    openai_error(r, 405, mentions="GET")
+    assert r.headers["Allow"] == "POST"
+    r = http.put("/v1/models")
+    assert r.status_code == 405 and r.headers["Allow"] in ("GET", "GET, HEAD")
+
+
+def test_one_model_by_its_id(http):
+    r = http.get("/v1/models/tiny")
+    assert r.status_code == 200 and r.json()["id"] == "tiny" and r.json()["object"] == "model"
+    openai_error(http.get("/v1/models/other"), 404, param="model", code="model_not_found", mentions="tiny")
+
+
+def test_messages_caps_stop_sequences_as_the_openai_endpoints_cap_stop(http):
+    anthropic_error(post(http, MSG, stop_sequences=[f"s{i}" for i in range(17)]), 400, mentions="16")
+    assert post(http, MSG, stop_sequences=[f"s{i}" for i in range(16)]).status_code == 200
+    openai_error(post(http, CHAT, stop=[f"s{i}" for i in range(17)]), 400, mentions="16")
+
+
+def test_a_weak_api_key_is_warned_about(caplog):
+    from engine.config import ServerConfig
+    from engine.entrypoints.serve import resolve_api_key
+
+    with caplog.at_level("WARNING", logger="engine"):
+        resolve_api_key(ServerConfig(api_key="x"))
+    assert "1 characters" in caplog.text and "secrets.token_urlsafe" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="engine"):
+        resolve_api_key(ServerConfig(api_key="k" * 40))
+    assert caplog.text == ""
+
+
+def test_a_local_directory_is_served_under_its_own_name(chat_checkpoint):
+    from engine.config import EngineConfig, ServerConfig
+    from engine.entrypoints.serve import served_name
+
+    config = EngineConfig(model=str(chat_checkpoint))
+    assert served_name(config, ServerConfig()) == chat_checkpoint.name
+    assert served_name(config, ServerConfig(served_model_name="m")) == "m"
+    assert served_name(EngineConfig(model="demo"), ServerConfig()) == "demo"

@@ -18,6 +18,7 @@ from engine.interfaces.tool_parser import Tool
 from engine.sampling_params import SamplingParams
 
 _STOP_REASONS = {"length": "max_tokens"}
+MAX_STOP_SEQUENCES = 16  # as the OpenAI endpoints' stop
 
 
 class TextBlock(BaseModel):
@@ -170,6 +171,8 @@ class MessagesRequest(CountTokensRequest):
     def _check_stops(self) -> "MessagesRequest":
         if any(s == "" for s in self.stop_sequences or []):
             raise ParamError("stop_sequences", "stop_sequences must not contain an empty string.")
+        if len(self.stop_sequences or []) > MAX_STOP_SEQUENCES:
+            raise ParamError("stop_sequences", f"at most {MAX_STOP_SEQUENCES} stop_sequences.")
         if (
             self.thinking is not None
             and self.thinking.type == "enabled"

@@ -86,19 +86,38 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = {404: f"No route {request.url.path}.", 405: f"{request.method} is not allowed on {request.url.path}."}
-        return error_response(
+        response = error_response(
             request.url.path, APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)))
         )
+        if exc.headers and "Allow" in exc.headers:  # a 405 says which methods the route takes
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
 
     @app.exception_handler(Exception)
     async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
         return error_response(request.url.path, _internal_error(exc))
 
+    async def read_body(request: Request) -> bytes:
+        """The body, refused (413) as soon as it is known to pass the limit: from its
+        Content-Length before reading any of it, else while it streams in."""
+        limit = config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                raise bad_request(f"The Content-Length header must be a number of bytes, got {declared!r}.")
+            if int(declared) > limit:
+                raise APIError(413, f"The request body has {int(declared)} bytes; the limit is {limit}.")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"The request body passed the limit of {limit} bytes; it was not read further.")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def parse(request: Request, model: type[BaseModel]) -> Any:
-        body = await request.body()
-        if len(body) > config.max_request_bytes:
-            raise APIError(413, f"The request body has {len(body)} bytes; the limit is {config.max_request_bytes}.")
+        body = await read_body(request)
         if not body.strip():
             raise bad_request("The request body is empty: send a JSON object.", code="invalid_json")
         try:
@@ -120,16 +139,23 @@ def build_app(
     async def metrics_route() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
+    def model_card() -> dict:
+        return {
             "id": model_name,
             "object": "model",
             "created": int(app_started),
             "owned_by": "engine",
             "max_model_len": engine.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        openai.check_model(model_id)
+        return model_card()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

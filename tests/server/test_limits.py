@@ -1,0 +1,47 @@
+"""Bounds a hostile client meets: a body over the size limit is refused before it is read
+(from its Content-Length) or as soon as it streams past the limit (chunked), so that a
+client cannot make the server hold more than the limit."""
+
+from __future__ import annotations
+
+import socket
+
+from server_helpers import API_KEY
+
+LIMIT = 16 * 2**20  # ServerConfig.max_request_bytes' default
+
+
+def _raw(server, head: str, body_parts=()) -> bytes:
+    """Send ``head`` (and ``body_parts``) on a raw connection; the response's first bytes."""
+    with socket.create_connection((server.host, server.port), timeout=30) as conn:
+        conn.sendall(head.encode())
+        for part in body_parts:
+            conn.sendall(part)
+        return conn.recv(65536)
+
+
+def _head(server, extra: str) -> str:
+    return (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {server.host}:{server.port}\r\n"
+        f"Authorization: Bearer {API_KEY}\r\nContent-Type: application/json\r\n{extra}\r\n"
+    )
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_the_body_is_sent(server):
+    # no body follows: a server that read before checking would wait for 300 MiB
+    response = _raw(server, _head(server, f"Content-Length: {300 * 2**20}\r\n"))
+    assert response.startswith(b"HTTP/1.1 413"), response[:200]
+    assert b"limit" in response
+
+
+def test_a_chunked_body_is_refused_once_it_passes_the_limit(server):
+    chunk = b"x" * 2**20
+    parts = [b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(LIMIT // len(chunk) + 2)]
+    # the body never ends (no last chunk): only a server that stops at the limit answers
+    response = _raw(server, _head(server, "Transfer-Encoding: chunked\r\n"), parts)
+    assert response.startswith(b"HTTP/1.1 413"), response[:200]
+
+
+def test_a_malformed_content_length_is_a_400(server):
+    response = _raw(server, _head(server, "Content-Length: 12abc\r\n"))
+    assert response.startswith(b"HTTP/1.1 400"), response[:200]

@@ -571,3 +571,17 @@ def test_a_local_directory_is_served_under_its_own_name(chat_checkpoint):
     assert served_name(config, ServerConfig()) == chat_checkpoint.name
     assert served_name(config, ServerConfig(served_model_name="m")) == "m"
     assert served_name(EngineConfig(model="demo"), ServerConfig()) == "demo"
+
+
+@pytest.mark.parametrize(
+    "path, fields, param, mentions",
+    [
+        (C, {"prompt": 5}, "prompt", "a string, a list of token ids, a list of strings or a list of token-id lists"),
+        (C, {"prompt": [1.0, 2.5]}, "prompt.0", "integer"),
+        (C, {"stop": 5}, "stop", "a string or a list of strings"),
+        (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "a string or a list"),
+    ],
+)
+def test_a_value_no_union_member_takes_says_what_the_field_may_be(http, path, fields, param, mentions):
+    error = openai_error(post(http, path, **fields), 400, param=param, mentions=mentions)
+    assert "valid string" not in error["message"]

@@ -107,6 +107,11 @@ def from_validation_error(exc: ValidationError) -> APIError:
     # furthest into it says best what is wrong (a content block of an unknown type, not "not a string")
     same_field = [e for e in errors if e.get("loc", ())[:1] == first.get("loc", ())[:1]]
     first = max(same_field, key=lambda e: len(e.get("loc", ())), default=first)
+    members = _union_members(same_field, first)
+    if members:  # no member got further than another: say what the field may be
+        loc = [str(part) for part in first["loc"] if not _is_union_tag(part)]
+        param = ".".join(loc)
+        return bad_request(f"Invalid value for {param}: expected {members}.", param=param)
     ctx = first.get("ctx") or {}
     cause = ctx.get("error")
     if isinstance(cause, ParamError):
@@ -129,6 +134,37 @@ def from_validation_error(exc: ValidationError) -> APIError:
         message = message[len("Value error, ") :]
     where = f"{param}: " if param else ""
     return bad_request(f"Invalid value for {where}{message}" if param else f"Invalid request: {message}", param=param)
+
+
+_MEMBER_NAMES = {
+    "str": "a string",
+    "list[int]": "a list of token ids",
+    "list[str]": "a list of strings",
+    "list[list[int]]": "a list of token-id lists",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "dict": "an object",
+    "list": "a list",
+}
+
+
+def _union_members(errors: list[dict], deepest: dict) -> str | None:
+    """For a value no member of its union accepts, each member failing at the value itself
+    (none got into it), the members in words: "a string or a list of token ids"."""
+    loc = tuple(deepest.get("loc", ()))
+    if not loc or not _is_union_tag(loc[-1]):
+        return None
+    depth = len(loc)
+    tags = []
+    for error in errors:
+        where = tuple(error.get("loc", ()))
+        if len(where) == depth and where[:-1] == loc[:-1] and _is_union_tag(where[-1]):
+            tags.append(str(where[-1]))
+    if len(tags) < 2:
+        return None
+    names = list(dict.fromkeys(_MEMBER_NAMES.get(tag, "a list" if tag.startswith("list[") else tag) for tag in tags))
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def _is_union_tag(part: Any) -> bool:

@@ -185,6 +185,20 @@ class ServerConfig(BaseModel):
     )
     metrics_public: bool = Field(False, description="Serve /metrics without the API key.")
     max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted, in bytes.")
+    max_prompt_chars: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt in characters (text prompts, and rendered chat prompts), refused before it "
+        "is tokenized; default: 32 per token of the model's context.",
+    )
+    max_sequences_per_request: int = Field(
+        1024, ge=1, description="Most sequences (prompts × n) one request may ask for."
+    )
+    trust_request_chat_template: bool = Field(
+        False,
+        description="Run a chat template a request sends in chat_template_kwargs (a template is code; it is "
+        "refused otherwise).",
+    )
     enable_auto_tool_choice: bool = Field(
         False,
         description="Let the model decide whether to call a tool (tool_choice 'auto', the default when tools "

@@ -269,13 +269,13 @@ class AnthropicServing:
     async def count_tokens(self, body: CountTokensRequest) -> dict:
         self.openai.check_model(body.model)
         tools, _ = self._tools(body)
-        return {"input_tokens": len(self._prompt(body, tools).token_ids)}
+        return {"input_tokens": len((await self.openai.off_loop(self._prompt, body, tools)).token_ids)}
 
     async def messages(self, body: MessagesRequest, priority: int) -> tuple[Generation, OutputReader]:
         serving = self.openai
         serving.check_model(body.model)
         tools, choice = self._tools(body)
-        prompt = self._prompt(body, tools)
+        prompt = await serving.off_loop(self._prompt, body, tools)
         max_tokens = serving.max_tokens(body.max_tokens, [prompt], "max_tokens", "messages")
         fields: dict[str, Any] = dict(n=1, max_tokens=max_tokens, stop=body.stop_sequences, seed=None)
         for name, value in serving.sampling_defaults.items():

@@ -26,7 +26,7 @@ from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from engine.entrypoints.errors import APIError, bad_request, from_validation_error, refusal
 from engine.entrypoints.generation import Generation, finish_status, parse_priority
 from engine.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from engine.entrypoints.openai_serving import OpenAIServing
+from engine.entrypoints.openai_serving import OpenAIServing, PromptLimits
 from engine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from engine.entrypoints.tool_calling import ChatTools
 from engine.interfaces.structured_output import ConstraintError
@@ -53,7 +53,12 @@ def build_app(
         engine.tokenizer,
         config.enable_auto_tool_choice,
     )
-    openai = OpenAIServing(engine, metrics, model_name, sampling_defaults, chat_tools)
+    limits = PromptLimits(
+        max_prompt_chars=config.max_prompt_chars,
+        max_sequences_per_request=config.max_sequences_per_request,
+        trust_request_chat_template=config.trust_request_chat_template,
+    )
+    openai = OpenAIServing(engine, metrics, model_name, sampling_defaults, chat_tools, limits)
     anthropic = AnthropicServing(openai)
     public = set(PUBLIC_PATHS) | ({"/metrics"} if config.metrics_public else set())
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, config

@@ -3,7 +3,10 @@ OpenAI response, whole or as server-sent events."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine.entrypoints.async_engine import AsyncEngine
@@ -51,6 +54,22 @@ def constraint_param(body: _SamplingFields) -> str | None:
     return None
 
 
+PROMPT_CHARS_PER_TOKEN = 32  # the default character bound: no real prompt has more per token
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """Bounds on preparing prompts (``ServerConfig``'s): ``max_prompt_chars`` (None: 32 per
+    token of the context), ``max_sequences_per_request`` (prompts × n), ``prepare_timeout``
+    (seconds to render and tokenize), ``trust_request_chat_template``, ``threads``."""
+
+    max_prompt_chars: int | None = None
+    max_sequences_per_request: int = 1024
+    prepare_timeout: float = 30.0
+    trust_request_chat_template: bool = False
+    threads: int = 4
+
+
 class OpenAIServing:
     def __init__(
         self,
@@ -59,6 +78,7 @@ class OpenAIServing:
         model_name: str,
         sampling_defaults: dict[str, Any] | None = None,
         chat_tools: ChatTools | None = None,
+        limits: PromptLimits | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -66,6 +86,38 @@ class OpenAIServing:
         self.chat_tools = chat_tools or ChatTools(None, None, engine.tokenizer)
         # the checkpoint's generation_config.json settings, for the fields a request leaves out
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.limits = limits or PromptLimits()
+        # templates are rendered and prompts tokenized here, never on the event loop
+        self._prompt_pool = ThreadPoolExecutor(self.limits.threads, thread_name_prefix="engine-prompts")
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the prompt threads, waited for at most ``limits.prepare_timeout``."""
+        future = asyncio.wrap_future(self._prompt_pool.submit(fn, *args))
+        try:
+            return await asyncio.wait_for(future, timeout=self.limits.prepare_timeout)
+        except asyncio.TimeoutError:
+            raise bad_request(
+                f"Preparing this request's prompt (its chat template and tokenization) took longer than "
+                f"{self.limits.prepare_timeout:g} s; shorten it.",
+                param="messages",
+            ) from None
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.limits.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * self.engine.max_model_len
+
+    def encode(self, text: str, param: str, *, add_special_tokens: bool = True) -> list[int]:
+        """``text``'s token ids, refused unread when it is longer than any prompt can be."""
+        limit = self.max_prompt_chars
+        if len(text) > limit:
+            raise bad_request(
+                f"{param} has {len(text)} characters; prompts are limited to {limit} (--max-prompt-chars), "
+                f"which is already more than this model's context of {self.engine.max_model_len} tokens holds.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        tokenizer = self.require_tokenizer("a text prompt")
+        return self.check_ids(tokenizer.encode(text, add_special_tokens=add_special_tokens), param)
 
     # shared checks
 
@@ -194,22 +246,27 @@ class OpenAIServing:
             items = list(prompt)
         if not items:
             raise bad_request("prompt is empty.", param="prompt")
+        cap = self.limits.max_sequences_per_request
+        if len(items) * body.n > cap:
+            raise bad_request(
+                f"This request asks for {len(items)} prompts × n={body.n} = {len(items) * body.n} sequences; "
+                f"a request may ask for at most {cap} (--max-sequences-per-request). Split it.",
+                param="prompt",
+            )
         prompts = []
         for item in items:
             if isinstance(item, str):
                 text = check_text(item, "prompt")
                 if not text:
                     raise bad_request("prompt is empty: give some text or token ids.", param="prompt")
-                prompts.append(
-                    PromptInput(self.check_ids(self.require_tokenizer("a text prompt").encode(text), "prompt"), text)
-                )
+                prompts.append(PromptInput(self.encode(text, "prompt"), text))
             else:
                 prompts.append(PromptInput(self.check_ids(list(item), "prompt")))
         return prompts
 
     async def completions(self, body: CompletionRequest, priority: int) -> tuple[Generation, Callable]:
         self.check_model(body.model)
-        prompts = self.completion_prompts(body)
+        prompts = await self.off_loop(self.completion_prompts, body)
         max_tokens = self.max_tokens(body.max_tokens, prompts, "max_tokens", "prompt")
         params = self.sampling_params(body, max_tokens, body.logprobs, body.prompt_logprobs)
         generation = Generation(
@@ -344,7 +401,7 @@ class OpenAIServing:
                 text = encoder(messages, add_generation_prompt=add_generation_prompt, options=options, tools=declared)
             except ValueError as exc:
                 raise bad_request(f"The model's chat format rejected these messages: {exc}", param="messages") from None
-            return PromptInput(self.check_ids(tokenizer.encode(text, add_special_tokens=False), "messages"), text)
+            return PromptInput(self.encode(text, "messages", add_special_tokens=False), text)
         if getattr(tokenizer, "chat_template", None) is None:
             raise bad_request("This model has no chat template; use /v1/completions.", param="messages")
         try:
@@ -357,10 +414,16 @@ class OpenAIServing:
             )
         except Exception as exc:  # the template rejects the conversation (roles, order)
             raise bad_request(f"The chat template rejected these messages: {exc}", param="messages") from None
-        return PromptInput(self.check_ids(tokenizer.encode(text, add_special_tokens=False), "messages"), text)
+        return PromptInput(self.encode(text, "messages", add_special_tokens=False), text)
 
     def chat_prompt(self, body: ChatCompletionRequest, tools: list[Tool] | None = None) -> PromptInput:
         options = dict(body.chat_template_kwargs or {})
+        if "chat_template" in options and not self.limits.trust_request_chat_template:
+            raise bad_request(
+                "A chat template sent with the request is not run unless the server is started with "
+                "--trust-request-chat-template (a template is code: it can take the server's time and memory).",
+                param="chat_template_kwargs.chat_template",
+            )
         if body.reasoning_effort is not None:
             options["reasoning_effort"] = body.reasoning_effort
         return self.render_chat(self.chat_messages(body), tools or [], options, body.add_generation_prompt)
@@ -392,7 +455,7 @@ class OpenAIServing:
         mode = "named" if named is not None else body.tool_choice
         param = "tool_choice.function.name" if named is not None else "tool_choice"
         choice = self.chat_tools.choice(tools, mode, named, body.parallel_tool_calls, param)
-        prompts = [self.chat_prompt(body, tools)]
+        prompts = [await self.off_loop(self.chat_prompt, body, tools)]
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.max_tokens(body.requested_max_tokens, prompts, param, "messages")
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None

@@ -185,6 +185,11 @@ class ServerConfig(BaseModel):
     )
     metrics_public: bool = Field(False, description="Serve /metrics without the API key.")
     max_request_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body accepted, in bytes.")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host header values a server without an API key answers besides localhost's (a browser page "
+        "can make requests to localhost under any name it resolves there); '*' answers any.",
+    )
     max_prompt_chars: int | None = Field(
         None,
         ge=1,

@@ -69,8 +69,31 @@ def build_app(
         headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
         return JSONResponse(body, status_code=error.status, headers=headers)
 
+    # the address the server was told to listen on is a name of this machine too (not the wildcard)
+    own = {config.host.lower().strip("[]")} - {"0.0.0.0", "::"}
+    allowed_hosts = LOOPBACK_HOSTS | own | {h.lower() for h in config.allowed_hosts}
+
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if config.api_key is None:
+            # no key: answer only requests addressed to this machine by name (a web page that had its own
+            # name resolved to 127.0.0.1 is not), with a JSON body (no cross-site "simple" text/plain post)
+            host = _host_name(request.headers.get("host", ""))
+            if "*" not in allowed_hosts and host not in allowed_hosts:
+                error = APIError(
+                    403,
+                    f"The Host {host!r} is not allowed: without an API key this server answers requests to "
+                    f"localhost only. Add it with --allowed-hosts, or set --api-key.",
+                    code="host_not_allowed",
+                )
+                return error_response(request.url.path, error)
+            if request.method == "POST" and not _is_json(request.headers.get("content-type", "")):
+                error = APIError(
+                    415,
+                    "Send the request body as JSON, with Content-Type: application/json.",
+                    code="invalid_content_type",
+                )
+                return error_response(request.url.path, error)
         if config.api_key is not None and request.url.path not in public:
             if not _key_matches(request, config.api_key):
                 error = APIError(
@@ -255,6 +278,22 @@ def build_app(
             generation.record(status)
 
     return app
+
+
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def _host_name(header: str) -> str:
+    """The name in a Host header, without its port: ``[::1]:8000`` is ``::1``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 def _key_matches(request: Request, key: str) -> bool:

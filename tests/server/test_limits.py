@@ -45,3 +45,18 @@ def test_a_chunked_body_is_refused_once_it_passes_the_limit(server):
 def test_a_malformed_content_length_is_a_400(server):
     response = _raw(server, _head(server, "Content-Length: 12abc\r\n"))
     assert response.startswith(b"HTTP/1.1 400"), response[:200]
+
+
+def test_a_client_that_leaves_mid_body_is_one_info_line(server, caplog):
+    import time
+
+    with caplog.at_level("INFO"):
+        with socket.create_connection((server.host, server.port), timeout=30) as conn:
+            conn.sendall(_head(server, "Content-Length: 1000\r\n").encode() + b'{"model": "tiny", "pro')
+            time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while "went away" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "client went away while sending its request" in caplog.text
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
+    assert "Traceback" not in caplog.text

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from engine.config import ServerConfig
 from engine.entrypoints.anthropic_serving import AnthropicServing, CountTokensRequest, MessagesRequest
@@ -120,6 +121,12 @@ def build_app(
         if exc.headers and "Allow" in exc.headers:  # a 405 says which methods the route takes
             response.headers["Allow"] = exc.headers["Allow"]
         return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # not the server's fault, and a client can do it at will: one line, no traceback
+        logger.info("client went away while sending its request to %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:

@@ -204,6 +204,12 @@ class ServerConfig(BaseModel):
         description="Run a chat template a request sends in chat_template_kwargs (a template is code; it is "
         "refused otherwise).",
     )
+    shutdown_timeout: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds a shutdown (SIGTERM, Ctrl-C) lets running requests finish, after it stops accepting "
+        "new ones; those still running then end with an error (a 503, or an error event in a stream).",
+    )
     enable_auto_tool_choice: bool = Field(
         False,
         description="Let the model decide whether to call a tool (tool_choice 'auto', the default when tools "

@@ -20,10 +20,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(args: list[str], env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def start(
+    args: list[str], env: dict[str, str] | None = None, plugins: str = "cpu,llama"
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "engine.cli", "serve", *args, "--port", str(port), "--plugins", "cpu,llama"],
+        [sys.executable, "-m", "engine.cli", "serve", *args, "--port", str(port), "--plugins", plugins],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -117,3 +119,49 @@ def test_a_busy_port_is_refused_before_the_model_loads():
     assert "--port" in result.stderr
     # refused first: the model was never loaded and nothing claimed to serve
     assert "engine ready" not in output and "serving" not in output and "Traceback" not in output
+
+
+def _stream(url: str, max_tokens: int, out: list) -> None:
+    body = {"model": "demo", "prompt": "The", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    events = []
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+    except httpx.TransportError as exc:  # a stream cut without a word is what must not happen
+        events.append(f"cut: {exc!r}")
+    out.append(events)
+
+
+def test_sigterm_drains_running_requests_then_exits_0(tmp_path):
+    import threading
+
+    process, url = start(
+        ["--shutdown-timeout", "1", "--kv-tier", "disk", "--kv-tier-config", f'{{"path": "{tmp_path}"}}'],
+        env={"ENGINE_API_KEY": ""},
+        plugins="cpu,llama,kv_tier_disk",
+    )
+    results: list = []
+    threads = [threading.Thread(target=_stream, args=(url, n, results)) for n in (4, 900, 900)]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)  # the short one is done; the long ones run
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert process.returncode == 0, output
+    assert "Traceback" not in output and "Event loop is closed" not in output, output
+    assert len(results) == 3
+    for events in results:
+        assert events, "a stream got nothing"
+        last = events[-1]
+        # each stream either completed or was told why it stopped, in the stream
+        assert last == "[DONE]" or ("error" in last and "shutting down" in last), events[-3:]
+    assert any(e[-1] == "[DONE]" for e in results)
+    assert list(tmp_path.iterdir()), "the disk tier wrote nothing on shutdown"

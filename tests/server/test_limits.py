@@ -17,7 +17,28 @@ def _raw(server, head: str, body_parts=()) -> bytes:
         conn.sendall(head.encode())
         for part in body_parts:
             conn.sendall(part)
-        return conn.recv(65536)
+        return _response(conn)
+
+
+def _response(conn: socket.socket) -> bytes:
+    """One whole HTTP response: its head, then as many body bytes as its Content-Length says."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        (int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")),
+        0,
+    )
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def _head(server, extra: str) -> str:

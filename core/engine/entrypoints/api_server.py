@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 
 from engine.config import ServerConfig
 from engine.entrypoints.anthropic_serving import AnthropicServing, CountTokensRequest, MessagesRequest
-from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError
+from engine.entrypoints.async_engine import AsyncEngine, EngineDeadError, ServerShuttingDown
 from engine.entrypoints.errors import APIError, bad_request, from_validation_error, refusal
 from engine.entrypoints.generation import Generation, finish_status, parse_priority
 from engine.entrypoints.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -257,7 +257,7 @@ def build_app(
                     generation.record("abort")
                     return Response(status_code=499)
             result = task.result()
-        except EngineDeadError as exc:
+        except (EngineDeadError, ServerShuttingDown) as exc:
             raise APIError(503, str(exc)) from None
         finally:
             if not task.done():
@@ -275,8 +275,12 @@ def build_app(
                 yield event
             status = finish_status(generation)
         except Exception as exc:  # mid-stream failure: the status line has gone out, so say it in the stream
-            logger.error("request_id=%s stream failed", generation.request_id, exc_info=exc)
-            status = "500"
+            if isinstance(exc, ServerShuttingDown):
+                logger.info("request_id=%s stopped by the shutdown", generation.request_id)
+                status = "503"
+            else:
+                logger.error("request_id=%s stream failed", generation.request_id, exc_info=exc)
+                status = "500"
             error = _internal_error(exc) if not isinstance(exc, APIError) else exc
             body = error.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else error.openai_body()
             yield f"data: {json.dumps(body)}\n\n"
@@ -310,6 +314,6 @@ def _key_matches(request: Request, key: str) -> bool:
 
 
 def _internal_error(exc: BaseException) -> APIError:
-    if isinstance(exc, EngineDeadError):
+    if isinstance(exc, (EngineDeadError, ServerShuttingDown)):
         return APIError(503, str(exc))
     return APIError(500, f"Internal server error ({type(exc).__name__}); see the server log.")

@@ -37,6 +37,16 @@ class EngineDeadError(RuntimeError):
         super().__init__(f"The engine stopped on {what} and cannot serve requests; see the server log.")
 
 
+class ServerShuttingDown(RuntimeError):
+    """The server stopped the request while shutting down (it ran past the shutdown timeout)."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(
+            f"The server is shutting down and stopped this request, which was still running {timeout:g} s after "
+            f"the shutdown began; send it again to a server that is up."
+        )
+
+
 @dataclass
 class SampleDelta:
     """What one sample of a request gained in one engine step."""
@@ -222,6 +232,10 @@ class AsyncEngine:
         self._commands.put(("call", fn, done))
         return done
 
+    def stop_requests(self, exc: BaseException) -> None:
+        """Abort every running request; each one's stream raises ``exc`` (any thread)."""
+        self._commands.put(("stop", exc, None))
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping.set()
         self._commands.put(("wake", None, None))
@@ -264,6 +278,12 @@ class AsyncEngine:
                 self._add(arg, future)
             elif command == "abort":
                 self._abort(arg)
+            elif command == "stop":
+                for group_id, stream in list(self._streams.items()):
+                    self.engine.abort(group_id)
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, arg)
+                self._streams.clear()
+                self._group_of.clear()
             elif command == "call":
                 try:
                     future.set_result(arg(self.engine))

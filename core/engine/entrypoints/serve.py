@@ -129,23 +129,79 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, *, log_level
         server_config.host,
         sock.getsockname()[1],
     )
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app,
             host=server_config.host,
             port=server_config.port,
             log_level=log_level.lower(),
             access_log=False,
-            timeout_graceful_shutdown=5,
-        )
+            timeout_graceful_shutdown=server_config.shutdown_timeout + FLUSH_S,
+        ),
+        engine,
+        server_config.shutdown_timeout,
     )
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on, as uvicorn.run swallows it
+    except KeyboardInterrupt:  # a second Ctrl-C forces the exit
         pass
     finally:
-        engine.shutdown()
+        engine.shutdown()  # the engine's own close: a KV tier writes what it holds
+    logger.info("the server has shut down")
     return 1 if failed.is_set() else 0
+
+
+FLUSH_S = 2.0  # after the shutdown timeout: time for the stopped requests' error replies to go out
+
+
+def draining_server_class() -> type:
+    """``uvicorn.Server`` that shuts down by draining: it stops accepting, lets running requests
+    finish for ``shutdown_timeout`` seconds, then stops those still running (each gets its error
+    reply or stream event), and returns instead of re-raising the signal it stopped on (the
+    process then exits 0 after the engine closes)."""
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class _DrainingServer(uvicorn.Server):
+        def __init__(self, config: Any, engine: Any, shutdown_timeout: float) -> None:
+            super().__init__(config)
+            self.engine = engine
+            self.shutdown_timeout = shutdown_timeout
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            import asyncio
+
+            from engine.entrypoints.async_engine import ServerShuttingDown
+
+            logger.info("shutting down: no new requests; running ones have %g s to finish", self.shutdown_timeout)
+            timeout = self.shutdown_timeout
+            handle = asyncio.get_running_loop().call_later(
+                timeout, self.engine.stop_requests, ServerShuttingDown(timeout)
+            )
+            try:
+                await super().shutdown(sockets)
+            finally:
+                handle.cancel()
+
+    return _DrainingServer
+
+
+def DrainingServer(config: Any, engine: Any, shutdown_timeout: float) -> Any:  # noqa: N802 (a class, built lazily)
+    return draining_server_class()(config, engine, shutdown_timeout)
 
 
 def listen(host: str, port: int) -> socket.socket:

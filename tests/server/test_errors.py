@@ -212,7 +212,6 @@ def test_empty_input(http, path, fields, mentions):
         (CHAT, "foo", 1),
         (C, "logit_bias", {"5": 1.0}),
         (CHAT, "logit_bias", {"5": 1.0}),
-        (C, "echo", True),
         (C, "suffix", "end"),
     ],
 )

@@ -59,6 +59,9 @@ class SampleDelta:
     stop_reason: int | str | None = None
     num_output_tokens: int = 0  # output tokens of this sample so far
     num_reasoning_tokens: int = 0  # of which in its reasoning block (when its params name reasoning markers)
+    # the prompt's logprob entries (one per prompt token after the first), once, with sample 0's first
+    # delta, when prompt_logprobs were asked for
+    prompt_logprobs: list[LogprobEntry] | None = None
 
 
 @dataclass
@@ -71,6 +74,7 @@ class _Stream:
     running: set[str] = field(default_factory=set)  # engine ids of the samples not finished yet
     emitted_tokens: dict[int, int] = field(default_factory=dict)  # sample index -> output tokens sent
     emitted_logprobs: dict[int, int] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
 
 
 def _tier_counters(connector) -> dict[str, float] | None:
@@ -346,7 +350,13 @@ class AsyncEngine:
             sent_lp = stream.emitted_logprobs.get(index, 0)
             logprobs = request.output_logprobs[sent_lp:]
             stream.emitted_logprobs[index] = len(request.output_logprobs)
+        prompt_logprobs = None
+        if request.sampling_params.prompt_logprobs is not None and not stream.prompt_logprobs_sent:
+            if output or finished:  # the prompt has been computed
+                prompt_logprobs = list(request.prompt_logprobs)
+                stream.prompt_logprobs_sent = True
         return SampleDelta(
+            prompt_logprobs=prompt_logprobs,
             index=index,
             text=request.take_output_text_delta(),
             token_ids=output[sent:],

@@ -30,6 +30,7 @@ class Sample:
     logprobs: list[LogprobEntry] | None = None
     finish_reason: str | None = None
     stop_reason: Any = None
+    prompt_logprobs: list[LogprobEntry] | None = None
 
 
 async def collect(generation: Generation) -> list[Sample]:
@@ -43,41 +44,78 @@ async def collect(generation: Generation) -> list[Sample]:
             sample.logprobs = (sample.logprobs or []) + list(delta.logprobs)
         if delta.finish_reason is not None:
             sample.finish_reason, sample.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.prompt_logprobs is not None:
+            sample.prompt_logprobs = delta.prompt_logprobs
     return samples
 
 
 class CompletionFormatter:
-    """Completions: whole responses and stream chunks."""
+    """Completions: whole responses and stream chunks. ``prompt_part(index, prompt logprob
+    entries)`` gives what a choice carries of its prompt (echo, vLLM's ``prompt_logprobs``);
+    ``score_only``: the output is dropped (echo with max_tokens 0)."""
 
-    def __init__(self, chunk: Callable, choice: Callable, logprobs_of: Callable) -> None:
+    def __init__(
+        self, chunk: Callable, choice: Callable, logprobs_of: Callable, prompt_part: Callable, *, score_only: bool
+    ) -> None:
         self.chunk, self.choice, self.logprobs_of = chunk, choice, logprobs_of
+        self.prompt_part, self.score_only = prompt_part, score_only
+
+    def usage(self, generation: Generation) -> dict:
+        usage = usage_of(generation)
+        if self.score_only:
+            usage["completion_tokens"], usage["total_tokens"] = 0, usage["prompt_tokens"]
+        return usage
+
+    def _with_prompt(self, index: int, entries: Any, text: str, logprobs: dict | None, first: bool) -> tuple:
+        """``text`` and ``logprobs`` of a choice's piece, led by its prompt's on its first piece."""
+        if self.score_only:
+            text, logprobs = "", None
+        if not first:
+            return text, logprobs, None
+        echoed, echoed_logprobs, vllm = self.prompt_part(index, entries)
+        if echoed_logprobs is not None:
+            merged = {key: list(values) for key, values in echoed_logprobs.items()}
+            if logprobs:
+                for key in ("tokens", "token_logprobs", "top_logprobs"):
+                    merged[key] += logprobs[key]
+                merged["text_offset"] += [offset + len(echoed) for offset in logprobs["text_offset"]]
+            logprobs = merged
+        return echoed + text, logprobs, vllm
 
     async def whole(self, generation: Generation) -> dict:
         samples = await collect(generation)
-        choices = [
-            self.choice(i, s.text, self.logprobs_of(s.logprobs, 0), s.finish_reason, s.stop_reason, s.token_ids)
-            for i, s in enumerate(samples)
-        ]
-        return self.chunk(choices, usage_of(generation))
+        n = generation.params.n
+        choices = []
+        for i, s in enumerate(samples):
+            entries = samples[i - i % n].prompt_logprobs  # the prompt's entries come with its first sample
+            text, logprobs, vllm = self._with_prompt(i, entries, s.text, self.logprobs_of(s.logprobs, 0), True)
+            choice = self.choice(i, text, logprobs, s.finish_reason, s.stop_reason, s.token_ids)
+            if vllm is not None:
+                choice["prompt_logprobs"] = vllm
+            choices.append(choice)
+        return self.chunk(choices, self.usage(generation))
 
     async def stream(self, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
         offsets: dict[int, int] = {}
+        entries: dict[int, Any] = {}  # prompt position -> its prompt logprob entries, once they came
+        n = generation.params.n
         async for index, delta in generation.deltas():
+            if delta.prompt_logprobs is not None:
+                entries[index // n] = delta.prompt_logprobs
             if not (delta.text or delta.finish_reason or delta.token_ids):
                 continue
+            first = index not in offsets
             offset = offsets.get(index, 0)
-            offsets[index] = offset + len(delta.text)
-            choice = self.choice(
-                index,
-                delta.text,
-                self.logprobs_of(delta.logprobs, offset),
-                delta.finish_reason,
-                delta.stop_reason,
-                delta.token_ids,
+            text, logprobs, vllm = self._with_prompt(
+                index, entries.get(index // n), delta.text, self.logprobs_of(delta.logprobs, offset), first
             )
+            offsets[index] = offset + len(text)
+            choice = self.choice(index, text, logprobs, delta.finish_reason, delta.stop_reason, delta.token_ids)
+            if vllm is not None:
+                choice["prompt_logprobs"] = vllm
             yield sse(self.chunk([choice]))
         if include_usage:
-            yield sse(self.chunk([], usage_of(generation)))
+            yield sse(self.chunk([], self.usage(generation)))
         yield "data: [DONE]\n\n"
 
 

@@ -102,6 +102,7 @@ class Generation:
         self.reasoning_tokens = {i: 0 for i in self.timings}
         self.finish_reasons: dict[int, str] = {}
         self.constraint_param: str | None = None  # the body field its output constraint came from
+        self.score_only = False  # echo with max_tokens 0: the prompt's logprobs are the answer
         self._streams: list[RequestStream] | None = None
 
     @property

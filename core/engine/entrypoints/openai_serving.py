@@ -4,6 +4,7 @@ OpenAI response, whole or as server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -267,12 +268,17 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, priority: int) -> tuple[Generation, Callable]:
         self.check_model(body.model)
         prompts = await self.off_loop(self.completion_prompts, body)
-        max_tokens = self.max_tokens(body.max_tokens, prompts, "max_tokens", "prompt")
-        params = self.sampling_params(body, max_tokens, body.logprobs, body.prompt_logprobs)
+        score_only = body.max_tokens == 0  # echo: the prompt scored, nothing generated (one token is, and dropped)
+        max_tokens = self.max_tokens(1 if score_only else body.max_tokens, prompts, "max_tokens", "prompt")
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:  # the echoed prompt's tokens carry logprobs too
+            prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+        params = self.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs)
         generation = Generation(
             self.engine, self.metrics, "completions", new_request_id("cmpl"), prompts, params, priority
         )
         generation.constraint_param = constraint_param(body)
+        generation.score_only = score_only
         return generation, self._completion_formatter(body, generation)
 
     def _completion_formatter(self, body: CompletionRequest, generation: Generation) -> Callable:
@@ -323,7 +329,48 @@ class OpenAIServing:
                 offset += len(token)
             return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
-        return CompletionFormatter(chunk, choice, logprobs_of)
+        def prompt_part(index: int, entries: list[LogprobEntry] | None) -> tuple[str, dict | None, list | None]:
+            """What choice ``index`` carries of its prompt: the echoed text, its logprobs (OpenAI's
+            shape, when echo and logprobs), and vLLM's ``prompt_logprobs`` (when asked for)."""
+            prompt = generation.prompts[index // generation.params.n]
+            echoed, echoed_logprobs, vllm = "", None, None
+            if body.echo:
+                echoed = prompt.text if prompt.text is not None else tokenizer.decode(prompt.token_ids)
+                if body.logprobs is not None and entries is not None:
+                    tokens = [token_text(tokenizer, t) for t in prompt.token_ids]
+                    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+                    echoed_logprobs = {
+                        "tokens": tokens,
+                        "token_logprobs": [None, *(e.logprobs[0] for e in entries)],
+                        "top_logprobs": [
+                            None,
+                            *(
+                                {
+                                    token_text(tokenizer, t): lp
+                                    for t, lp in zip(
+                                        e.token_ids[1 : 1 + body.logprobs], e.logprobs[1 : 1 + body.logprobs]
+                                    )
+                                }
+                                for e in entries
+                            ),
+                        ],
+                        "text_offset": offsets,
+                    }
+            if body.prompt_logprobs is not None and entries is not None:
+                vllm = [None] + [
+                    {
+                        str(t): {"logprob": lp, "rank": rank, "decoded_token": token_text(tokenizer, t)}
+                        for t, lp, rank in zip(
+                            e.token_ids[: 1 + body.prompt_logprobs],
+                            e.logprobs[: 1 + body.prompt_logprobs],
+                            itertools.chain((e.rank,), range(1, 1 + body.prompt_logprobs)),
+                        )
+                    }
+                    for e in entries
+                ]
+            return echoed, echoed_logprobs, vllm
+
+        return CompletionFormatter(chunk, choice, logprobs_of, prompt_part, score_only=generation.score_only)
 
     # /v1/chat/completions
 

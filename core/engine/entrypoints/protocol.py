@@ -144,8 +144,8 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _check_completion(self) -> "CompletionRequest":
-        if self.echo:
-            raise UnsupportedParameter("echo", "echo is not supported by this server.")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "max_tokens may be 0 only with echo (to score the prompt alone).")
         if self.suffix:
             raise UnsupportedParameter("suffix", "suffix is not supported by this server.")
         if self.best_of is not None and self.best_of != self.n:

@@ -204,6 +204,14 @@ class ServerConfig(BaseModel):
         description="Run a chat template a request sends in chat_template_kwargs (a template is code; it is "
         "refused otherwise).",
     )
+    header_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a client has to send a request's headers (from connecting, or after a response).",
+    )
+    body_timeout: float = Field(
+        60.0, gt=0, description="Seconds a client has to send a request's body after its headers."
+    )
     shutdown_timeout: float = Field(
         30.0,
         ge=0,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 
+import pytest
 from server_helpers import API_KEY
 
 LIMIT = 16 * 2**20  # ServerConfig.max_request_bytes' default
@@ -81,3 +82,52 @@ def test_a_client_that_leaves_mid_body_is_one_info_line(server, caplog):
     assert "client went away while sending its request" in caplog.text
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")], caplog.text
     assert "Traceback" not in caplog.text
+
+
+@pytest.fixture(scope="module")
+def impatient(chat_checkpoint):
+    from server_helpers import engine_config
+
+    from engine.config import ServerConfig
+    from engine.entrypoints.serve import start_server
+
+    running = start_server(
+        engine_config(chat_checkpoint),
+        ServerConfig(port=0, api_key=API_KEY, served_model_name="tiny", header_timeout=1.0, body_timeout=1.0),
+    )
+    yield running
+    running.stop()
+
+
+def _closed_with_408(conn: socket.socket) -> bool:
+    """The server answered 408 and closed (or just closed) the connection."""
+    response = _response(conn)
+    rest = b""
+    try:
+        rest = conn.recv(1024)
+    except OSError:
+        pass
+    return (response == b"" or response.startswith(b"HTTP/1.1 408")) and rest == b""
+
+
+def test_slowloris_connections_are_closed(impatient):
+    import time
+
+    slow_headers = [socket.create_connection((impatient.host, impatient.port), timeout=30) for _ in range(100)]
+    slow_body = [socket.create_connection((impatient.host, impatient.port), timeout=30) for _ in range(20)]
+    try:
+        for conn in slow_headers:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+        for conn in slow_body:
+            conn.sendall(_head(impatient, "Content-Length: 1000\r\n").encode() + b'{"model": "tiny"')
+        time.sleep(0.5)
+        for conn in slow_headers[:10]:
+            conn.sendall(b"X-Drip: 1\r\n")  # dripping does not extend the deadline
+        assert all(_closed_with_408(conn) for conn in slow_headers + slow_body)
+    finally:
+        for conn in slow_headers + slow_body:
+            conn.close()
+    # the server goes on serving
+    body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+    response = _raw(impatient, _head(impatient, f"Content-Length: {len(body)}\r\n"), [body])
+    assert response.startswith(b"HTTP/1.1 200"), response[:200]

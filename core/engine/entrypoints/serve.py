@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig, ServerConfig
+from engine.entrypoints.http_protocol import bounded_h11_protocol
 
 logger = logging.getLogger("engine.server")
 
@@ -137,6 +138,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, *, log_level
             log_level=log_level.lower(),
             access_log=False,
             timeout_graceful_shutdown=server_config.shutdown_timeout + FLUSH_S,
+            http=bounded_h11_protocol(server_config.header_timeout, server_config.body_timeout),
         ),
         engine,
         server_config.shutdown_timeout,
@@ -237,7 +239,15 @@ def start_server(engine_config: EngineConfig, server_config: ServerConfig, *, pr
         sock.close()
         raise
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+            http=bounded_h11_protocol(server_config.header_timeout, server_config.body_timeout),
+        )
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     while not server.started and thread.is_alive():

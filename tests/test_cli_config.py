@@ -43,7 +43,10 @@ def flag(name: str) -> str:
 
 
 def shown_default(config: BaseModel, name: str) -> str:
-    return f"(default: {getattr(config, name)})"
+    value = getattr(config, name)
+    if isinstance(value, list):  # --help writes a list as its comma-separated form
+        value = ",".join(str(item) for item in value)
+    return f"(default: {value})"
 
 
 @pytest.mark.parametrize("command, model", [("generate", DEFAULT_MODEL), ("serve", SERVE_MODEL)])

@@ -42,10 +42,16 @@ ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "
 
 
 def build_app(
-    engine: AsyncEngine, config: ServerConfig, model_name: str, sampling_defaults: dict[str, Any] | None = None
+    engine: AsyncEngine,
+    config: ServerConfig,
+    model_name: str,
+    sampling_defaults: dict[str, Any] | None = None,
+    model_aliases: tuple[str, ...] = (),
 ) -> FastAPI:
     """The app for ``engine`` serving ``model_name``. The caller owns the engine's lifetime.
-    ``sampling_defaults`` fill the sampling fields a request leaves out."""
+    ``sampling_defaults`` fill the sampling fields a request leaves out; requests may also name
+    the model by ``model_aliases`` (the model argument as given, when it is served under
+    another name)."""
     app = FastAPI(title="engine", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(model_name, lambda: engine.stats, engine.kv_tier_counters, engine.spec_decode_stats)
     chat_tools = ChatTools(
@@ -60,6 +66,7 @@ def build_app(
         trust_request_chat_template=config.trust_request_chat_template,
     )
     openai = OpenAIServing(engine, metrics, model_name, sampling_defaults, chat_tools, limits)
+    openai.model_aliases = frozenset(model_aliases)
     anthropic = AnthropicServing(openai)
     public = set(PUBLIC_PATHS) | ({"/metrics"} if config.metrics_public else set())
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, config

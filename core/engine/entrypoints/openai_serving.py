@@ -84,6 +84,7 @@ class OpenAIServing:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
+        self.model_aliases: frozenset[str] = frozenset()  # other names a request may give the model by
         self.chat_tools = chat_tools or ChatTools(None, None, engine.tokenizer)
         # the checkpoint's generation_config.json settings, for the fields a request leaves out
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -123,7 +124,7 @@ class OpenAIServing:
     # shared checks
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.model_aliases:
             raise APIError(
                 404,
                 f"The model {model!r} does not exist. This server serves {self.model_name!r}.",

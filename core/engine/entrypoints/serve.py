@@ -61,7 +61,9 @@ def make_app(
         logger.info("sampling defaults from generation_config.json: %s", defaults)
     engine = AsyncEngine(llm_engine, on_error=on_error)
     model_name = served_name(engine_config, server_config)
-    return build_app(engine, server_config, model_name, defaults), engine
+    # a directory served under its own name still answers to the path it was given as
+    aliases = (engine_config.model,) if not server_config.served_model_name else ()
+    return build_app(engine, server_config, model_name, defaults, aliases), engine
 
 
 def served_name(engine_config: EngineConfig, server_config: ServerConfig) -> str:

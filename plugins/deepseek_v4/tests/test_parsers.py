@@ -18,6 +18,7 @@ import json
 
 from engine.interfaces.tool_parser import Tool
 from engine.testing.kit import ReasoningCase, ReasoningParserTests, ToolCase, ToolParserTests
+from engine.testing.kit.parsers import arguments_so_far, streamed_calls
 
 TOOLS = (
     Tool(
@@ -118,26 +119,6 @@ def test_v3_keeps_the_calls_before_a_break_and_the_rest_is_content():
     assert (parsed.content, len(parsed.tool_calls)) == ("hi", 1)
 
 
-def char_by_char(parser, text: str) -> list[dict]:
-    """Stream ``text`` a character at a time: per call, its name and id, where it opened (the
-    length of the text then fed) and its argument fragments, each with where it came."""
-    stream, calls = parser.streamer(), []
-    deltas = [(i + 1, stream.feed(ch)) for i, ch in enumerate(text)] + [(len(text), stream.finish())]
-    for at, delta in deltas:
-        for d in delta.tool_calls:
-            if d.name is not None:
-                assert d.index == len(calls)
-                calls.append({"name": d.name, "id": d.id, "opened": at, "fragments": []})
-            if d.arguments:
-                calls[d.index]["fragments"].append((at, d.arguments))
-    return calls
-
-
-def so_far(call: dict, at: int) -> str:
-    """A streamed call's arguments once ``text[:at]`` was fed."""
-    return "".join(fragment for when, fragment in call["fragments"] if when <= at)
-
-
 def streamed_arguments(calls: list[dict]) -> list[tuple[str, str]]:
     return [(c["name"], "".join(fragment for _, fragment in c["fragments"])) for c in calls]
 
@@ -147,20 +128,20 @@ def test_v3_streams_a_call_from_its_name_on():
 
     first, second = '{"query": "a ``` b", "num_results": 3}', '{"location": "Paris"}'
     text = "Hi" + CALLS + v3_call("search", first) + "\n" + v3_call("get_weather", second) + CALLS_END
-    calls = char_by_char(DeepSeekV3ToolParser(TOOLS), text)
+    calls = streamed_calls(DeepSeekV3ToolParser(TOOLS), text)
     assert streamed_arguments(calls) == [("search", first), ("get_weather", second)]
     # the name at the json fence, before any argument
     fence = text.index("```json") + len("```json")
-    assert calls[0]["opened"] == fence and so_far(calls[0], fence) == ""
+    assert calls[0]["opened"] == fence and arguments_so_far(calls[0], fence) == ""
     # the arguments as the model writes them, a fence inside a string held only until it is not the closing one
-    assert so_far(calls[0], text.index("```", fence)) == '{"query": "a'
-    assert so_far(calls[0], text.index("```", fence) + 3) == '{"query": "a'
-    assert so_far(calls[0], text.index(" b") + 2) == '{"query": "a ``` b'
+    assert arguments_so_far(calls[0], text.index("```", fence)) == '{"query": "a'
+    assert arguments_so_far(calls[0], text.index("```", fence) + 3) == '{"query": "a'
+    assert arguments_so_far(calls[0], text.index(" b") + 2) == '{"query": "a ``` b'
     assert len(calls[0]["fragments"]) > 3
     # nothing of the closing fence or the end marker: all of the object once it closes
     closing = text.index("\n```" + CALL_END)
     for at in range(closing, text.index(CALL_END) + len(CALL_END)):
-        assert so_far(calls[0], at) == first
+        assert arguments_so_far(calls[0], at) == first
     assert calls[1]["opened"] == text.index("```json", closing) + len("```json")
     assert calls[1]["opened"] < text.index(second) + len(second)
 
@@ -169,7 +150,7 @@ def test_v3_a_call_it_opened_that_turns_out_malformed_is_content_in_the_end():
     from engine_deepseek_v4.parsers.deepseek_v3 import DeepSeekV3ToolParser
 
     text = "Hi" + CALLS + v3_call("search", '{"query": x}') + CALLS_END
-    calls = char_by_char(DeepSeekV3ToolParser(TOOLS), text)
+    calls = streamed_calls(DeepSeekV3ToolParser(TOOLS), text)
     assert streamed_arguments(calls) == [("search", '{"query": x}')]  # opened, and it cannot be taken back
     stream = DeepSeekV3ToolParser(TOOLS).streamer()
     content = "".join(stream.feed(ch).content for ch in text) + stream.finish().content
@@ -219,11 +200,11 @@ def test_v31_streams_a_call_from_its_name_on():
 
     first, second = '{"location": "Tokyo", "unit": "celsius"}', '{"query": "x"}'
     text = f"{CALLS}{CALL}get_weather{SEP} {first} {CALL_END}{CALL}search{SEP}{second}{CALL_END}{CALLS_END}"
-    calls = char_by_char(DeepSeekV31ToolParser(TOOLS), text)
+    calls = streamed_calls(DeepSeekV31ToolParser(TOOLS), text)
     assert streamed_arguments(calls) == [("get_weather", first), ("search", second)]
     opened = text.index(SEP) + len(SEP)
-    assert calls[0]["opened"] == opened and so_far(calls[0], opened) == ""
-    assert so_far(calls[0], text.index("Tokyo") + 3) == '{"location": "Tok'
+    assert calls[0]["opened"] == opened and arguments_so_far(calls[0], opened) == ""
+    assert arguments_so_far(calls[0], text.index("Tokyo") + 3) == '{"location": "Tok'
     assert len(calls[0]["fragments"]) > 3
     assert calls[1]["opened"] == text.index(SEP, opened) + len(SEP)
     assert len(calls[1]["fragments"]) > 1
@@ -392,28 +373,28 @@ def test_dsml_streams_the_arguments_as_the_parameters_are_written():
             invoke("get_weather", ("location", "true", "Shanghai")),
         )
         whole = cls(TOOLS).parse(text).tool_calls
-        calls = char_by_char(cls(TOOLS), text)
+        calls = streamed_calls(cls(TOOLS), text)
         assert streamed_arguments(calls) == [(c.name, c.arguments) for c in whole]
         assert whole[0].arguments == '{"query": "Bei \\"jing\\"\\\\\\n北京", "filters": {"lang": ["zh"]}}'
         # the call opens with its invoke tag, before any parameter
         opened = text.index('name="search">') + len('name="search">')
-        assert calls[0]["opened"] == opened and so_far(calls[0], opened) == "{"
+        assert calls[0]["opened"] == opened and arguments_so_far(calls[0], opened) == "{"
         # a string value as it grows, escaped as in the whole arguments
-        assert so_far(calls[0], text.index("Bei") + 3) == '{"query": "Bei'
-        assert so_far(calls[0], text.index('"jing') + 1) == '{"query": "Bei \\"'
-        assert so_far(calls[0], text.index("北京")) == '{"query": "Bei \\"jing\\"\\\\\\n'
+        assert arguments_so_far(calls[0], text.index("Bei") + 3) == '{"query": "Bei'
+        assert arguments_so_far(calls[0], text.index('"jing') + 1) == '{"query": "Bei \\"'
+        assert arguments_so_far(calls[0], text.index("北京")) == '{"query": "Bei \\"jing\\"\\\\\\n'
         # a string="false" value as the raw JSON text it is
         assert (
-            so_far(calls[0], text.index('["zh"]') + 3)
+            arguments_so_far(calls[0], text.index('["zh"]') + 3)
             == '{"query": "Bei \\"jing\\"\\\\\\n北京", "filters": {"lang": ["z'
         )
         # nothing of a closing tag; the closing brace with the invoke's end
         end = text.index(f"</{D}invoke>")
-        assert so_far(calls[0], end + len(f"</{D}invoke>") - 1) == whole[0].arguments[:-1]
-        assert so_far(calls[0], end + len(f"</{D}invoke>")) == whole[0].arguments
+        assert arguments_so_far(calls[0], end + len(f"</{D}invoke>") - 1) == whole[0].arguments[:-1]
+        assert arguments_so_far(calls[0], end + len(f"</{D}invoke>")) == whole[0].arguments
         assert len(calls[0]["fragments"]) > 10
         assert calls[1]["opened"] < text.index("Shanghai")
-        assert so_far(calls[1], text.index("Shanghai") + 5) == '{"location": "Shang'
+        assert arguments_so_far(calls[1], text.index("Shanghai") + 5) == '{"location": "Shang'
 
 
 def test_dsml_has_no_structural_tag():

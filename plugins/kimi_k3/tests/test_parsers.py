@@ -16,7 +16,14 @@ from __future__ import annotations
 import json
 
 from engine.interfaces.tool_parser import Tool
-from engine.testing.kit.parsers import ReasoningCase, ReasoningParserTests, ToolCase, ToolParserTests
+from engine.testing.kit.parsers import (
+    ReasoningCase,
+    ReasoningParserTests,
+    ToolCase,
+    ToolParserTests,
+    arguments_so_far,
+    streamed_calls,
+)
 
 
 class OneManagerPerTest:
@@ -111,26 +118,6 @@ class TestKimiK2ToolParser(OneManagerPerTest, ToolParserTests):
     malformed = K2_MALFORMED
 
 
-def char_by_char(parser, text: str) -> list[dict]:
-    """Stream ``text`` a character at a time: per call, its name and id, where it opened (the
-    length of the text then fed) and its argument fragments, each with where it came."""
-    stream, calls = parser.streamer(), []
-    deltas = [(i + 1, stream.feed(ch)) for i, ch in enumerate(text)] + [(len(text), stream.finish())]
-    for at, delta in deltas:
-        for d in delta.tool_calls:
-            if d.name is not None:
-                assert d.index == len(calls)
-                calls.append({"name": d.name, "id": d.id, "opened": at, "fragments": []})
-            if d.arguments:
-                calls[d.index]["fragments"].append((at, d.arguments))
-    return calls
-
-
-def so_far(call: dict, at: int) -> str:
-    """A streamed call's arguments once ``text[:at]`` was fed."""
-    return "".join(fragment for when, fragment in call["fragments"] if when <= at)
-
-
 def streamed(calls: list[dict]) -> list[tuple[str, str | None, str]]:
     return [(c["name"], c["id"], "".join(fragment for _, fragment in c["fragments"])) for c in calls]
 
@@ -149,19 +136,19 @@ def k2_parser():
 def test_k2_streams_a_call_from_its_id_on():
     first, second = '{"city": "Beijing", "days": [1, 2]}', '{"query": "kimi"}'
     text = f"Checking.{S}{B}functions.get_weather:0{A} {first}\n{C}{B}functions.search:1{A}{second}{C}{E}"
-    calls = char_by_char(k2_parser(), text)
+    calls = streamed_calls(k2_parser(), text)
     assert streamed(calls) == [
         ("get_weather", "functions.get_weather:0", first),
         ("search", "functions.search:1", second),
     ]
     # name and id at the argument marker, before any argument
     opened = text.index(A) + len(A)
-    assert calls[0]["opened"] == opened and so_far(calls[0], opened) == ""
-    assert so_far(calls[0], text.index("Beijing") + 3) == '{"city": "Bei'
+    assert calls[0]["opened"] == opened and arguments_so_far(calls[0], opened) == ""
+    assert arguments_so_far(calls[0], text.index("Beijing") + 3) == '{"city": "Bei'
     assert len(calls[0]["fragments"]) > 3
     # nothing of the end marker (nor the whitespace before it): all of the object once it closes
     for at in range(text.index(first) + len(first), text.index(C) + len(C)):
-        assert so_far(calls[0], at) == first
+        assert arguments_so_far(calls[0], at) == first
     assert calls[1]["opened"] == text.index(A, opened) + len(A)
     assert len(calls[1]["fragments"]) > 1
 
@@ -177,7 +164,7 @@ def test_k2_a_malformed_call_beside_a_good_one():
     assert [(c.name, c.arguments, c.id) for c in parsed.tool_calls] == [
         ("get_weather", '{"city": "Beijing"}', "functions.get_weather:1")
     ]
-    assert char_by_char(k2_parser(), text)[0]["id"] == "functions.get_weather:0"
+    assert streamed_calls(k2_parser(), text)[0]["id"] == "functions.get_weather:0"
     assert streamed_content(k2_parser(), text) == parsed.content
 
 
@@ -290,25 +277,25 @@ def test_k3_streams_string_arguments_as_written_and_the_others_whole():
     )
     whole = k3_parser().parse(text).tool_calls
     assert whole[0].arguments == '{"city": "Bei \\"jing\\"\\\\\\n北京", "days": [1, 2], "note": "x"}'
-    calls = char_by_char(k3_parser(), text)
+    calls = streamed_calls(k3_parser(), text)
     assert streamed(calls) == [(c.name, None, c.arguments) for c in whole]
     # the call opens with its tag, before any argument
     opened = text.index('index="1"<|sep|>') + len('index="1"<|sep|>')
-    assert calls[0]["opened"] == opened and so_far(calls[0], opened) == "{"
+    assert calls[0]["opened"] == opened and arguments_so_far(calls[0], opened) == "{"
     # a string argument as it grows, escaped as in the whole arguments
-    assert so_far(calls[0], text.index("Bei") + 3) == '{"city": "Bei'
-    assert so_far(calls[0], text.index('"jing') + 1) == '{"city": "Bei \\"'
-    assert so_far(calls[0], text.index("北京")) == '{"city": "Bei \\"jing\\"\\\\\\n'
+    assert arguments_so_far(calls[0], text.index("Bei") + 3) == '{"city": "Bei'
+    assert arguments_so_far(calls[0], text.index('"jing') + 1) == '{"city": "Bei \\"'
+    assert arguments_so_far(calls[0], text.index("北京")) == '{"city": "Bei \\"jing\\"\\\\\\n'
     city_end = text.index("<|close|>argument<|sep|>") + len("<|close|>argument<|sep|>")
-    assert so_far(calls[0], city_end - 1) == '{"city": "Bei \\"jing\\"\\\\\\n北京'
-    assert so_far(calls[0], city_end) == '{"city": "Bei \\"jing\\"\\\\\\n北京"'
+    assert arguments_so_far(calls[0], city_end - 1) == '{"city": "Bei \\"jing\\"\\\\\\n北京'
+    assert arguments_so_far(calls[0], city_end) == '{"city": "Bei \\"jing\\"\\\\\\n北京"'
     # a typed argument whole, once it closes: its value re-encoded
     days_end = text.index("<|close|>argument<|sep|>", city_end) + len("<|close|>argument<|sep|>")
-    assert so_far(calls[0], days_end - 1) == so_far(calls[0], city_end)
-    assert so_far(calls[0], days_end) == so_far(calls[0], city_end) + ', "days": [1, 2]'
+    assert arguments_so_far(calls[0], days_end - 1) == arguments_so_far(calls[0], city_end)
+    assert arguments_so_far(calls[0], days_end) == arguments_so_far(calls[0], city_end) + ', "days": [1, 2]'
     assert len(calls[0]["fragments"]) > 10
     assert calls[1]["opened"] < text.index("louvre")
-    assert so_far(calls[1], text.index("louvre") + 3) == '{"query": "lou'
+    assert arguments_so_far(calls[1], text.index("louvre") + 3) == '{"query": "lou'
 
 
 def test_k3_a_repeated_key_is_written_again():
@@ -320,7 +307,7 @@ def test_k3_a_repeated_key_is_written_again():
     (whole,) = k3_parser().parse(text).tool_calls
     assert whole.arguments == '{"query": "a", "limit": 1, "query": "b"}'
     assert json.loads(whole.arguments) == {"query": "b", "limit": 1}
-    assert streamed(char_by_char(k3_parser(), text)) == [("search", None, whole.arguments)]
+    assert streamed(streamed_calls(k3_parser(), text)) == [("search", None, whole.arguments)]
 
 
 # reasoning

@@ -70,6 +70,28 @@ def _resolved(kit: KitTests) -> type:
     return cls._parser_cls
 
 
+def streamed_calls(parser: Any, text: str) -> list[dict]:
+    """Stream ``text`` through a fresh stream of ``parser`` a character at a time: per call,
+    its ``name`` and ``id``, where it ``opened`` (the length of the text fed then) and its
+    argument ``fragments``, each ``(where it came, text)``. For plugins' own tests of how
+    incrementally their calls stream."""
+    stream, calls = parser.streamer(), []
+    deltas = [(i + 1, stream.feed(ch)) for i, ch in enumerate(text)] + [(len(text), stream.finish())]
+    for at, delta in deltas:
+        for d in delta.tool_calls:
+            if d.name is not None:
+                assert d.index == len(calls)
+                calls.append({"name": d.name, "id": d.id, "opened": at, "fragments": []})
+            if d.arguments:
+                calls[d.index]["fragments"].append((at, d.arguments))
+    return calls
+
+
+def arguments_so_far(call: dict, at: int) -> str:
+    """A call from :func:`streamed_calls`: its arguments once ``text[:at]`` was fed."""
+    return "".join(fragment for when, fragment in call["fragments"] if when <= at)
+
+
 # tool parsers
 
 

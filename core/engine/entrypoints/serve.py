@@ -132,7 +132,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, *, log_level
         server_config.host,
         sock.getsockname()[1],
     )
-    server = DrainingServer(
+    server = draining_server_class()(
         uvicorn.Config(
             app,
             host=server_config.host,
@@ -202,10 +202,6 @@ def draining_server_class() -> type:
                 handle.cancel()
 
     return _DrainingServer
-
-
-def DrainingServer(config: Any, engine: Any, shutdown_timeout: float) -> Any:  # noqa: N802 (a class, built lazily)
-    return draining_server_class()(config, engine, shutdown_timeout)
 
 
 def listen(host: str, port: int) -> socket.socket:

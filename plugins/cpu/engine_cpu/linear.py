@@ -19,6 +19,7 @@ stays ahead of oneDNN up to a few dozen rows (for llama58m's layers at 16 rows:
 
 from __future__ import annotations
 
+import functools
 import os
 from types import ModuleType
 
@@ -31,8 +32,18 @@ GEMV_MAX_ROWS = 64
 DECODE_COPY_FRACTION = 0.25
 
 
+@functools.cache
 def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """Whether oneDNN's packed bf16 linear runs on this CPU: torch's oneDNN takes the bf16 path
+    only with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT, so an AVX2-only CPU has the library but
+    not the path. Probed once, by packing a tiny weight."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:

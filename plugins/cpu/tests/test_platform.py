@@ -92,3 +92,21 @@ def test_default_platform_allocation_is_plain_zeros():
 
     cache = Platform.allocate_kv_cache(CpuPlatform(), (2, 3, 4), torch.float32)
     assert torch.equal(cache, torch.zeros(2, 3, 4))
+
+
+def test_no_onednn_bf16_path_means_plain_linear_layers(monkeypatch):
+    """torch's oneDNN refuses to pack bf16 weights on a CPU without AVX512 (BW/VL/DQ) or
+    AVX-NE-CONVERT; the platform must then leave linear layers to F.linear instead of failing
+    at load. The probe is faked here, so the fallback is checked on every CPU."""
+    from engine_cpu import linear
+
+    def refuse(weight, groups):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    linear.onednn_available.cache_clear()
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse, raising=False)
+    try:
+        assert not linear.onednn_available()
+        assert CpuPlatform().linear_method("bfloat16") is None
+    finally:
+        linear.onednn_available.cache_clear()

@@ -49,6 +49,61 @@ def _add_engine_options(parser: argparse.ArgumentParser, **kwargs: Any) -> None:
     add_config_options(group, EngineConfig, **kwargs)
 
 
+def _percentiles(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(q) for q in text.split(",") if q.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 50,90,99, got {text!r}") from None
+
+
+def _add_bench_serve_options(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server; /v1 is added when missing.")
+    group.add_argument(
+        "--api-key", default=None, help="The server's API key; left out: $ENGINE_API_KEY, else $OPENAI_API_KEY."
+    )
+    group.add_argument("--endpoint", choices=["completions", "chat"], default="completions", help="Which API to load.")
+    group.add_argument("--num-prompts", type=int, default=100, help="Requests to send.")
+    group.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Requests per second, as Poisson arrivals; inf sends them all at once.",
+    )
+    group.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="At most this many requests in flight (with any rate); none: no limit.",
+    )
+    group.add_argument(
+        "--dataset",
+        default="random",
+        help='random (random words of --input-len tokens), or a JSONL file of {"prompt": ..., "output_len": N} or '
+        '{"prompt_len": N, "output_len": N}.',
+    )
+    group.add_argument("--input-len", type=int, default=256, help="Prompt tokens of a random prompt (the mean).")
+    group.add_argument("--output-len", type=int, default=128, help="Output tokens to ask for (the mean).")
+    group.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.0,
+        help="Random lengths are uniform in [len * (1 - r), len * (1 + r)]; 0: all the same.",
+    )
+    group.add_argument("--seed", type=int, default=0, help="Seed of the lengths, the prompts and the arrivals.")
+    group.add_argument(
+        "--stream", action=argparse.BooleanOptionalAction, default=True, help="Stream the responses (TTFT, ITL)."
+    )
+    group.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="Send ignore_eos and min_tokens (vLLM's, and this engine's) so that every output is --output-len long.",
+    )
+    group.add_argument("--timeout", type=float, default=600.0, help="Seconds a request may take before it fails.")
+    group.add_argument(
+        "--percentiles", type=_percentiles, default="50,90,99", help="Percentiles of each latency to report."
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="engine",
@@ -108,10 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         "  throughput  W2: 64 requests of random lengths, all at once; and engine overhead at 64 decoding sequences\n"
         "  prefix      W3: 32 requests sharing a 1024-token prefix, one after another\n"
         "  structured  W2's requests each with a JSON schema (10 fields), on every installed structured-output "
-        "backend, against W2 unconstrained",
+        "backend, against W2 unconstrained\n"
+        "  serve       a load of requests against a running OpenAI-compatible server (engine serve, vLLM, ...): "
+        "TTFT, TPOT, ITL, E2E and throughput; see the serve options below",
     )
     bench.add_argument(
-        "workload", choices=["latency", "throughput", "prefix", "structured"], help="Which workload to run."
+        "workload", choices=["latency", "throughput", "prefix", "structured", "serve"], help="Which workload to run."
     )
     bench.add_argument(
         "--peers", default="", help="Comma-separated peers to run as well: hf (transformers generate); none: no peer."
@@ -130,11 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(for machines whose speed drifts between runs).",
     )
     bench.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
+    _add_bench_serve_options(
+        bench.add_argument_group(
+            "engine bench serve, against a running server (of the other options only --model and --json apply)"
+        )
+    )
     _add_engine_options(
         bench,
         only=BENCH_ENGINE_FIELDS,
         overrides={
-            "model": {"default": DEFAULT_MODEL},
+            "model": {
+                "default": DEFAULT_MODEL,
+                "help": "The model to load; for bench serve, the served model to ask for (left at its default: the "
+                "first one the server lists).",
+            },
             "dtype": {
                 "default": "bfloat16",
                 "choices": BENCH_DTYPES,
@@ -323,6 +389,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.workload == "serve":
+        return cmd_bench_serve(args)
     from engine.bench.commands import run_bench
 
     report = run_bench(args.workload, bench_options(args))
@@ -344,6 +412,33 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"),
         engine_settings=settings,
     )
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from engine.bench.serve_load import ServeLoadOptions, ServeReport, run_serve_load
+
+    options = ServeLoadOptions(
+        base_url=args.base_url,
+        # the bench parser's default model is the offline workloads'; left at it, ask the server
+        model=None if args.model == DEFAULT_MODEL else args.model,
+        api_key=args.api_key,
+        endpoint=args.endpoint,
+        num_prompts=args.num_prompts,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        dataset=args.dataset,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        seed=args.seed,
+        stream=args.stream,
+        ignore_eos=args.ignore_eos,
+        timeout=args.timeout,
+        percentiles=args.percentiles,
+    )
+    report = ServeReport(run_serve_load(options))
+    print(report.as_json() if args.json else report.as_text())
+    return 0
 
 
 if __name__ == "__main__":

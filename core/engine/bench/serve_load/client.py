@@ -59,7 +59,7 @@ class StreamReader:
         self.error: str | None = None
 
     def feed(self, line: str, now: float) -> None:
-        if not line.startswith("data:"):
+        if self.error is not None or not line.startswith("data:"):
             return  # blank lines between events, comments, event names
         data = line[len("data:") :].strip()
         if data == "[DONE]":
@@ -150,10 +150,8 @@ async def _exchange(
                 record.num_chunks = 1
             return
         reader = StreamReader(record, settings.endpoint, start)
-        async for line in response.lines():
+        async for line in response.lines():  # to the end of the body, as the server ends it
             reader.feed(line, time.perf_counter())
-            if reader.error or reader.done:
-                break
         record.e2e = time.perf_counter() - start
         if reader.error:
             record.error = reader.error

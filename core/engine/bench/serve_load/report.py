@@ -19,7 +19,7 @@ LATENCIES = {
     "ttft": ("TTFT", "time to first token: request sent -> first chunk with content arrived."),
     "tpot": ("TPOT", "time per output token after the first: (E2E - TTFT) / (output tokens - 1), per request."),
     "itl": ("ITL", "inter-token latency: time between successive content chunks, every gap of every request."),
-    "e2e": ("E2E", "end-to-end latency: request sent -> last event of the response arrived."),
+    "e2e": ("E2E", "end-to-end latency: request sent -> the end of the response's body arrived."),
 }
 
 

@@ -281,8 +281,7 @@ async def _send_all(
     t0 = time.perf_counter()
     tasks = []
     for record in records:
-        delay = t0 + record.scheduled - time.perf_counter()
-        if delay > 0:
+        while (delay := t0 + record.scheduled - time.perf_counter()) > 0:  # a timer may fire a hair early
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(record)))
     await asyncio.gather(*tasks)

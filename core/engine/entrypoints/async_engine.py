@@ -77,13 +77,23 @@ class _Stream:
     prompt_logprobs_sent: bool = False
 
 
-def _tier_counters(connector) -> dict[str, float] | None:
+@dataclass
+class KVTierCounters:
+    """What /metrics shows of the KV tier."""
+
+    tier: str  # the tier's name
+    counters: dict[str, float]  # the KVTierStats counters, and the engine's transfers as engine_<name>
+    extra_counters: dict[str, float]  # KVTierStats.extra_counters: the ones this tier adds
+
+
+def _tier_counters(connector) -> KVTierCounters | None:
     if connector is None:
         return None
     stats = connector.tier.stats()
-    counters = {k: float(v) for k, v in stats.as_dict().items() if k != "extra"}
+    counters = {k: float(v) for k, v in stats.as_dict().items() if k not in ("extra", "extra_counters")}
     counters.update({f"engine_{k}": float(v) for k, v in vars(connector.stats).items()})
-    return counters
+    extra_counters = {k: float(v) for k, v in stats.extra_counters.items()}
+    return KVTierCounters(connector.tier.name, counters, extra_counters)
 
 
 class RequestStream:
@@ -367,7 +377,7 @@ class AsyncEngine:
             num_reasoning_tokens=request.reasoning.num_reasoning_tokens if request.reasoning is not None else 0,
         )
 
-    def kv_tier_counters(self) -> dict[str, float] | None:
+    def kv_tier_counters(self) -> KVTierCounters | None:
         """The KV tier's counters and the engine's transfers through it (None without a tier);
         read when /metrics is scraped rather than after every step (``KVTier.stats`` may be
         called from any thread)."""

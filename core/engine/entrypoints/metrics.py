@@ -3,12 +3,14 @@
 Request-level figures are observed by the HTTP side as requests end; engine
 gauges are read from the engine loop's latest ``EngineStats`` at scrape time.
 The KV tier's and speculative decoding's counters are read from the engine at
-scrape time too.
+scrape time too; a tier's own counters (``KVTierStats.extra_counters``) become
+counters ``engine_kv_tier_<name>_total`` labelled with the tier's name.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import re
+from typing import Callable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the app)
@@ -18,8 +20,9 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from engine.entrypoints.async_engine import EngineStats
+from engine.entrypoints.async_engine import EngineStats, KVTierCounters
 from engine.spec_decode.decoder import SpecDecodeStats
 
 _LATENCY_BUCKETS = (
@@ -52,12 +55,11 @@ class ServerMetrics:
         self,
         model_name: str,
         stats: Callable[[], EngineStats],
-        tier_counters: Callable[[], dict[str, float] | None] = lambda: None,
+        tier_counters: Callable[[], KVTierCounters | None] = lambda: None,
         spec_stats: Callable[[], SpecDecodeStats | None] = lambda: None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._stats = stats
-        self._tier_counters = tier_counters
         self._spec_stats = spec_stats
         labels = ["model_name"]
         r = self.registry
@@ -113,13 +115,7 @@ class ServerMetrics:
         self.preemptions = Gauge(
             "engine_num_preemptions", "Requests preempted since start (cumulative).", labels, registry=r
         )
-        self.kv_tier = Gauge(
-            "engine_kv_tier",
-            "The KV tier's counters since start (cumulative): blocks, bytes, failures, seconds; "
-            "engine_* counters are the engine's own transfers (offered, prefetched blocks).",
-            labels + ["counter"],
-            registry=r,
-        )
+        r.register(KVTierCollector(model_name, tier_counters))
         self.spec = {
             name: Gauge(f"engine_spec_decode_{name}", help_text, labels, registry=r)
             for name, help_text in (
@@ -172,8 +168,6 @@ class ServerMetrics:
         rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
         self.prefix_hit_rate.labels(m).set(rate)
         self.preemptions.labels(m).set(stats.num_preemptions)
-        for counter, value in (self._tier_counters() or {}).items():
-            self.kv_tier.labels(m, counter).set(value)
         spec = self._spec_stats()
         if spec is not None:
             values = {
@@ -188,3 +182,56 @@ class ServerMetrics:
             for position, rate in enumerate(spec.acceptance_by_position()):
                 self.spec_by_position.labels(m, str(position)).set(rate)
         return generate_latest(self.registry)
+
+
+class KVTierCollector:
+    """The KV tier's series, read from the engine once a scrape: the gauge ``engine_kv_tier``
+    with a ``counter`` label for each ``KVTierStats`` counter and the engine's transfers, and a
+    counter ``engine_kv_tier_<name>_total{tier}`` for each of the tier's ``extra_counters``."""
+
+    def __init__(self, model_name: str, read: Callable[[], KVTierCounters | None]) -> None:
+        self.model_name = model_name
+        self._read = read
+
+    def describe(self) -> list[Metric]:
+        """The fixed family only: the tier's own counters are known once it reports them."""
+        return [self._gauge()]
+
+    def collect(self) -> Iterator[Metric]:
+        report = self._read()
+        gauge = self._gauge()
+        if report is None:
+            yield gauge
+            return
+        for counter, value in report.counters.items():
+            gauge.add_metric([self.model_name, counter], value)
+        yield gauge
+        names = set()
+        for counter, value in sorted(report.extra_counters.items()):
+            name = tier_counter_name(counter)
+            if name in names:
+                continue  # two of the tier's names that read alike here: the first one stands
+            names.add(name)
+            family = CounterMetricFamily(
+                name,
+                f"The KV tier's own counter {counter!r} since it opened (KVTierStats.extra_counters).",
+                labels=["model_name", "tier"],
+            )
+            family.add_metric([self.model_name, report.tier], value)
+            yield family
+
+    @staticmethod
+    def _gauge() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "engine_kv_tier",
+            "The KV tier's counters since start (cumulative): blocks, bytes, failures, seconds; "
+            "engine_* counters are the engine's own transfers (offered, prefetched blocks).",
+            labels=["model_name", "counter"],
+        )
+
+
+def tier_counter_name(counter: str) -> str:
+    """The metric family of a tier's counter: ``engine_kv_tier_`` and its name with anything but
+    letters, digits and underscores made an underscore (a Prometheus name) and without a
+    ``_total`` of its own (the sample gets one)."""
+    return "engine_kv_tier_" + re.sub(r"[^A-Za-z0-9_]", "_", counter).removesuffix("_total")

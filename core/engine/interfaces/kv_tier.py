@@ -54,7 +54,13 @@ class KVTierSpec:
 
 @dataclass
 class KVTierStats:
-    """Counters since the tier opened (blocks, bytes, seconds)."""
+    """Counters since the tier opened (blocks, bytes, seconds), and a tier's own figures.
+
+    ``extra_counters`` are what a tier counts beyond the fields here (named in snake_case, e.g.
+    ``corrupt_blocks``): each only grows while the tier is open, and the server shows each on
+    /metrics as the counter ``engine_kv_tier_<name>_total`` labelled with the tier's name.
+    ``extra`` holds the tier's other figures, such as what it holds now and its capacity.
+    """
 
     hits: int = 0  # blocks found by lookup
     misses: int = 0  # blocks looked up and not found (lookup stops at the first)
@@ -67,7 +73,8 @@ class KVTierStats:
     load_failures: int = 0  # blocks a load could not return (evicted since lookup, corrupt, ...)
     store_seconds: float = 0.0  # summed time of completed stores
     load_seconds: float = 0.0  # summed time of completed loads
-    extra: dict[str, float] = field(default_factory=dict)  # tier-specific counters
+    extra: dict[str, float] = field(default_factory=dict)  # tier-specific figures (may go up and down)
+    extra_counters: dict[str, float] = field(default_factory=dict)  # tier-specific counters (only grow)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

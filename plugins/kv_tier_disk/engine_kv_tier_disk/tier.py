@@ -119,7 +119,7 @@ class DiskKVTier(KVTier):
         self._segment_numbers = itertools.count()  # replaced by the scan: after every number on disk
         self._last_stamp = 0  # the newest mtime given to a segment (ns); stamps only grow
         self._stats = KVTierStats()
-        self._extra = {"corrupt_blocks": 0, "lost_blocks": 0, "dropped_blocks": 0}
+        self._counters = {"corrupt_blocks": 0, "lost_blocks": 0, "dropped_blocks": 0}  # KVTierStats.extra_counters
         self._failing = False  # the last write failed (logged once per run of failures)
         self._closed = False
         try:
@@ -220,9 +220,8 @@ class DiskKVTier(KVTier):
                 "used_bytes": self._index.used_bytes,
                 "capacity_blocks": self.capacity_blocks,
                 "capacity_bytes": self.capacity_bytes,
-                **self._extra,
             }
-            return dataclasses.replace(self._stats, extra=extra)
+            return dataclasses.replace(self._stats, extra=extra, extra_counters=dict(self._counters))
 
     def close(self) -> None:
         """Refuse new calls, wait for the pending writes, release the directory."""
@@ -256,7 +255,7 @@ class DiskKVTier(KVTier):
             waiting = len(self._pending) + len(self._copying) + len(chosen)
             if waiting and (waiting + 1) * self.block_bytes > self.max_pending_bytes:
                 self._stats.store_failures += 1  # the disk is behind: drop rather than stall the caller
-                self._extra["dropped_blocks"] += 1
+                self._counters["dropped_blocks"] += 1
                 continue
             chosen[key] = i
         return list(chosen.items())
@@ -373,7 +372,7 @@ class DiskKVTier(KVTier):
             self._stats.load_failures += 1
             if not self._index.drop_block(key, entry):
                 return  # evicted or dropped since the read began
-            self._extra["corrupt_blocks"] += 1
+            self._counters["corrupt_blocks"] += 1
             if not entry.segment.keys:
                 layout.remove(entry.segment.path)
         logger.warning("disk KV tier: dropped a corrupt block: %s", exc)
@@ -385,7 +384,7 @@ class DiskKVTier(KVTier):
             lost = self._index.drop_segment(segment)
             if not lost:
                 return  # evicted or dropped since the read began
-            self._extra["lost_blocks"] += lost
+            self._counters["lost_blocks"] += lost
             if not isinstance(exc, FileNotFoundError):
                 layout.remove(segment.path)
         if isinstance(exc, FileNotFoundError):
@@ -426,7 +425,8 @@ class DiskKVTier(KVTier):
             try:
                 table = read_table(segment.path, block_bytes)
             except CorruptSegmentError as exc:
-                self._extra["corrupt_blocks"] += max(1, (segment.size - HEADER_SIZE) // block_bytes)  # as its size says
+                as_its_size_says = max(1, (segment.size - HEADER_SIZE) // block_bytes)
+                self._counters["corrupt_blocks"] += as_its_size_says
                 logger.warning("disk KV tier: deleted a segment whose table is damaged: %s", exc)
                 layout.remove(segment.path)
                 continue
@@ -434,7 +434,7 @@ class DiskKVTier(KVTier):
                 logger.warning("disk KV tier: skipping unreadable %s: %s", segment.path, exc)
                 continue
             whole = [block for block in table if block.offset + block_bytes <= segment.size]
-            self._extra["corrupt_blocks"] += len(table) - len(whole)
+            self._counters["corrupt_blocks"] += len(table) - len(whole)
             for emptied in self._index.add(segment.path, segment.size, whole):
                 layout.remove(emptied.path)  # every block cut off, or stored again later
         self._segment_numbers = itertools.count(max((s.number for s in found), default=-1) + 1)

@@ -354,7 +354,7 @@ def test_restart_drops_a_write_cut_short_and_keeps_the_whole_blocks_of_a_cut_seg
     assert not leftover.exists() and unrelated.exists()
     assert [tier.lookup([k]) for k in keys[:3]] == [1, 0, 0]
     stats = tier.stats()
-    assert stats.extra["corrupt_blocks"] == 2 and stats.extra["blocks"] == 1
+    assert stats.extra_counters["corrupt_blocks"] == 2 and stats.extra["blocks"] == 1
     assert stats.extra["used_bytes"] == blocks[keys[1]].offset + 100  # the cut file still holds block 0
     out = [empty_block()]
     assert tier.load(keys[:1], out).result() == [True] and same_bytes(out[0], random_block(seed=0))
@@ -422,7 +422,8 @@ def test_a_segment_with_a_damaged_table_is_deleted_at_restart_and_costs_only_its
     assert not damaged.exists()
     assert [tier.lookup([k]) for k in keys] == [0, 0, 1]
     stats = tier.stats()
-    assert stats.extra["corrupt_blocks"] == counted and stats.extra["blocks"] == 1 and stats.extra["segments"] == 1
+    assert stats.extra_counters["corrupt_blocks"] == counted
+    assert stats.extra["blocks"] == 1 and stats.extra["segments"] == 1
     out = [empty_block()]
     assert tier.load(keys[2:], out).result() == [True] and same_bytes(out[0], random_block(seed=2))
     tier.close()
@@ -466,7 +467,7 @@ def test_a_damaged_payload_fails_only_its_block_and_the_key_can_be_stored_again(
     good = expected.index(True)
     assert same_bytes(out[good], random_block(seed=good))
     stats = tier.stats()
-    assert stats.load_failures == 1 and stats.extra["corrupt_blocks"] == 1
+    assert stats.load_failures == 1 and stats.extra_counters["corrupt_blocks"] == 1
     assert stats.extra["blocks"] == 1 and stats.extra["segments"] == 1  # the segment still serves the other block
     bad = expected.index(False)
     assert [tier.lookup([k]) for k in keys] == expected
@@ -477,7 +478,7 @@ def test_a_damaged_payload_fails_only_its_block_and_the_key_can_be_stored_again(
     assert tier.load(keys, out).result() == [True, True]
     assert same_bytes(out[0], random_block(seed=0)) and same_bytes(out[1], random_block(seed=1))
     # the scan sees a payload cut short again; a flipped byte only a load can find
-    assert tier.stats().extra["corrupt_blocks"] == int(damage is cut_into_second_payload)
+    assert tier.stats().extra_counters["corrupt_blocks"] == int(damage is cut_into_second_payload)
     tier.close()
 
 
@@ -493,7 +494,8 @@ def test_a_segment_whose_every_block_failed_is_deleted(tier):
     assert tier.load(keys, [empty_block(), empty_block()]).result() == [False, False]
     assert not segment.exists()
     stats = tier.stats()
-    assert stats.extra["corrupt_blocks"] == 2 and stats.extra["segments"] == 0 and stats.extra["used_bytes"] == 0
+    assert stats.extra_counters["corrupt_blocks"] == 2
+    assert stats.extra["segments"] == 0 and stats.extra["used_bytes"] == 0
 
 
 def test_a_segment_deleted_behind_the_tiers_back_loses_all_its_blocks(tier):
@@ -506,7 +508,7 @@ def test_a_segment_deleted_behind_the_tiers_back_loses_all_its_blocks(tier):
     assert tier.load([keys[0], keys[2]], out).result() == [False, True]
     assert same_bytes(out[1], random_block(seed=2))
     stats = tier.stats()
-    assert stats.load_failures == 1 and stats.extra["lost_blocks"] == 2
+    assert stats.load_failures == 1 and stats.extra_counters["lost_blocks"] == 2
     assert stats.extra["blocks"] == 1 and stats.extra["used_bytes"] == ONE_BLOCK
     assert [tier.lookup([k]) for k in keys] == [0, 0, 1]  # its other block is gone from the index too
 
@@ -600,7 +602,7 @@ def test_stores_beyond_the_pending_limit_are_dropped_not_queued(tier, monkeypatc
     gate.set()
     assert [f.result() for f in futures] == [[True], [True], [False]]
     stats = tier.stats()
-    assert stats.store_failures == 1 and stats.extra["dropped_blocks"] == 1 and stats.stored_blocks == 2
+    assert stats.store_failures == 1 and stats.extra_counters["dropped_blocks"] == 1 and stats.stored_blocks == 2
 
 
 # keys
@@ -748,7 +750,7 @@ def test_a_large_load_is_split_across_reader_threads_and_keeps_each_flag_in_plac
     assert threads and all(name.startswith("kv-tier-disk-read") for name in threads)
     stats = tier.stats()
     assert stats.loaded_blocks == sum(expected) and stats.load_failures == 40 - sum(expected)
-    assert stats.extra["corrupt_blocks"] == 1 and stats.load_seconds > 0
+    assert stats.extra_counters["corrupt_blocks"] == 1 and stats.load_seconds > 0
     tier.close()
 
 

@@ -108,7 +108,7 @@ def test_restart_reuses_blocks_and_damaged_segments_cost_only_their_blocks(
     connector = again.engine.kv_tier
     stats = connector.tier.stats()
     assert connector.stats.prefetched_blocks == 3 * 17  # prompts 4-6 come back whole; 1-3 recompute
-    assert stats.extra["corrupt_blocks"] == 2 and stats.extra["lost_blocks"] == 1
+    assert stats.extra_counters["corrupt_blocks"] == 2 and stats.extra_counters["lost_blocks"] == 1
     assert stats.load_failures == 2  # the flipped and the deleted block (the truncated one was never listed)
     again.engine.close()
     # the damaged segments are gone; their blocks were recomputed and, evicted again, written anew and whole
@@ -128,7 +128,7 @@ def test_blocks_stored_together_share_segments_and_all_come_back_after_a_restart
     assert one_by_one(again, prompts) == reference
     assert again.engine.kv_tier.stats.prefetched_blocks == 6 * 17
     stats = again.engine.kv_tier.tier.stats()
-    assert stats.load_failures == stats.extra["corrupt_blocks"] == stats.extra["lost_blocks"] == 0
+    assert stats.load_failures == stats.extra_counters["corrupt_blocks"] == stats.extra_counters["lost_blocks"] == 0
     again.engine.close()
 
 

@@ -89,7 +89,9 @@ def _add_bench_serve_options(group: argparse._ArgumentGroup) -> None:
         default=0.0,
         help="Random lengths are uniform in [len * (1 - r), len * (1 + r)]; 0: all the same.",
     )
-    group.add_argument("--seed", type=int, default=0, help="Seed of the lengths, the prompts and the arrivals.")
+    group.add_argument(  # not dest "seed": that is EngineConfig's, which the offline workloads pass on
+        "--seed", dest="load_seed", type=int, default=0, help="Seed of the lengths, the prompts and the arrivals."
+    )
     group.add_argument(
         "--stream", action=argparse.BooleanOptionalAction, default=True, help="Stream the responses (TTFT, ITL)."
     )
@@ -189,18 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     _add_bench_serve_options(
         bench.add_argument_group(
-            "engine bench serve, against a running server (of the other options only --model and --json apply)"
+            "engine bench serve, against a running server",
+            "Of the other options only --json and --model apply: --model names the served model to ask for; left at "
+            "its default, the first one the server lists.",
         )
     )
     _add_engine_options(
         bench,
         only=BENCH_ENGINE_FIELDS,
         overrides={
-            "model": {
-                "default": DEFAULT_MODEL,
-                "help": "The model to load; for bench serve, the served model to ask for (left at its default: the "
-                "first one the server lists).",
-            },
+            "model": {"default": DEFAULT_MODEL},
             "dtype": {
                 "default": "bfloat16",
                 "choices": BENCH_DTYPES,
@@ -430,7 +430,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         input_len=args.input_len,
         output_len=args.output_len,
         range_ratio=args.range_ratio,
-        seed=args.seed,
+        seed=args.load_seed,
         stream=args.stream,
         ignore_eos=args.ignore_eos,
         timeout=args.timeout,

@@ -1,8 +1,8 @@
 """Which segment holds each block, and the segments in least-recently-used order.
 
 Eviction goes by segment: a segment leaves the index whole, and a use of any of its blocks
-makes all of them the most recently used. Not thread-safe: the tier holds its lock around
-every call.
+makes all of them the most recently used; a segment written anew without its damaged blocks
+takes the old one's place. Not thread-safe: the tier holds its lock around every call.
 """
 
 from __future__ import annotations
@@ -67,6 +67,31 @@ class SegmentIndex:
         else:
             emptied.append(segment)
         return emptied
+
+    def holds(self, segment: Segment) -> bool:
+        """Whether ``segment`` is still in the index (not evicted, dropped or replaced)."""
+        return segment in self._segments
+
+    def replace(self, old: Segment, path: str, size: int, blocks: Iterable[TableEntry]) -> Segment | None:
+        """Index the segment at ``path`` in the place of ``old`` in the least-recently-used order,
+        serving those of ``blocks`` whose keys ``old`` still serves; ``old``'s other keys leave the
+        index with it. Returns the new segment, or ``None`` when ``old`` had left the index or none
+        of its keys is among ``blocks`` (then the new file is garbage)."""
+        if old not in self._segments:
+            return None
+        new = Segment(path, size)
+        for block in blocks:
+            if block.key in old.keys:
+                self._entries[block.key] = Entry(new, block)
+                new.keys.add(block.key)
+        for key in old.keys - new.keys:
+            del self._entries[key]
+        if not new.keys:
+            self._forget(old)
+            return None
+        self._segments = OrderedDict((new if segment is old else segment, None) for segment in self._segments)
+        self.used_bytes += size - old.size
+        return new
 
     def use(self, segment: Segment) -> bool:
         """Make ``segment`` the most recently used; False when it already was, or has left."""

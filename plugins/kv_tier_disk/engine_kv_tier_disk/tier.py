@@ -1,5 +1,21 @@
 """The ``disk`` KV tier: blocks packed into segment files under a directory, the least
-recently used segments evicted first, reused across restarts."""
+recently used segments evicted first, reused across restarts.
+
+Damage is repaired on disk, not only skipped, so that no later start finds it again. A segment
+is never changed once written, so one holding a damaged payload (one that failed a load's
+checksum, or was cut short as the tier opened) is replaced: its other blocks are read and
+checked again and written as a new segment the usual way (a temporary file renamed into place),
+which is given the old file's mtime to keep its place in the least-recently-used order; then the
+old file is deleted. A writer thread does this after a load; at start-up the tier does it before
+it opens. For that while both files are on disk (the new one, smaller, is not counted against
+the capacity). A crash between the rename and the delete leaves both: the new one has the
+higher number and the same mtime, so the next start indexes it after the old one and its blocks
+replace the old copies; the old file, left with nothing whole, is deleted then (its cut-off
+blocks counted once more), or once its damaged payloads fail their loads (only a load finds a
+flipped byte). Like every segment, the new one is not fsynced: the checksums guard it as they
+guarded the old. A repair that cannot write (a full disk, a read-only directory) leaves the
+segment as it was, its damaged blocks out of the index until the next start finds them again.
+"""
 
 from __future__ import annotations
 
@@ -66,10 +82,11 @@ class DiskKVTier(KVTier):
     most recently used and stamps the segment file's mtime, so the least-recently-used order
     survives a restart, and the least recently used segment is deleted whole. Faults cost
     blocks, never correctness, and never raise: a payload that is damaged fails its load and is
-    dropped; a segment that is gone or unreadable drops all its blocks; a segment whose table
-    is damaged is deleted when the tier opens; a write that fails (disk full, read-only, ...)
-    fails its blocks. One open tier per directory and digest: an exclusive ``flock`` on
-    ``<path>/<digest>/.lock`` refuses a second one.
+    dropped, and its segment is written anew without it (see the module's docstring); a segment
+    that is gone or unreadable drops all its blocks; a segment whose table is damaged is deleted
+    when the tier opens, and one cut short is written anew with the blocks still whole in it; a
+    write that fails (disk full, read-only, ...) fails its blocks. One open tier per directory
+    and digest: an exclusive ``flock`` on ``<path>/<digest>/.lock`` refuses a second one.
     """
 
     name = "disk"
@@ -334,26 +351,34 @@ class DiskKVTier(KVTier):
 
     def _load_block(self, key: bytes, out: torch.Tensor) -> bool:
         usable = valid_key(key) and self._is_block(out)
-        with self._lock:
-            copy = self._pending.get(key) if usable else None
-            if copy is not None:  # its segment is still being written; copied under the lock, as
-                copy_bytes(out, copy)  # the buffer is reused once the segment lands
-                self._stats.loaded_blocks += 1
-                self._stats.bytes_read += self.block_bytes
-                return True
-            entry = self._index.get(key) if usable else None
-            if entry is None:
-                self._stats.load_failures += 1
-                return False
         direct = out.device.type == "cpu" and out.is_contiguous()  # read straight into the caller's memory
         target = out.detach() if direct else torch.empty(self.block_numel, dtype=self.dtype)
-        try:
-            read_block(entry.segment.path, entry.block, memoryview(target.view(-1).view(torch.uint8).numpy()))
-        except CorruptBlockError as exc:
-            self._drop_block(key, entry, exc)
-            return False
-        except OSError as exc:
-            self._drop_segment(entry.segment, exc)
+        for _ in range(2):  # twice when a repair moved the block to a new segment during the read
+            with self._lock:
+                copy = self._pending.get(key) if usable else None
+                if copy is not None:  # its segment is still being written; copied under the lock, as
+                    copy_bytes(out, copy)  # the buffer is reused once the segment lands
+                    self._stats.loaded_blocks += 1
+                    self._stats.bytes_read += self.block_bytes
+                    return True
+                entry = self._index.get(key) if usable else None
+                if entry is None:
+                    self._stats.load_failures += 1
+                    return False
+            try:
+                read_block(entry.segment.path, entry.block, memoryview(target.view(-1).view(torch.uint8).numpy()))
+                break
+            except (CorruptBlockError, OSError) as exc:
+                if self._moved(key, entry):
+                    continue
+                if isinstance(exc, CorruptBlockError):
+                    self._drop_block(key, entry, exc)
+                else:
+                    self._drop_segment(entry.segment, exc)
+                return False
+        else:
+            with self._lock:
+                self._stats.load_failures += 1
             return False
         if not direct:
             copy_bytes(out, target)
@@ -365,22 +390,32 @@ class DiskKVTier(KVTier):
         layout.touch(touched)
         return True
 
-    def _drop_block(self, key: bytes, entry: Entry, exc: CorruptBlockError) -> None:
-        """A payload failed its read: forget the block, and the segment's file once it holds no
-        other block."""
+    def _moved(self, key: bytes, entry: Entry) -> bool:
+        """Whether ``key``'s block lies in another segment than ``entry``'s now (a repair moved it,
+        or it was stored anew, since ``entry`` was looked up)."""
         with self._lock:
-            self._stats.load_failures += 1
+            current = self._index.get(key)
+            return current is not None and current.segment is not entry.segment
+
+    def _drop_block(self, key: bytes, entry: Entry, exc: CorruptBlockError, *, load: bool = True) -> None:
+        """A payload failed its read (by a load, or a repair when not ``load``): forget the block,
+        and delete the segment's file once it holds no other block, else have a writer thread
+        repair the segment, so that the damaged payload is gone from the disk too."""
+        with self._lock:
+            self._stats.load_failures += int(load)
             if not self._index.drop_block(key, entry):
                 return  # evicted or dropped since the read began
             self._counters["corrupt_blocks"] += 1
             if not entry.segment.keys:
                 layout.remove(entry.segment.path)
+            elif load and not self._closed:  # else close is waiting for the writers to finish
+                self._writers.submit(self._repair, entry.segment)
         logger.warning("disk KV tier: dropped a corrupt block: %s", exc)
 
-    def _drop_segment(self, segment: Segment, exc: OSError) -> None:
+    def _drop_segment(self, segment: Segment, exc: OSError, *, load: bool = True) -> None:
         """A segment is gone or cannot be read: forget all its blocks and delete what is left of it."""
         with self._lock:
-            self._stats.load_failures += 1
+            self._stats.load_failures += int(load)
             lost = self._index.drop_segment(segment)
             if not lost:
                 return  # evicted or dropped since the read began
@@ -391,6 +426,53 @@ class DiskKVTier(KVTier):
             logger.debug("disk KV tier: %s is gone; dropped its %d blocks", segment.path, lost)
         else:
             logger.warning("disk KV tier: dropped the %d blocks of an unreadable segment: %s", lost, exc)
+
+    # repairs (writer threads, and the start)
+
+    def _repair(self, segment: Segment) -> None:
+        """Write the blocks ``segment`` still serves, each read and checked again, as a new
+        segment that takes its place, then delete its file: the damaged payloads it lists leave
+        the disk, and no later start finds them again. A failure leaves the segment as it is."""
+        with self._lock:
+            if not self._index.holds(segment):
+                return  # evicted, dropped or repaired meanwhile
+            entries = sorted((self._index.get(key).block for key in segment.keys), key=lambda block: block.offset)
+            path = layout.segment_path(self.directory, next(self._segment_numbers))
+        payload = torch.empty(len(entries), self.block_bytes, dtype=torch.uint8).numpy()  # [blocks, block_bytes]
+        keys: list[bytes] = []
+        for block in entries:
+            try:
+                read_block(segment.path, block, memoryview(payload[len(keys)]))
+            except CorruptBlockError as exc:
+                self._drop_block(block.key, Entry(segment, block), exc, load=False)
+                continue
+            except OSError as exc:
+                self._drop_segment(segment, exc, load=False)
+                return
+            keys.append(block.key)
+        if not keys:
+            return  # its file went with its last block
+        payload = payload[: len(keys)]
+        header, table = encode(keys, list(payload))
+        temp = layout.temp_path(path)
+        try:
+            stamp = os.stat(segment.path, follow_symlinks=False).st_mtime_ns  # its place in the LRU order
+            self._write_file(temp, (header, payload))
+            os.utime(temp, ns=(stamp, stamp))
+            os.replace(temp, path)
+        except Exception as exc:  # a failed repair leaves the damage to the next start
+            layout.remove(temp)
+            logger.warning(
+                "disk KV tier: cannot write %s without its damaged blocks (%s: %s); the next start tries again",
+                segment.path,
+                type(exc).__name__,
+                exc,
+                exc_info=not isinstance(exc, OSError),
+            )
+            return
+        with self._lock:
+            repaired = self._index.replace(segment, path, len(header) + payload.nbytes, table)
+            layout.remove(segment.path if repaired is not None else path)
 
     # directory
 
@@ -413,13 +495,14 @@ class DiskKVTier(KVTier):
         return self._last_stamp
 
     def _load_index(self) -> None:
-        """Index the segments an earlier run left, least recently used first; a damaged one is
-        deleted, and one cut short keeps the blocks still whole in it."""
+        """Index the segments an earlier run left, least recently used first; one whose table is
+        damaged is deleted, and one cut short is repaired to the blocks still whole in it."""
         try:
             found = layout.scan(self.directory)
         except OSError as exc:
             raise ValueError(f"KV tier 'disk': 'path' {self.root!r}: cannot read {self.directory!r}: {exc}.") from exc
         block_bytes = self.block_bytes
+        cut: list[Segment] = []
         for segment in found:
             self._last_stamp = max(self._last_stamp, segment.mtime_ns)
             try:
@@ -437,8 +520,12 @@ class DiskKVTier(KVTier):
             self._counters["corrupt_blocks"] += len(table) - len(whole)
             for emptied in self._index.add(segment.path, segment.size, whole):
                 layout.remove(emptied.path)  # every block cut off, or stored again later
+            if whole and len(whole) < len(table):
+                cut.append(self._index.get(whole[0].key).segment)
         self._segment_numbers = itertools.count(max((s.number for s in found), default=-1) + 1)
         self._make_room(0)  # a smaller capacity than last time: the oldest go
+        for segment in cut:
+            self._repair(segment)  # unless evicted, or emptied by newer copies, meanwhile
 
     def _unlock_directory(self) -> None:
         if self._lock_fd is not None:

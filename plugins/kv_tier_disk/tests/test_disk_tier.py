@@ -355,7 +355,9 @@ def test_restart_drops_a_write_cut_short_and_keeps_the_whole_blocks_of_a_cut_seg
     assert [tier.lookup([k]) for k in keys[:3]] == [1, 0, 0]
     stats = tier.stats()
     assert stats.extra_counters["corrupt_blocks"] == 2 and stats.extra["blocks"] == 1
-    assert stats.extra["used_bytes"] == blocks[keys[1]].offset + 100  # the cut file still holds block 0
+    # the cut segment is written anew with block 0 alone, and deleted
+    assert not segment.exists() and stats.extra["used_bytes"] == ONE_BLOCK
+    assert list(stored_blocks(tmp_path)) == [keys[0]]
     out = [empty_block()]
     assert tier.load(keys[:1], out).result() == [True] and same_bytes(out[0], random_block(seed=0))
     tier.close()
@@ -474,11 +476,12 @@ def test_a_damaged_payload_fails_only_its_block_and_the_key_can_be_stored_again(
     assert tier.store([keys[bad]], [random_block(seed=bad)]).result() == [True]  # a new segment holds it
     tier.close()
 
-    tier = open_tier(tmp_path)  # the damaged copy is still on disk; the newer one wins
+    # the segment was written anew without the damaged copy: every payload on disk checks out
+    assert sorted(stored_blocks(tmp_path)) == sorted(keys) and len(segment_files(tmp_path)) == 2
+    tier = open_tier(tmp_path)
     assert tier.load(keys, out).result() == [True, True]
     assert same_bytes(out[0], random_block(seed=0)) and same_bytes(out[1], random_block(seed=1))
-    # the scan sees a payload cut short again; a flipped byte only a load can find
-    assert tier.stats().extra_counters["corrupt_blocks"] == int(damage is cut_into_second_payload)
+    assert tier.stats().extra_counters["corrupt_blocks"] == 0
     tier.close()
 
 
@@ -511,6 +514,115 @@ def test_a_segment_deleted_behind_the_tiers_back_loses_all_its_blocks(tier):
     assert stats.load_failures == 1 and stats.extra_counters["lost_blocks"] == 2
     assert stats.extra["blocks"] == 1 and stats.extra["used_bytes"] == ONE_BLOCK
     assert [tier.lookup([k]) for k in keys] == [0, 0, 1]  # its other block is gone from the index too
+
+
+def test_blocks_cut_off_at_start_are_counted_once_and_gone_after_the_next_restart(tmp_path):
+    keys = make_keys(3)
+    blocks = [random_block(seed=i) for i in range(3)]
+    tier = open_tier(tmp_path)
+    tier.store(keys, blocks).result()
+    tier.close()
+    [segment] = segment_files(tmp_path)
+    with open(segment, "r+b") as file:  # the last payload loses its last bytes
+        file.truncate(segment.stat().st_size - 7)
+
+    tier = open_tier(tmp_path)
+    assert tier.stats().extra_counters["corrupt_blocks"] == 1
+    assert [tier.lookup([k]) for k in keys] == [1, 1, 0]
+    tier.close()
+    # on disk, only whole segments in the format, holding only the whole blocks
+    assert sorted(stored_blocks(tmp_path)) == sorted(keys[:2]) and len(segment_files(tmp_path)) == 1
+
+    tier = open_tier(tmp_path)  # nothing damaged is left to find
+    assert tier.stats().extra_counters["corrupt_blocks"] == 0
+    assert [tier.lookup([k]) for k in keys] == [1, 1, 0]
+    out = [empty_block(), empty_block()]
+    assert tier.load(keys[:2], out).result() == [True, True]
+    assert same_bytes(out[0], blocks[0]) and same_bytes(out[1], blocks[1])
+    assert tier.stats().extra["used_bytes"] == segment_size(16, 16)
+    tier.close()
+
+
+def test_a_payload_that_fails_its_checksum_is_never_served_or_counted_again_after_a_restart(tmp_path):
+    keys = make_keys(3)
+    blocks = [random_block(seed=i) for i in range(3)]
+    tier = open_tier(tmp_path)
+    tier.store(keys, blocks).result()
+    damaged = stored_blocks(tmp_path)[keys[1]]
+    data = bytearray(damaged.segment.read_bytes())
+    data[damaged.offset + 100] ^= 0xFF
+    damaged.segment.write_bytes(bytes(data))
+    out = [empty_block() for _ in keys]
+    assert tier.load(keys, out).result() == [True, False, True]
+    assert tier.stats().extra_counters["corrupt_blocks"] == 1
+    tier.close()
+    assert sorted(stored_blocks(tmp_path)) == sorted([keys[0], keys[2]])  # every payload on disk checks out
+
+    tier = open_tier(tmp_path)
+    assert [tier.lookup([k]) for k in keys] == [1, 0, 1]
+    out = [empty_block() for _ in keys]
+    assert tier.load(keys, out).result() == [True, False, True]
+    assert same_bytes(out[0], blocks[0]) and same_bytes(out[2], blocks[2])
+    stats = tier.stats()
+    assert stats.extra_counters["corrupt_blocks"] == 0 and stats.load_failures == 1  # the key it no longer has
+    tier.close()
+
+
+def test_a_load_during_a_repair_reads_the_block_from_its_new_segment(tmp_path, monkeypatch):
+    import engine_kv_tier_disk.tier as tier_module
+
+    keys = make_keys(3)
+    blocks = [random_block(seed=i) for i in range(3)]
+    tier = open_tier(tmp_path)
+    tier.store(keys, blocks).result()
+    damaged = stored_blocks(tmp_path)[keys[0]]
+    data = bytearray(damaged.segment.read_bytes())
+    data[damaged.offset] ^= 0xFF
+    damaged.segment.write_bytes(bytes(data))
+    read_block, repaired = tier_module.read_block, []
+
+    def repair_first(path, entry, into):  # the segment is repaired between the lookup and the read
+        if not repaired:
+            repaired.append(path)
+            tier._repair(tier._index.get(keys[1]).segment)
+        read_block(path, entry, into)
+
+    monkeypatch.setattr(tier_module, "read_block", repair_first)
+    out = [empty_block()]
+    assert tier.load(keys[1:2], out).result() == [True] and same_bytes(out[0], blocks[1])
+    assert not os.path.exists(repaired[0])  # it read the old file first, which the repair deleted
+    stats = tier.stats()
+    assert stats.load_failures == 0 and stats.extra_counters["corrupt_blocks"] == 1
+    assert [tier.lookup([k]) for k in keys] == [0, 1, 1]
+    tier.close()
+
+
+def test_a_repair_cut_short_by_a_crash_is_finished_by_the_next_start(tmp_path):
+    keys = make_keys(3)
+    blocks = [random_block(seed=i) for i in range(3)]
+    tier = open_tier(tmp_path)
+    tier.store(keys, blocks).result()
+    tier.close()
+    [segment] = segment_files(tmp_path)
+    with open(segment, "r+b") as file:
+        file.truncate(segment.stat().st_size - 7)
+    damaged, stamp = segment.read_bytes(), segment.stat().st_mtime_ns
+    open_tier(tmp_path).close()  # writes the whole blocks anew and deletes the damaged segment
+    assert not segment.exists()
+    # a crash after the new segment landed and before the damaged one was deleted
+    segment.write_bytes(damaged)
+    os.utime(segment, ns=(stamp, stamp))
+
+    tier = open_tier(tmp_path)  # the newer segment holds every whole block: the damaged one goes
+    assert not segment.exists() and len(segment_files(tmp_path)) == 1
+    assert tier.stats().extra_counters["corrupt_blocks"] == 1  # what it found cut off, once more
+    out = [empty_block(), empty_block()]
+    assert tier.load(keys[:2], out).result() == [True, True]
+    assert same_bytes(out[0], blocks[0]) and same_bytes(out[1], blocks[1])
+    tier.close()
+    tier = open_tier(tmp_path)
+    assert tier.stats().extra_counters["corrupt_blocks"] == 0 and tier.lookup(keys) == 2
+    tier.close()
 
 
 # faults on write

@@ -12,13 +12,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_
 from engine.entrypoints.errors import ParamError, bad_request, refusal
 from engine.entrypoints.generation import Generation, PromptInput, check_text, new_request_id
 from engine.entrypoints.openai_serving import OpenAIServing, collect
-from engine.entrypoints.protocol import TextPart, join_text
+from engine.entrypoints.protocol import MAX_STOP_STRINGS, TextPart, checked, join_text
 from engine.entrypoints.tool_calling import OutputReader, ToolChoice, check_tools
 from engine.interfaces.tool_parser import Tool
 from engine.sampling_params import SamplingParams
 
 _STOP_REASONS = {"length": "max_tokens"}
-MAX_STOP_SEQUENCES = 16  # as the OpenAI endpoints' stop
+MAX_STOP_SEQUENCES = MAX_STOP_STRINGS  # as the OpenAI endpoints' stop
 
 
 class TextBlock(BaseModel):
@@ -136,7 +136,7 @@ class CountTokensRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
-    messages: list[AnthropicMessage]
+    messages: list[AnthropicMessage] = Field(..., json_schema_extra=checked(minItems=1))
     system: str | list[TextBlock] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
@@ -159,8 +159,10 @@ class CountTokensRequest(BaseModel):
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: StrictInt
-    stop_sequences: list[str] | None = None
+    max_tokens: StrictInt = Field(..., json_schema_extra=checked(minimum=1))
+    stop_sequences: list[str] | None = Field(
+        None, json_schema_extra=checked(maxItems=MAX_STOP_SEQUENCES, items={"minLength": 1})
+    )
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: StrictInt | None = Field(None, ge=0)

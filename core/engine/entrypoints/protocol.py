@@ -7,14 +7,45 @@ server cannot honour are refused with a message that says so.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 from engine.entrypoints.errors import ParamError
+from engine.sampling_params import SEED_MAX, SEED_MIN, TOP_K_MAX
 
-# text, a list of token ids, or a batch of either (the batch form is refused later with a clear message)
+# text, a list of token ids, or a batch of either
 PromptField = Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
+MAX_STOP_STRINGS = 16
+
+# the JSON type each bound applies to ("number" covers "integer")
+_KEYWORD_TYPES = {
+    "minLength": "string",
+    "maxLength": "string",
+    "minItems": "array",
+    "maxItems": "array",
+    "items": "array",
+    "minimum": "number",
+    "maximum": "number",
+    "maxProperties": "object",
+}
+
+
+def checked(**keywords: Any) -> Callable[[dict[str, Any]], None]:
+    """``json_schema_extra`` for bounds the server checks itself, with messages of its own: each
+    keyword joins the members of the field's schema it applies to (``maxItems`` the array,
+    ``minimum`` the number; ``items`` is merged into an array's items), so the published schema
+    states the bound while validation stays as it is."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        for member in schema.get("anyOf", [schema]):
+            kind = member.get("type")
+            for keyword, value in keywords.items():
+                wanted = _KEYWORD_TYPES[keyword]
+                if kind == wanted or (wanted == "number" and kind == "integer"):
+                    member[keyword] = {**member.get("items", {}), **value} if keyword == "items" else value
+
+    return extra
 
 
 class StreamOptions(BaseModel):
@@ -35,11 +66,28 @@ class JSONSchemaFormat(BaseModel):
     strict: StrictBool | None = None
 
 
+# what _check_format refuses, in JSON Schema: json_schema goes with (and only with) its type, and a
+# structural tag needs structures
+_FORMAT_SCHEMA = {
+    "allOf": [
+        {
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {"required": ["json_schema"], "properties": {"json_schema": {"not": {"type": "null"}}}},
+            "else": {"properties": {"json_schema": {"type": "null"}}},
+        },
+        {
+            "if": {"properties": {"type": {"const": "structural_tag"}}},
+            "then": {"required": ["structures"], "properties": {"structures": {"type": "array", "minItems": 1}}},
+        },
+    ]
+}
+
+
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or
     ``json_schema`` (an instance of ``json_schema.schema``); vLLM's ``structural_tag``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_FORMAT_SCHEMA)
 
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JSONSchemaFormat | None = None
@@ -80,14 +128,16 @@ class _SamplingFields(BaseModel):
     n: StrictInt = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: StrictInt | None = Field(None, ge=-1)
+    top_k: StrictInt | None = Field(None, ge=-1, json_schema_extra=checked(maximum=TOP_K_MAX))
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    seed: StrictInt | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[StrictInt] | None = None
+    seed: StrictInt | None = Field(None, json_schema_extra=checked(minimum=SEED_MIN, maximum=SEED_MAX))
+    stop: str | list[str] | None = Field(
+        None, json_schema_extra=checked(minLength=1, maxItems=MAX_STOP_STRINGS, items={"minLength": 1})
+    )
+    stop_token_ids: list[StrictInt] | None = Field(None, json_schema_extra=checked(items={"minimum": 0}))
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = Field(0, ge=0)
     skip_special_tokens: StrictBool = True
@@ -95,7 +145,8 @@ class _SamplingFields(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted for compatibility; not used
-    logit_bias: dict[str, float] | None = None  # refused unless empty
+    # refused unless empty
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra=checked(maxProperties=0))
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
 
@@ -105,8 +156,8 @@ class _SamplingFields(BaseModel):
         stops = [value] if isinstance(value, str) else value or []
         if any(s == "" for s in stops):
             raise ValueError("stop strings must not be empty")
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop strings")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         return value
 
     @model_validator(mode="after")
@@ -134,13 +185,13 @@ class UnsupportedParameter(ParamError):
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptField
-    max_tokens: StrictInt | None = 16
+    max_tokens: StrictInt | None = Field(16, json_schema_extra=checked(minimum=0))  # 0 only with echo
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
     return_token_ids: StrictBool = False  # vLLM: each choice also carries its token ids and its prompt's
     best_of: StrictInt | None = None
-    suffix: str | None = None
+    suffix: str | None = Field(None, json_schema_extra=checked(maxLength=0))  # refused unless empty
 
     @model_validator(mode="after")
     def _check_completion(self) -> "CompletionRequest":
@@ -185,8 +236,25 @@ class ToolCallParam(BaseModel):
     index: StrictInt | None = None  # what a client accumulated from a stream carries; not used
 
 
+# what _check_tool_fields refuses, in JSON Schema: a tool message answers a call by its id, and only an
+# assistant message carries tool calls
+_TOOL_FIELDS_SCHEMA = {
+    "allOf": [
+        {
+            "if": {"properties": {"role": {"const": "tool"}}},
+            "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}},
+            "else": {"properties": {"tool_call_id": {"type": "null"}}},
+        },
+        {
+            "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+            "then": {"properties": {"tool_calls": {"type": "null"}}},
+        },
+    ]
+}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_TOOL_FIELDS_SCHEMA)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -241,10 +309,19 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+# max_tokens is the output limit only without max_completion_tokens, which takes its place
+CHAT_MAX_TOKENS_SCHEMA = {
+    "if": {"required": ["max_completion_tokens"], "properties": {"max_completion_tokens": {"type": "integer"}}},
+    "else": {"properties": {"max_tokens": {"minimum": 1}}},
+}
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    model_config = ConfigDict(json_schema_extra=CHAT_MAX_TOKENS_SCHEMA)
+
+    messages: list[ChatMessage] = Field(..., json_schema_extra=checked(minItems=1))
     max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = Field(None, json_schema_extra=checked(minimum=1))
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     add_generation_prompt: StrictBool = True

@@ -319,3 +319,14 @@ def test_repeat_reports_the_median_run_and_lists_every_wall(capsys, tiny_llama):
 def test_repeat_must_be_positive(capsys, tiny_llama):
     assert main(["bench", "latency", "--model", tiny_llama, "--repeat", "0"]) == 1
     assert "--repeat must be at least 1, got 0." in capsys.readouterr().err
+
+
+def test_throughput_with_batch_invariant_shows_its_cost_against_the_default_kernels(capsys, tiny_llama):
+    report = run_bench_json(capsys, "throughput", "--model", tiny_llama, "--batch-invariant")
+    figures = report["sections"]["w2"]["figures"]
+    walls = figures["wall_s"]["values"]
+    assert set(walls) == {"engine", "engine, default kernels"} and all(w > 0 for w in walls.values())
+    assert figures["wall_s"]["ratios"]["engine/engine, default kernels"] == pytest.approx(
+        walls["engine"] / walls["engine, default kernels"]
+    )
+    assert "--batch-invariant" in report["setup"]["engine"]

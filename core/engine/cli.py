@@ -33,6 +33,7 @@ BENCH_ENGINE_FIELDS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "async_scheduling",
+    "batch_invariant",
 )
 
 

@@ -36,6 +36,12 @@ class EngineConfig(BaseModel):
         description="Attention backend name or module.path:Class; default: the platform's first backend "
         "that can serve the model.",
     )
+    batch_invariant: bool = Field(
+        False,
+        description="Kernels whose reductions do not depend on the batch: every request's tokens are bitwise "
+        "the same alone or in any batch, in any dtype, at some cost in speed. Layers without such a kernel "
+        "(MoE experts, attention backends that do not declare one) are refused.",
+    )
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + output in tokens; default: the checkpoint's max_position_embeddings."
     )

@@ -71,11 +71,20 @@ def select_attention_backend(
     dtype: str,
     block_size: int,
     requested: str | None = None,
+    batch_invariant: bool = False,
 ) -> type[AttentionBackend]:
-    """The requested backend if it validates, else the platform's first usable preference."""
+    """The requested backend if it validates, else the platform's first usable preference
+    (with ``batch_invariant``, only backends that declare a batch-invariant mode)."""
+
+    def reasons_against(cls: type[AttentionBackend]) -> list[str]:
+        reasons = cls.validate(spec, platform=platform.name, dtype=dtype, block_size=block_size)
+        if batch_invariant and not cls.capabilities.batch_invariant:
+            reasons.append("no batch-invariant mode (--batch-invariant)")
+        return reasons
+
     if requested is not None:
         cls = backends.get(requested)
-        reasons = cls.validate(spec, platform=platform.name, dtype=dtype, block_size=block_size)
+        reasons = reasons_against(cls)
         if reasons:
             raise SelectionError(f"Attention backend {requested!r} cannot serve this model: {'; '.join(reasons)}.")
         return cls
@@ -86,7 +95,7 @@ def select_attention_backend(
             rejected.append(f"{name}: not registered (is its plugin loaded?)")
             continue
         cls = backends.get(name)
-        reasons = cls.validate(spec, platform=platform.name, dtype=dtype, block_size=block_size)
+        reasons = reasons_against(cls)
         if not reasons:
             return cls
         rejected.append(f"{name}: {'; '.join(reasons)}")

@@ -161,6 +161,10 @@ def run_latency(options: BenchOptions) -> Report:
 # -------------------------------------------------------------------------
 
 
+# the engine without --batch-invariant, beside an engine run with it
+DEFAULT_KERNELS = "engine, default kernels"
+
+
 def run_throughput(options: BenchOptions) -> Report:
     session = Session("throughput", options)
     workload = throughput_workload(session.vocab_size, scale=options.scale)
@@ -174,6 +178,16 @@ def run_throughput(options: BenchOptions) -> Report:
     breakdown = decode_breakdown(decode_run.steps, len(decode.requests), labels)
     engine.close()
     walls = {ENGINE: w2.wall}
+    if options.engine_settings.get("batch_invariant"):  # its cost: the same run on the default kernels
+        described = session.report.setup["engine"]
+        reference = session.engine_runner(batch_invariant=False)
+        session.report.setup["engine"] = described + ", --batch-invariant"
+        session.report.setup[DEFAULT_KERNELS] = "the same engine without --batch-invariant, same requests"
+        session.report.runners.insert(1, DEFAULT_KERNELS)
+        walls[DEFAULT_KERNELS] = session.median_run(
+            "w2", DEFAULT_KERNELS, lambda: reference.run(workload.requests, ALL_AT_ONCE), reference.reset_prefix_cache
+        ).wall
+        reference.close()
     peer = session.hf()
     if peer is not None:
         walls[peer.name] = session.median_run(

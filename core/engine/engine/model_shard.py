@@ -19,7 +19,13 @@ from engine.interfaces.model import Model
 from engine.runtime.batch import ModelOutput, ScheduledBatch
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.kv_tier_connector import CanonicalBlocks, tier_spec
-from engine.runtime.model_builder import build_kv_cache, construct_model, load_model, select_backends
+from engine.runtime.model_builder import (
+    build_kv_cache,
+    construct_model,
+    load_model,
+    refuse_batch_variant_layers,
+    select_backends,
+)
 from engine.runtime.model_runner import ModelRunner
 
 logger = logging.getLogger("engine")
@@ -107,7 +113,10 @@ def build_shard(
             setup.dtype_name,
             config.block_size,
             config.attention_backend,
+            config.batch_invariant,
         )
+        if config.batch_invariant:
+            refuse_batch_variant_layers(model)
         if before_weights is not None:
             before_weights(model)
         load_model(
@@ -117,6 +126,7 @@ def build_shard(
             setup.dtype_name,
             progress=progress and tp.rank == 0,
             dequantizer=setup.dequantizer,
+            batch_invariant=config.batch_invariant,
         )
         if setup.dequantizer is not None:
             logger.info(
@@ -143,6 +153,7 @@ def build_shard(
             max_num_seqs=config.max_num_seqs,
             agree=channel.agree_on_min if channel is not None else None,
             backends=backends,
+            batch_invariant=config.batch_invariant,
         )
     kv_blocks = None
     if tp.rank != 0 and config.kv_tier is not None:  # rank 0 holds the tier; this rank gives and takes its heads

@@ -84,6 +84,14 @@ class Platform(ABC):
         the dtype's rounding."""
         return None
 
+    def batch_invariant_linear_method(self, dtype: str) -> LinearMethod | None:
+        """A method for unquantized linear layers whose every output row is bitwise the same
+        whatever rows share the call (``--batch-invariant``: the order of each row's sums fixed,
+        not chosen by the row count); it sets ``batch_invariant = True``. None: the engine runs
+        :meth:`linear_method`'s method (or ``F.linear``) one row at a time, correct everywhere
+        and slow."""
+        return None
+
     def layer_ops(self, dtype: str) -> LayerOps | None:
         """Fused elementwise layer operations (RMSNorm with residual add, RoPE,
         SiLU-and-mul) for ``dtype``, subclassing :class:`engine.interfaces.ops.LayerOps`

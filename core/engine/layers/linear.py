@@ -326,6 +326,58 @@ def apply_linear_method(model: nn.Module, method: LinearMethod) -> int:
     return count
 
 
+class RowByRowLinearMethod(LinearMethod):
+    """Another method applied to one row at a time (``--batch-invariant``): a kernel may choose
+    its blocking, and so the order of its sums, by the number of rows, but the same call on the
+    same single row computes the same thing, so each row's result no longer depends on the rows
+    beside it. Correct for any method and as slow as a row's weight stream; a platform with a
+    batch-invariant kernel offers it instead (``Platform.batch_invariant_linear_method``)."""
+
+    batch_invariant = True
+
+    def __init__(self, inner: LinearMethod) -> None:
+        self.inner = inner
+
+    def create_weights(self, layer, input_size, output_sizes, bias, dtype) -> None:
+        self.inner.create_weights(layer, input_size, output_sizes, bias, dtype)
+
+    def checkpoint_tensors(self, layer: nn.Module) -> tuple[str, ...]:
+        return self.inner.checkpoint_tensors(layer)
+
+    def load_weight(self, layer: nn.Module, name: str, shard: int, tensor: torch.Tensor) -> None:
+        self.inner.load_weight(layer, name, shard, tensor)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.inner.process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] == 1:
+            return self.inner.apply(layer, x)
+        out = torch.cat([self.inner.apply(layer, rows[i : i + 1]) for i in range(rows.shape[0])])
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def make_batch_invariant(model: nn.Module, method: LinearMethod | None) -> int:
+    """Give every unquantized :class:`MergedLinear` of a loaded model ``method`` (a
+    batch-invariant one, repacking the weights) or, when ``method`` is None, run it one row at a
+    time; a layer with another method (quantized) that does not declare ``batch_invariant`` is
+    run one row at a time too. Returns the number of layers changed."""
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, MergedLinear):
+            continue
+        if type(module.method) is UnquantizedLinearMethod and method is not None:
+            module.method = method
+            method.process_weights_after_loading(module)
+        elif not getattr(module.method, "batch_invariant", False):
+            module.method = RowByRowLinearMethod(module.method)
+        else:
+            continue
+        count += 1
+    return count
+
+
 def shard_parameter(param: nn.Parameter, dim: int, start: int, full_size: int) -> nn.Parameter:
     """Make ``param`` (this rank's part of a checkpoint tensor: ``param.shape[dim]`` of its
     ``full_size`` entries along ``dim``, from ``start``) load by cutting its part out of the

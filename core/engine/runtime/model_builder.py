@@ -15,7 +15,14 @@ from engine.interfaces.model import Model, ModelInit
 from engine.interfaces.ops import REFERENCE_OPS
 from engine.interfaces.platform import Platform
 from engine.interfaces.quantizer import Quantizer
-from engine.layers.linear import apply_linear_method, quantize_model
+from engine.layers.linear import (
+    RowByRowLinearMethod,
+    UnquantizedLinearMethod,
+    apply_linear_method,
+    make_batch_invariant,
+    quantize_model,
+)
+from engine.layers.moe import Experts
 from engine.model_config import HFConfig
 from engine.model_loader.checkpoint import safetensors_files
 from engine.model_loader.dequant import CheckpointDequantizer
@@ -60,14 +67,33 @@ def load_model(
     *,
     progress: bool = True,
     dequantizer: CheckpointDequantizer | None = None,
+    batch_invariant: bool = False,
 ) -> Model:
     """Stream the checkpoint into ``model`` (dense from a quantized one with a
-    ``dequantizer``), then switch its unquantized layers to the platform's linear method."""
+    ``dequantizer``), then switch its unquantized layers to the platform's linear method (its
+    batch-invariant one, or every layer's method one row at a time, with ``batch_invariant``)."""
     load_weights(model, safetensors_files(model_path), progress=progress, dequantizer=dequantizer)
+    if batch_invariant:
+        method = platform.batch_invariant_linear_method(dtype_name)
+        if method is None:
+            method = RowByRowLinearMethod(platform.linear_method(dtype_name) or UnquantizedLinearMethod())
+        make_batch_invariant(model, method)
+        return model
     linear_method = platform.linear_method(dtype_name)
     if linear_method is not None:
         apply_linear_method(model, linear_method)
     return model
+
+
+def refuse_batch_variant_layers(model: Model) -> None:
+    """``--batch-invariant`` covers linear layers, attention and the layer ops; routed experts
+    group tokens by expert, so a token's sums follow how many others chose its experts."""
+    experts = [name for name, module in model.named_modules() if isinstance(module, Experts)]
+    if experts:
+        raise ValueError(
+            f"--batch-invariant: {type(model).__name__} has routed experts ({experts[0]}, ...), which have "
+            "no batch-invariant path yet; run it without --batch-invariant."
+        )
 
 
 def build_model(
@@ -96,6 +122,7 @@ def select_backends(
     dtype_name: str,
     block_size: int,
     attention_backend: str | None = None,
+    batch_invariant: bool = False,
 ) -> list[tuple[AttentionSpec, list[int], type]]:
     """Each group of layers with equal specs and the backend class that serves it: a requested
     backend for the groups of the kinds it declares (a model may mix kinds: sparse MLA and its
@@ -117,6 +144,7 @@ def select_backends(
                 dtype=dtype_name,
                 block_size=block_size,
                 requested=attention_backend if spec.kind in requested_kinds else None,
+                batch_invariant=batch_invariant,
             )
         selected.append((spec, layers, backend_cls))
     return selected
@@ -136,6 +164,7 @@ def build_kv_cache(
     attention_backend: str | None = None,
     agree: Callable[[int], int] | None = None,
     backends: list[tuple[AttentionSpec, list[int], type]] | None = None,
+    batch_invariant: bool = False,
 ) -> KVCache:
     """The paged KV cache of ``model``: one group per distinct layer spec with the attention
     backend selected for it (``backends``, from :func:`select_backends`, when already chosen),
@@ -144,10 +173,15 @@ def build_kv_cache(
     dtype = getattr(torch, dtype_name)
     specs = model.kv_cache_specs()
     if backends is None:
-        backends = select_backends(specs, components, platform, dtype_name, block_size, attention_backend)
+        backends = select_backends(
+            specs, components, platform, dtype_name, block_size, attention_backend, batch_invariant
+        )
     groups = []
     for spec, layers, backend_cls in backends:
-        groups.append(KVCacheGroup(spec, backend_cls(spec, block_size, dtype, device), layers))
+        backend = backend_cls(spec, block_size, dtype, device)
+        if batch_invariant and spec.kind != TOKEN_STATE:  # stored values: nothing is reduced
+            backend.batch_invariant = True
+        groups.append(KVCacheGroup(spec, backend, layers))
         logger.info("attention kind %s: backend %s for %d layers", spec.kind, backend_cls.name, len(layers))
     element_size = torch.empty(0, dtype=dtype).element_size()
     # recurrent layers hold one state per running request, taken from the memory first

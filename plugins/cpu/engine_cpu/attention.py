@@ -18,6 +18,12 @@ and each long prefill chunk runs torch's flash attention over its sequence's
 gathered keys and values. Where the native kernels cannot be built, the torch
 path gathers every sequence's keys and values into a padded [B, max_seq_len]
 view and runs one masked scaled-dot-product attention for the whole batch.
+
+With ``batch_invariant`` (``--batch-invariant``) every query row goes to the paged kernel
+(either layout), which gives each token to one thread and reduces its keys block by block in
+position order: a token's output is then bitwise the same alone, in any batch and whatever
+chunks its prompt was cut into. Without the native kernels, each token gets its own attention
+call over exactly its keys.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ class CpuPagedAttention(AttentionBackend):
         kinds=frozenset({MHA, SLIDING_WINDOW}),
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
+        batch_invariant=True,
     )
 
     def __init__(self, spec, block_size, dtype, device) -> None:
@@ -141,9 +148,14 @@ class CpuPagedAttention(AttentionBackend):
         token_seq = common.token_seq
         metadata = CpuAttentionMetadata(common=common, token_seq=token_seq)
         if self.kernels is not None:
+            if self.batch_invariant:  # every row to the paged kernel: one token, one thread, keys in order
+                metadata.kernel_tokens, metadata.prefill_chunks = torch.empty(0, dtype=torch.int64), []
+                return metadata
             return self._split_long_prefills(metadata)
-        max_q, max_k, bs = common.max_query_len, common.max_seq_len, common.block_size
         metadata.token_row = common.token_row
+        if self.batch_invariant:
+            return metadata
+        max_q, max_k, bs = common.max_query_len, common.max_seq_len, common.block_size
         key_pos = torch.arange(max_k, device=device)
         metadata.key_slots = common.block_tables[:, key_pos // bs] * bs + key_pos % bs
         # query row r of sequence b sits at position context_lens[b] + r (padding rows clamp
@@ -232,7 +244,33 @@ class CpuPagedAttention(AttentionBackend):
             return out
         key_cache.index_copy_(0, common.slot_mapping, k)
         value_cache.index_copy_(0, common.slot_mapping, v)
+        if self.batch_invariant:
+            return self._forward_torch_by_token(q, key_cache, value_cache, metadata)
         return self._forward_torch(q, key_cache, value_cache, metadata)
+
+    def _forward_torch_by_token(
+        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: CpuAttentionMetadata
+    ) -> torch.Tensor:
+        """Batch-invariant without the native kernels: one attention call per query token over
+        exactly the keys it sees, so a token's call is the same alone, in any batch and in any
+        chunk of its prompt."""
+        spec, common, bs = self.spec, metadata.common, self.block_size
+        window = spec.sliding_window
+        out = torch.empty_like(q)
+        seqs, rows = metadata.token_seq.tolist(), metadata.token_row.tolist()
+        context_lens = common.context_lens.tolist()
+        for t, (b, row) in enumerate(zip(seqs, rows)):
+            pos = context_lens[b] + row
+            key_pos = torch.arange(max(0, pos - window + 1) if window else 0, pos + 1)
+            slots = common.block_tables[b, key_pos // bs] * bs + key_pos % bs
+            out[t] = F.scaled_dot_product_attention(
+                q[t].unsqueeze(1).unsqueeze(0),  # [1, H, 1, D]
+                key_cache[slots].transpose(0, 1).unsqueeze(0),
+                value_cache[slots].transpose(0, 1).unsqueeze(0),
+                scale=spec.scale,
+                enable_gqa=spec.num_heads != spec.num_kv_heads,
+            )[0, :, 0]
+        return out
 
     def _forward_packed(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuAttentionMetadata

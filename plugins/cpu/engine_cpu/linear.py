@@ -15,6 +15,12 @@ stays ahead of oneDNN up to a few dozen rows (for llama58m's layers at 16 rows:
   copy costs the weight's size again, so it is made only while the copies stay
   under ``DECODE_COPY_FRACTION`` of the machine's memory
   (``ENGINE_CPU_DECODE_GEMV=0`` turns it off).
+
+With ``--batch-invariant`` a row's sums must not follow the row count, which oneDNN's
+blocking does: bf16 layers then run ``gemv`` for every row count in its fixed-order mode
+(:class:`BatchInvariantGemvLinearMethod`), slower for prefill than oneDNN; without
+AVX512-BF16, and in fp32, ``dot_linear`` (csrc/dot_linear.cpp: one dot product per output in
+an order fixed by K; :class:`DotLinearMethod`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import os
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import UnquantizedLinearMethod
@@ -102,5 +109,62 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
 _EMPTY = torch.empty(0, dtype=torch.bfloat16)
 
 
+class BatchInvariantGemvLinearMethod(UnquantizedLinearMethod):
+    """``--batch-invariant`` bf16 linear layers: the ``gemv`` kernel for every row count, in its
+    fixed-order mode (four partial sums per row whatever the number of rows), so each row is
+    bitwise the same in any batch. The packed copy is kept beside the plain weight (which a
+    tied embedding and the KV tier may read); a layer whose copy would pass the memory budget
+    runs ``F.linear`` one row at a time instead."""
+
+    batch_invariant = True
+
+    def __init__(self, kernels: ModuleType, copy_budget_bytes: int | None = None) -> None:
+        self.kernels = kernels
+        self.copy_budget_bytes = copy_budget_bytes
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight.data
+        size = weight.numel() * weight.element_size()
+        fits = self.copy_budget_bytes is None or size <= self.copy_budget_bytes
+        if weight.dtype == torch.bfloat16 and weight.shape[1] % 8 == 0 and fits:
+            layer.gemv_weight = pack_gemv_weight(weight)
+            if self.copy_budget_bytes is not None:
+                self.copy_budget_bytes -= layer.gemv_weight.numel() * layer.gemv_weight.element_size()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        gemv_weight = getattr(layer, "gemv_weight", None)
+        if gemv_weight is not None and x.dtype == torch.bfloat16 and rows.stride(-1) == 1:
+            out = torch.empty(rows.shape[0], layer.weight.shape[0], dtype=x.dtype)
+            bias = layer.bias if layer.bias is not None else _EMPTY
+            self.kernels.gemv(out, rows, gemv_weight, bias, True)
+        else:
+            out = torch.cat([F.linear(rows[i : i + 1], layer.weight, layer.bias) for i in range(rows.shape[0])])
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def decode_gemv_enabled() -> bool:
     return os.environ.get("ENGINE_CPU_DECODE_GEMV", "1") not in ("0", "false", "False")
+
+
+class DotLinearMethod(UnquantizedLinearMethod):
+    """``--batch-invariant`` linear layers in fp32 or bf16 on any CPU: ``dot_linear`` sums each
+    output as one dot product in an order fixed by K, so a row is bitwise the same in any batch."""
+
+    batch_invariant = True
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not layer.weight.is_contiguous():
+            layer.weight.data = layer.weight.data.contiguous()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], layer.weight.shape[0], dtype=x.dtype)
+        bias = layer.bias if layer.bias is not None else torch.empty(0, dtype=x.dtype)
+        self.kernels.dot_linear(out, rows, layer.weight, bias)
+        return out.view(*x.shape[:-1], out.shape[-1])

@@ -19,7 +19,14 @@ logger = logging.getLogger("engine.cpu")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [
     CSRC / name
-    for name in ("paged_attention.cpp", "packed_attention.cpp", "prefill_attention.cpp", "layer_ops.cpp", "gemv.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "packed_attention.cpp",
+        "prefill_attention.cpp",
+        "layer_ops.cpp",
+        "gemv.cpp",
+        "dot_linear.cpp",
+    )
 ]
 
 

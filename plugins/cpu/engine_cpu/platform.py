@@ -50,6 +50,20 @@ class CpuPlatform(Platform):
         budget = int(self.memory_info().total_bytes * DECODE_COPY_FRACTION)
         return OneDNNLinearMethod(kernels, copy_budget_bytes=budget)
 
+    def batch_invariant_linear_method(self, dtype: str):
+        from engine_cpu import native
+        from engine_cpu.linear import DECODE_COPY_FRACTION, BatchInvariantGemvLinearMethod, DotLinearMethod
+
+        kernels = native.load()
+        # without the kernels (or in float16) the engine runs each layer one row at a time
+        if kernels is None or dtype not in ("bfloat16", "float32"):
+            return None
+        if dtype == "bfloat16" and kernels.gemv_supported():
+            return BatchInvariantGemvLinearMethod(
+                kernels, copy_budget_bytes=int(self.memory_info().total_bytes * DECODE_COPY_FRACTION)
+            )
+        return DotLinearMethod(kernels)
+
     def layer_ops(self, dtype: str):
         from engine_cpu import native
         from engine_cpu.ops import NativeLayerOps

@@ -34,8 +34,9 @@ def path(request):
     return request.param
 
 
-def make_backend(spec, block_size, dtype, path):
+def make_backend(spec, block_size, dtype, path, batch_invariant=False):
     backend = CpuPagedAttention(spec, block_size, dtype, torch.device("cpu"))
+    backend.batch_invariant = batch_invariant
     if path == "torch":
         backend.kernels = None
     elif backend.kernels is None:
@@ -80,6 +81,7 @@ def run_case(
     dtype,
     path,
     fused_qkv=False,
+    batch_invariant=False,
 ):
     gen = torch.Generator().manual_seed(seed)
     spec = AttentionSpec(
@@ -90,7 +92,7 @@ def run_case(
         scale=head_size**-0.5,
         sliding_window=window,
     )
-    backend = make_backend(spec, block_size, dtype, path)
+    backend = make_backend(spec, block_size, dtype, path, batch_invariant)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
@@ -411,3 +413,84 @@ def test_native_packed_cache_write_is_exact_when_threads_share_blocks():
         backend.kernels.cache_write_packed(cache, slots, k, v)
         got_k, got_v = backend.gather_kv(cache, slots)
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batch_invariant_mode_still_computes_attention(path, dtype):
+    """--batch-invariant routes every row to one kernel: still attention, for long chunks,
+    cached prefixes, GQA and windows alike."""
+    for context_lens, query_lens, window in [([0, 33, 5], [40, 16, 1], None), ([10, 0], [40, 20], 13)]:
+        run_case(
+            seed=5,
+            context_lens=context_lens,
+            query_lens=query_lens,
+            num_heads=4,
+            num_kv_heads=2,
+            head_size=64,
+            block_size=16,
+            window=window,
+            dtype=dtype,
+            path=path,
+            batch_invariant=True,
+        )
+
+
+def attend_rows(backend, cache, tables, seqs, q_of, kv_of):
+    """Attention of ``seqs`` = [(sequence, first query position, query count)] in one step, the
+    keys and values of every earlier position already in ``cache``; returns each sequence's rows."""
+    bs = backend.block_size
+    query_lens = [n for _, _, n in seqs]
+    context_lens = [c for _, c, _ in seqs]
+    width = max(len(tables[b]) for b, _, _ in seqs)
+    block_tables = torch.tensor([tables[b] + [0] * (width - len(tables[b])) for b, _, _ in seqs])
+    slots = [tables[b][p // bs] * bs + p % bs for b, c, n in seqs for p in range(c, c + n)]
+    q = torch.cat([q_of[b][c : c + n] for b, c, n in seqs])
+    k = torch.cat([kv_of[b][0][c : c + n] for b, c, n in seqs])
+    v = torch.cat([kv_of[b][1][c : c + n] for b, c, n in seqs])
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0))),
+        query_lens=torch.tensor(query_lens),
+        context_lens=torch.tensor(context_lens),
+        seq_lens=torch.tensor([c + n for c, n in zip(context_lens, query_lens)]),
+        block_tables=block_tables,
+        slot_mapping=torch.tensor(slots),
+        max_query_len=max(query_lens),
+        max_seq_len=max(c + n for c, n in zip(context_lens, query_lens)),
+        block_size=bs,
+    )
+    out = backend.forward(q, k, v, cache, backend.build_metadata(common))
+    return out.split(query_lens)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_batch_invariant_rows_are_bitwise_the_same_in_any_batch_and_any_chunking(path, window):
+    """A token's attention output in bf16 must not depend on what else is in the step, nor on
+    how its prompt was cut into chunks: alone, as one 60-token prefill, as chunks of 7 and 16
+    beside other sequences, and as decode steps."""
+    gen = torch.Generator().manual_seed(11)
+    spec = AttentionSpec(
+        kind=SLIDING_WINDOW if window else MHA,
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=64,
+        scale=0.125,
+        sliding_window=window,
+    )
+    bs, dtype = 16, torch.bfloat16
+    backend = make_backend(spec, bs, dtype, path, batch_invariant=True)
+    lengths = [60, 45, 30]
+    blocks = [-(-n // bs) for n in lengths]
+    perm = torch.randperm(sum(blocks) + 2, generator=gen).tolist()
+    tables = [perm[sum(blocks[:i]) : sum(blocks[: i + 1])] for i in range(len(lengths))]
+    cache = torch.zeros(backend.kv_cache_shape(sum(blocks) + 2), dtype=dtype)
+    q_of = [torch.randn(n, 4, 64, generator=gen).to(dtype) for n in lengths]
+    kv_of = [tuple(torch.randn(n, 2, 64, generator=gen).to(dtype) for _ in range(2)) for n in lengths]
+
+    whole = attend_rows(backend, cache, tables, [(0, 0, 60)], q_of, kv_of)[0]
+    pieces = []
+    for start, n in [(0, 7), (7, 16), (23, 1), (24, 30), (54, 6)]:  # with the other sequences beside it
+        others = [(1, 0, 45), (2, 0, 30)] if start == 0 else [(1, 44, 1), (2, 29, 1)]
+        pieces.append(attend_rows(backend, cache, tables, [*others[:1], (0, start, n), *others[1:]], q_of, kv_of)[1])
+    decode = [attend_rows(backend, cache, tables, [(0, p, 1)], q_of, kv_of)[0] for p in range(60)]
+    assert torch.equal(torch.cat(pieces), whole)
+    assert torch.equal(torch.cat(decode), whole)

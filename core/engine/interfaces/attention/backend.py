@@ -27,6 +27,8 @@ class AttentionCapabilities:
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     head_sizes: frozenset[int] | None = None
     block_sizes: frozenset[int] | None = None
+    # whether the backend has a batch-invariant mode (see AttentionBackend.batch_invariant)
+    batch_invariant: bool = False
 
 
 class AttentionBackend(ABC):
@@ -54,6 +56,11 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[AttentionCapabilities]
+    # Set by the engine (``--batch-invariant``) on a backend whose capabilities declare
+    # ``batch_invariant``, before its first step: each query token's output must then be bitwise
+    # the same whatever else is in the batch and however its prompt was cut into chunks (one
+    # kernel for every row, keys reduced in an order fixed by their positions alone).
+    batch_invariant: bool = False
 
     def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Raises ``ValueError`` when :meth:`spec_reasons` finds ``spec`` unservable."""

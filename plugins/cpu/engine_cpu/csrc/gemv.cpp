@@ -32,11 +32,13 @@ namespace {
 constexpr int64_t kCols = 16;      // output columns per block (one zmm of fp32)
 constexpr int64_t kTileRows = 16;  // rows per pass over a block (one accumulator each)
 
+constexpr int64_t kInvariantTileRows = 4;  // batch-invariant passes: 4 rows x 4 accumulators
+
 // sums[m] = x[m] . W[block columns] for M rows over K / 2 pairs of one packed block; with few
-// rows, U accumulators per row hide the dpbf16 latency
-template <int M>
+// rows, U accumulators per row hide the dpbf16 latency. Pair p goes to accumulator p % U, and
+// the U are summed in order at the end, so a row's result depends on U but not on M.
+template <int M, int U>
 inline void block_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t pairs, __m512* sums) {
-  constexpr int U = M >= 4 ? 1 : 4;
   __m512 acc[M][U];
   for (int m = 0; m < M; ++m)
     for (int u = 0; u < U; ++u) acc[m][u] = _mm512_setzero_ps();
@@ -62,17 +64,25 @@ inline void block_rows(const at::BFloat16* x, int64_t x_stride, const at::BFloat
   }
 }
 
+// the tuned choice: 4 accumulators per row below 4 rows, 1 from 4 rows (up to 16 per pass)
 template <int... Ms>
 inline void block_rows_n(int rows, const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t pairs,
                          __m512* sums, std::integer_sequence<int, Ms...>) {
-  ((rows == Ms + 1 ? block_rows<Ms + 1>(x, x_stride, w, pairs, sums) : void()), ...);
+  ((rows == Ms + 1 ? block_rows<Ms + 1, (Ms + 1 >= 4 ? 1 : 4)>(x, x_stride, w, pairs, sums) : void()), ...);
+}
+
+// batch-invariant: 4 accumulators per row whatever the row count (up to 4 rows per pass)
+template <int... Ms>
+inline void block_rows_fixed(int rows, const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t pairs,
+                             __m512* sums, std::integer_sequence<int, Ms...>) {
+  ((rows == Ms + 1 ? block_rows<Ms + 1, 4>(x, x_stride, w, pairs, sums) : void()), ...);
 }
 
 // blocks [b0, b1) of the output columns, for all M rows, in passes of up to kTileRows rows (the
 // block's weights stay in L1/L2 between passes)
 void gemv_blocks(const at::BFloat16* x, int64_t x_stride, int64_t M, const at::BFloat16* packed,
                  const at::BFloat16* bias, at::BFloat16* out, int64_t out_stride, int64_t N, int64_t K, int64_t b0,
-                 int64_t b1) {
+                 int64_t b1, bool invariant) {
   const int64_t pairs = K / 2;
   __m512 sums[kTileRows];
   for (int64_t b = b0; b < b1; ++b) {
@@ -85,9 +95,14 @@ void gemv_blocks(const at::BFloat16* x, int64_t x_stride, int64_t M, const at::B
       const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + n0);
       bias_v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     }
-    for (int64_t r0 = 0; r0 < M; r0 += kTileRows) {
-      const int rows = static_cast<int>(std::min(kTileRows, M - r0));
-      block_rows_n(rows, x + r0 * x_stride, x_stride, w, pairs, sums, std::make_integer_sequence<int, kTileRows>{});
+    const int64_t tile = invariant ? kInvariantTileRows : kTileRows;
+    for (int64_t r0 = 0; r0 < M; r0 += tile) {
+      const int rows = static_cast<int>(std::min(tile, M - r0));
+      if (invariant)
+        block_rows_fixed(rows, x + r0 * x_stride, x_stride, w, pairs, sums,
+                         std::make_integer_sequence<int, kInvariantTileRows>{});
+      else
+        block_rows_n(rows, x + r0 * x_stride, x_stride, w, pairs, sums, std::make_integer_sequence<int, kTileRows>{});
       for (int m = 0; m < rows; ++m) {
         const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sums[m], bias_v));  // nearest even
         _mm256_mask_storeu_epi16(out + (r0 + m) * out_stride + n0, mask, rounded);
@@ -101,8 +116,9 @@ void gemv_blocks(const at::BFloat16* x, int64_t x_stride, int64_t M, const at::B
 
 // out [M, N] = x [M, K] @ W^T + bias, with W packed by pack_gemv_weight ([ceil(N/16), K/2, 16, 2] bf16).
 // Any M >= 1 (rows beyond a few dozen are better served by a blocked GEMM), K % 8 == 0; bias is
-// [N] bf16 or empty.
-void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+// [N] bf16 or empty. With batch_invariant, every row's sums run in one fixed order (4 partial
+// sums per row, whatever M is), so a row's result is bitwise the same in any batch.
+void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias, bool batch_invariant) {
   TORCH_CHECK(gemv_supported(), "gemv: this CPU or build has no AVX512-BF16");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
                   out.scalar_type() == at::kBFloat16, "gemv: bf16 tensors only");
@@ -122,7 +138,7 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tenso
   const int64_t blocks = packed.size(0), xs = x.stride(0), os = out.stride(0);
   // contiguous block ranges per thread: one weight stream each
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    gemv_blocks(xp, xs, M, wp, bp, op, os, N, K, b0, b1);
+    gemv_blocks(xp, xs, M, wp, bp, op, os, N, K, b0, b1, batch_invariant);
   });
 #endif
 }

@@ -117,7 +117,8 @@ def test_the_statuses_and_auth_are_documented(document):
     assert health["security"] == [] and set(health["responses"]) == {"200", "408", "503"}
     for path in BODIES:
         responses = document["paths"][path]["post"]["responses"]
-        assert set(responses) == {"200", "400", "401", "404", "408", "413", "500", "503"}
+        engine = {"503"} if path != "/v1/messages/count_tokens" else set()  # the engine has stopped
+        assert set(responses) == {"200", "400", "401", "404", "408", "413", "500"} | engine
         shape = "AnthropicError" if path.startswith("/v1/messages") else "OpenAIError"
         assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(shape)
     streaming = document["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]

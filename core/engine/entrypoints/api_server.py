@@ -359,9 +359,10 @@ OPENAPI_DESCRIPTION = (
     "OpenAI's shape (`OpenAIError`), and Anthropic's (`AnthropicError`) under /v1/messages. Any other path "
     "is a 404, a method a path does not take a 405 (with `Allow`), in the same shapes. A request whose "
     "headers or body do not arrive in time is answered 408 (in OpenAI's shape) and its connection closed. "
-    "The request schemas state every bound that JSON Schema can express; what it cannot (a prompt's "
-    "tokens against the context, one field against another, NUL characters in text) is refused with a "
-    "400 that names the parameter."
+    "The request schemas state the bounds the server checks field by field; what they leave out (a "
+    "prompt's tokens against the context, most checks of one field against another, NUL characters in "
+    "text, whole numbers written as 1.0, which the strict integer fields refuse) is a 400 that names the "
+    "parameter."
 )
 
 
@@ -587,9 +588,11 @@ def _responses(path: str, method: str, *, keyed: bool, public: bool) -> dict[str
         responses["200"]["headers"] = {"X-Request-Id": {"required": True, "schema": _STR}}
     statuses = ["408", "401" if keyed and not public else None, None if keyed else "403"]
     if path in REQUEST_MODELS:
-        statuses += ["400", "404", "413", None if keyed else "415", "500", "503"]
+        statuses += ["400", "404", "413", None if keyed else "415", "500"]
     elif path.startswith("/v1/models/"):
         statuses.append("404")
+    if path in GENERATION_PATHS:  # those that run the engine
+        statuses.append("503")
     shape = "AnthropicError" if path.startswith(ANTHROPIC_PATHS) else "OpenAIError"
     for status in filter(None, statuses):
         error = {"schema": _ref("OpenAIError" if status == "408" else shape)}  # 408 comes from the HTTP layer

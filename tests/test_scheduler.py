@@ -95,3 +95,49 @@ def test_request_too_large_for_the_cache_is_a_clear_error():
     scheduler.add(req("huge", 20))
     with pytest.raises(RuntimeError, match="kv-cache-memory"):
         scheduler.schedule()
+
+
+def grouped(rid: str, group: str | None, n: int = 4) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=100), group=group)
+
+
+def test_a_small_client_request_is_admitted_before_the_rest_of_a_big_one():
+    """Fair admission: seats go to the group with the fewest running sequences first."""
+    scheduler = Scheduler(KVCacheManager(200, 4, enable_prefix_caching=False), max_num_seqs=4, max_num_batched_tokens=8)
+    for i in range(6):
+        scheduler.add(grouped(f"big-{i}", "big"))
+    scheduler.add(grouped("small", "small"))
+    batch = scheduler.schedule()  # the budget of 8 admits two: big-0, then the group with no seat
+    assert [r.request_id for r in batch.requests] == ["big-0", "small"]
+    advance(scheduler, batch)
+    batch = scheduler.schedule()
+    assert [r.request_id for r in batch.requests] == ["big-0", "small", "big-1", "big-2"]
+
+
+def test_a_new_client_request_takes_a_seat_from_the_group_holding_them_all():
+    scheduler = Scheduler(
+        KVCacheManager(200, 4, enable_prefix_caching=False), max_num_seqs=4, max_num_batched_tokens=100
+    )
+    for i in range(10):
+        scheduler.add(grouped(f"big-{i}", "big"))
+    advance(scheduler, scheduler.schedule())
+    assert [r.request_id for r in scheduler.running] == ["big-0", "big-1", "big-2", "big-3"]
+    scheduler.add(grouped("small", "small"))
+    batch = scheduler.schedule()
+    assert "small" in [r.request_id for r in batch.requests] and scheduler.num_preemptions == 1
+    assert sorted(r.request_id for r in scheduler.running) == ["big-0", "big-1", "big-2", "small"]
+    assert scheduler.waiting[0].request_id == "big-3"  # preempted, first in line again, to recompute
+    advance(scheduler, batch)
+    scheduler.schedule()  # the small group holds a seat now: nothing more is taken
+    assert scheduler.num_preemptions == 1
+
+
+def test_requests_without_a_group_are_never_preempted_for_fairness():
+    scheduler = Scheduler(
+        KVCacheManager(200, 4, enable_prefix_caching=False), max_num_seqs=2, max_num_batched_tokens=100
+    )
+    for i in range(4):
+        scheduler.add(grouped(f"r{i}", None))
+    advance(scheduler, scheduler.schedule())
+    advance(scheduler, scheduler.schedule())
+    assert scheduler.num_preemptions == 0 and [r.request_id for r in scheduler.running] == ["r0", "r1"]

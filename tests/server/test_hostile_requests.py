@@ -114,3 +114,45 @@ def test_health_and_a_normal_request_go_on_beside_hostile_requests(trusting):
     print(f"/health: {len(health)} answers, max {max(health) * 1e3:.1f} ms; a normal request: {normal * 1e3:.0f} ms")
     assert max(health) < 2.0, sorted(health)[-5:]  # it answers in milliseconds; the bound allows a loaded machine
     assert normal < 30.0
+
+
+def test_a_normal_request_is_not_queued_behind_another_clients_big_batch(chat_checkpoint):
+    """Fair admission: one request's 64 prompts fill the 16 seats for four rounds; a normal
+    request sent meanwhile takes a seat at the next step (one of the big request's sequences is
+    preempted for it) instead of waiting for three rounds."""
+    from engine.config import ServerConfig
+    from engine.entrypoints.serve import start_server
+
+    running = start_server(
+        engine_config(chat_checkpoint, max_num_seqs=16),
+        ServerConfig(port=0, api_key=API_KEY, served_model_name="tiny"),
+    )
+    try:
+        big_body = {"model": "tiny", "prompt": ["a b c"] * 64, "max_tokens": 48, "ignore_eos": True}
+        times = {}
+
+        def big() -> None:
+            with httpx.Client(base_url=running.base_url, headers=AUTH, timeout=300) as client:
+                start = time.perf_counter()
+                r = client.post("/v1/completions", json=big_body)
+                times["big"] = (start, time.perf_counter())
+                assert r.status_code == 200 and len(r.json()["choices"]) == 64
+
+        thread = threading.Thread(target=big)
+        thread.start()
+        with httpx.Client(base_url=running.base_url, headers=AUTH, timeout=300) as client:
+            while running.engine.call(lambda engine: len(engine.scheduler.running)).result(timeout=10) < 16:
+                time.sleep(0.01)
+            start = time.perf_counter()
+            body = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "ignore_eos": True}
+            r = client.post("/v1/completions", json=body)
+            normal = time.perf_counter() - start
+        thread.join()
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        big_start, big_end = times["big"]
+        print(f"big request {big_end - big_start:.2f} s; the normal request beside it {normal:.2f} s")
+        # a seat at the next step: about 9 of the big request's 192 steps (waiting for a seat to free
+        # would be 56, for the big request's admissions to end 152)
+        assert normal < 0.2 * (big_end - big_start)
+    finally:
+        running.stop()

@@ -199,8 +199,10 @@ class LLMEngine:
         want_prompt_logits: bool = False,
         parent_request_id: str | None = None,
         index: int = 0,
+        group: str | None = None,
     ) -> Request:
-        """Add one sequence (``params.n`` must be 1; ``add_request_group`` takes any n)."""
+        """Add one sequence (``params.n`` must be 1; ``add_request_group`` takes any n). ``group``
+        names the client request it is part of: the scheduler shares seats fairly between groups."""
         self._drain()
         if params.n != 1:
             raise ValueError(
@@ -229,6 +231,7 @@ class LLMEngine:
             want_prompt_logits=want_prompt_logits,
             parent_request_id=parent_request_id,
             index=index,
+            group=group,
         )
         if params.structured_outputs is not None:  # compiled once per constraint (the server compiles first)
             request.grammar = self.structured_output.matcher(params.structured_outputs)
@@ -247,12 +250,15 @@ class LLMEngine:
         *,
         priority: int = 0,
         prompt: str | None = None,
+        group: str | None = None,
     ) -> list[Request]:
         """Add ``params.n`` independent samples of one prompt, as requests ``"{i}_{request_id}"``
         (``parent_request_id=request_id``, ``index=i``, params ``params.for_sample(i)``: seed + i).
         With n == 1 it is ``[add_request(request_id, ...)]``. ``abort(request_id)`` aborts them all."""
         if params.n == 1:
-            return [self.add_request(request_id, prompt_token_ids, params, priority=priority, prompt=prompt)]
+            return [
+                self.add_request(request_id, prompt_token_ids, params, priority=priority, prompt=prompt, group=group)
+            ]
         if self.output_processor.in_use(request_id):
             raise ValueError(f"Request id {request_id!r} is already in use.")
         samples: list[Request] = []
@@ -267,6 +273,7 @@ class LLMEngine:
                         prompt=prompt,
                         parent_request_id=request_id,
                         index=i,
+                        group=group,
                     )
                 )
         except BaseException:

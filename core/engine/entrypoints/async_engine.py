@@ -197,8 +197,10 @@ class AsyncEngine:
         *,
         priority: int = 0,
         prompt: str | None = None,
+        group: str | None = None,
     ) -> RequestStream:
-        """Add the request (``params.n`` samples); returns its stream of deltas.
+        """Add the request (``params.n`` samples); returns its stream of deltas. ``group``: the
+        client request it belongs to (seats are shared fairly between groups).
 
         Raises the engine's ``ValueError`` for a request it refuses. The caller
         must ``close()`` the stream: closing it before every sample finished (a
@@ -211,7 +213,7 @@ class AsyncEngine:
             await asyncio.get_running_loop().run_in_executor(None, compile_constraint, params.structured_outputs)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", (request_id, prompt_token_ids, params, priority, prompt, stream), added))
+        self._commands.put(("add", (request_id, prompt_token_ids, params, priority, prompt, group, stream), added))
         try:
             await asyncio.wrap_future(added)  # raises what add_request_group raised
         except asyncio.CancelledError:
@@ -227,9 +229,10 @@ class AsyncEngine:
         *,
         priority: int = 0,
         prompt: str | None = None,
+        group: str | None = None,
     ) -> AsyncIterator[SampleDelta]:
         """``add`` then iterate: every sample's deltas; leaving early aborts the request."""
-        stream = await self.add(request_id, prompt_token_ids, params, priority=priority, prompt=prompt)
+        stream = await self.add(request_id, prompt_token_ids, params, priority=priority, prompt=prompt, group=group)
         try:
             async for delta in stream:
                 yield delta
@@ -305,10 +308,10 @@ class AsyncEngine:
                     future.set_exception(exc)
 
     def _add(self, arg: tuple, future: concurrent.futures.Future) -> None:
-        request_id, prompt_token_ids, params, priority, prompt, stream = arg
+        request_id, prompt_token_ids, params, priority, prompt, group, stream = arg
         try:
             samples = self.engine.add_request_group(
-                request_id, prompt_token_ids, params, priority=priority, prompt=prompt
+                request_id, prompt_token_ids, params, priority=priority, prompt=prompt, group=group
             )
         except BaseException as exc:
             future.set_exception(exc)

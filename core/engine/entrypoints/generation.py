@@ -132,6 +132,7 @@ class Generation:
                         self.params,
                         priority=self.priority,
                         prompt=p.text,
+                        group=self.request_id,  # one HTTP request's prompts and samples share their seats
                     )
                 )
         except BaseException:

@@ -40,6 +40,7 @@ class Request:
         want_prompt_logits: bool = False,
         parent_request_id: str | None = None,
         index: int = 0,
+        group: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -65,6 +66,9 @@ class Request:
         # sample `index` of the n asked for by `parent_request_id` (None when n == 1)
         self.parent_request_id = parent_request_id
         self.index = index
+        # the client request it belongs to (the server's: every prompt and sample of one HTTP
+        # request), which the scheduler admits fairly against other groups; None: on its own
+        self.group = group
         self.detokenizer = None  # IncrementalDetokenizer, set by the engine when there is a tokenizer
         self.output_logprobs: list = []  # LogprobEntry per output token, when sampling_params.logprobs is set
         self.prompt_logprobs: list = []  # LogprobEntry per prompt token after the first, when prompt_logprobs is set
@@ -98,6 +102,11 @@ class Request:
     def take_output_text_delta(self) -> str:
         """Output text not returned by an earlier call (for streaming)."""
         return "" if self.detokenizer is None else self.detokenizer.take_delta(self.status.finished)
+
+    @property
+    def fair_group(self) -> str:
+        """What fair admission counts it under: its group, else its samples' parent, else itself."""
+        return self.group or self.parent_request_id or self.request_id
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -5,6 +5,7 @@ the step's output (``update_from_output``)."""
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections.abc import Callable
@@ -81,6 +82,7 @@ class Scheduler:
         self._step_started = time.perf_counter()
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        self._free_a_seat_for_a_new_group()
         # decode, and the next chunk of running prefills, in priority order
         self.running.sort(key=lambda r: r.sort_key)
         for request in list(self.running):
@@ -98,9 +100,12 @@ class Scheduler:
                 batch.requests.append(request)
                 batch.num_tokens.append(num_new)
                 budget -= num_new
-        # prefill: admit waiting requests while blocks, budget and seats last
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        # prefill: admit waiting requests while blocks, budget and seats last, fairly between groups
+        room = self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        admission = _FairAdmission(self.waiting, self.running) if room else None
+        admitted: set[int] = set()
+        while admission and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = admission.pop()
             # prefix cache: start after the longest run of cached blocks
             cached_blocks = self.kv_manager.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(cached_blocks) * self.kv_manager.block_size
@@ -113,12 +118,15 @@ class Scheduler:
                         f"({self.kv_manager.num_blocks}); raise --kv-cache-memory or lower --max-model-len."
                     )
                 break
-            self.waiting.pop(0)
+            admitted.add(id(request))
+            admission.admitted(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.requests.append(request)
             batch.num_tokens.append(num_new)
             budget -= num_new
+        if admitted:
+            self.waiting = [r for r in self.waiting if id(r) not in admitted]
         if not batch.requests and self.has_unfinished():
             raise RuntimeError(
                 f"Nothing can be scheduled: the KV cache ({self.kv_manager.num_blocks} blocks of "
@@ -200,6 +208,27 @@ class Scheduler:
                     batch.draft_probs[i] = probs[:count]
                 room -= count
 
+    def _free_a_seat_for_a_new_group(self) -> None:
+        """With every seat taken and a client request (an explicit ``group``) waiting with none of
+        its own, preempt the newest sequence of the group holding the most seats (if it holds
+        more than one, at no better priority): one client's batch cannot keep another out until
+        its hundreds of sequences finish. One seat per step, and only for a group with no seat,
+        so groups never trade seats back and forth."""
+        if len(self.running) < self.max_num_seqs or not self.waiting:
+            return
+        seats: dict[str, int] = {}
+        for request in self.running:
+            seats[request.fair_group] = seats.get(request.fair_group, 0) + 1
+        newcomer = next((r for r in self.waiting if r.group is not None and r.fair_group not in seats), None)
+        if newcomer is None:
+            return
+        largest = max(seats, key=seats.__getitem__)
+        if seats[largest] < 2:
+            return
+        victims = [r for r in self.running if r.fair_group == largest and r.priority >= newcomer.priority]
+        if victims:
+            self._preempt(max(victims, key=lambda r: r.arrival_order))
+
     def _preempt(self, request: Request) -> None:
         # recompute on resumption: drop the cache, keep the tokens
         self.running.remove(request)
@@ -256,3 +285,37 @@ class Scheduler:
         self.kv_manager.free(request)
         if self.spec is not None:
             self.spec.remove([request.request_id])
+
+
+class _FairAdmission:
+    """The order in which one step admits waiting requests: by priority, then the group with
+    the fewest running sequences (counting those admitted this step), then first come first
+    served. Each group's waiting requests keep their own order."""
+
+    def __init__(self, waiting: list[Request], running: list[Request]) -> None:
+        self.seats: dict[str, int] = {}
+        for request in running:
+            self.seats[request.fair_group] = self.seats.get(request.fair_group, 0) + 1
+        self.queues: dict[str, list[Request]] = {}
+        for request in reversed(waiting):  # each queue's next request at its end
+            self.queues.setdefault(request.fair_group, []).append(request)
+        self.heap = [self._key(group, queue[-1]) for group, queue in self.queues.items()]
+        heapq.heapify(self.heap)
+
+    def _key(self, group: str, head: Request) -> tuple[int, int, int, str]:
+        return (head.priority, self.seats.get(group, 0), head.arrival_order, group)
+
+    def __bool__(self) -> bool:
+        return bool(self.heap)
+
+    def pop(self) -> Request:
+        """The next request to try (stays next until :meth:`admitted` says it was taken)."""
+        return self.queues[self.heap[0][3]][-1]
+
+    def admitted(self, request: Request) -> None:
+        group = heapq.heappop(self.heap)[3]
+        queue = self.queues[group]
+        queue.pop()
+        self.seats[group] = self.seats.get(group, 0) + 1
+        if queue:
+            heapq.heappush(self.heap, self._key(group, queue[-1]))

@@ -138,6 +138,7 @@ BOUNDS = [
     ("/v1/completions", {**PROMPT, "prompt": [5]}, "max_tokens", ("maximum",), CONTEXT - 1, lambda k: k),
     ("/v1/completions", PROMPT, "logit_bias", ("maxProperties",), 0, lambda k: {str(i): 1.0 for i in range(k)}),
     ("/v1/completions", PROMPT, "seed", ("maximum",), 2**64 - 1, lambda k: k),
+    ("/v1/chat/completions", CHAT, "n", ("maximum",), MAX_SEQUENCES, lambda k: k),
     ("/v1/chat/completions", CHAT, "stop_token_ids", ("items", "minimum"), 0, lambda k: [k]),
     ("/v1/chat/completions", CHAT, "messages", ("minItems",), 1, lambda k: CHAT["messages"] * k),
     ("/v1/chat/completions", CHAT, "max_completion_tokens", ("minimum",), 1, lambda k: k),

@@ -496,6 +496,13 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, priority: int) -> tuple[Generation, Callable]:
         self.check_model(body.model)
+        cap = self.limits.max_sequences_per_request
+        if body.n > cap:  # one prompt × n, bounded as completions' prompts × n are
+            raise bad_request(
+                f"This request asks for n={body.n} sequences; a request may ask for at most {cap} "
+                f"(--max-sequences-per-request).",
+                param="n",
+            )
         tools = check_tools(
             [(t.function.name, t.function.description, t.function.parameters) for t in body.tools or []], "tools"
         )

@@ -218,6 +218,12 @@ class ServerConfig(BaseModel):
     body_timeout: float = Field(
         60.0, gt=0, description="Seconds a client has to send a request's body after its headers."
     )
+    write_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a response may wait on a client that does not read it (the connection's send "
+        "buffer full); the connection is then closed and its request aborted.",
+    )
     shutdown_timeout: float = Field(
         30.0,
         ge=0,

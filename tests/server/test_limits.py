@@ -131,3 +131,53 @@ def test_slowloris_connections_are_closed(impatient):
     body = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
     response = _raw(impatient, _head(impatient, f"Content-Length: {len(body)}\r\n"), [body])
     assert response.startswith(b"HTTP/1.1 200"), response[:200]
+
+
+def test_a_client_that_never_reads_its_stream_is_dropped_and_its_request_aborted(chat_checkpoint, caplog):
+    """A streamed response to a client that stops reading fills the connection's buffers; after
+    write_timeout the server drops the connection, which aborts the request and frees its blocks."""
+    import logging
+    import time
+
+    from server_helpers import engine_config, free_blocks
+
+    from engine.config import ServerConfig
+    from engine.entrypoints.serve import start_server
+
+    running = start_server(
+        engine_config(chat_checkpoint),
+        ServerConfig(port=0, api_key=API_KEY, served_model_name="tiny", write_timeout=1.0),
+    )
+    caplog.set_level(logging.INFO)
+    try:
+        idle_blocks = free_blocks(running)
+        body = (
+            b'{"model": "tiny", "prompt": "hi", "max_tokens": 250, "ignore_eos": true, "stream": true,'
+            b' "logprobs": 20, "n": 48}'
+        )
+        conn = socket.socket()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # little room: the server's buffer fills soon
+        conn.connect((running.host, running.port))
+        conn.sendall(_head(running, f"Content-Length: {len(body)}\r\n").encode() + body)  # then never reads
+        deadline = time.monotonic() + 120
+        while "has not read its response" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "has not read its response" in caplog.text
+        while running.engine.call(lambda engine: engine.scheduler.has_unfinished()).result(timeout=10):
+            assert time.monotonic() < deadline, "the request was not aborted"
+            time.sleep(0.05)
+        assert free_blocks(running) == idle_blocks
+        conn.settimeout(5)
+        received = b""
+        try:
+            while chunk := conn.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+        assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received  # cut, not finished
+        conn.close()
+        # the server goes on serving
+        ok = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}'
+        assert _raw(running, _head(running, f"Content-Length: {len(ok)}\r\n"), [ok]).startswith(b"HTTP/1.1 200")
+    finally:
+        running.stop()

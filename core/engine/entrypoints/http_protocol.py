@@ -3,14 +3,20 @@ a client that sends its headers or its body a byte at a time (slowloris) cannot 
 connection: the headers of each request must arrive within ``header_timeout`` seconds of the
 connection opening (or of the last response, on a kept-alive one), and its body within
 ``body_timeout`` of the headers; otherwise the connection is closed (with a 408 when nothing
-of a response has gone out)."""
+of a response has gone out). A client that stops reading its response cannot hold one either:
+once the connection's send buffer is full, the response may wait ``write_timeout`` seconds for
+the client to read; then the connection is dropped, which aborts its request (its sequences
+and KV blocks are freed)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+logger = logging.getLogger("engine.server")
 
-def bounded_h11_protocol(header_timeout: float, body_timeout: float) -> type:
+
+def bounded_h11_protocol(header_timeout: float, body_timeout: float, write_timeout: float = 60.0) -> type:
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -19,11 +25,34 @@ def bounded_h11_protocol(header_timeout: float, body_timeout: float) -> type:
             super().connection_made(transport)
             self._deadline = None
             self._reading = None  # "headers" or "body": what the deadline waits for
+            self._stalled = None  # the deadline of a response the client does not read
             self._arm("headers", header_timeout)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._unstall()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:  # the send buffer is full: the client is not reading
+            super().pause_writing()
+            if self._stalled is None:
+                self._stalled = self.loop.call_later(write_timeout, self._not_read)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._unstall()
+
+        def _unstall(self) -> None:
+            if self._stalled is not None:
+                self._stalled.cancel()
+                self._stalled = None
+
+        def _not_read(self) -> None:
+            self._stalled = None
+            if self.transport.is_closing():
+                return
+            logger.info("dropping a connection whose client has not read its response for %.0f s", write_timeout)
+            self.transport.abort()  # close() would wait to flush what the client does not read
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
@@ -55,7 +84,7 @@ def bounded_h11_protocol(header_timeout: float, body_timeout: float) -> type:
             self._deadline, self._reading = None, None
             if self.transport.is_closing():
                 return
-            self.logger.info("closing a connection whose request %s did not arrive in time", what)
+            logger.info("closing a connection whose request %s did not arrive in time", what)
             cycle = getattr(self, "cycle", None)
             if cycle is None or not cycle.response_started:  # nothing of a response has gone out: say why
                 try:

@@ -140,7 +140,9 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, *, log_level
             log_level=log_level.lower(),
             access_log=False,
             timeout_graceful_shutdown=server_config.shutdown_timeout + FLUSH_S,
-            http=bounded_h11_protocol(server_config.header_timeout, server_config.body_timeout),
+            http=bounded_h11_protocol(
+                server_config.header_timeout, server_config.body_timeout, server_config.write_timeout
+            ),
         ),
         engine,
         server_config.shutdown_timeout,
@@ -243,7 +245,9 @@ def start_server(engine_config: EngineConfig, server_config: ServerConfig, *, pr
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=2,
-            http=bounded_h11_protocol(server_config.header_timeout, server_config.body_timeout),
+            http=bounded_h11_protocol(
+                server_config.header_timeout, server_config.body_timeout, server_config.write_timeout
+            ),
         )
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)

@@ -409,10 +409,19 @@ USED = [
 @pytest.mark.parametrize(
     "fields, param, mentions",
     [
-        ({"tools": [_tool(parameters={"type": "objekt"})], "tool_choice": "required"}, "tools.0.parameters", "schema"),
-        ({"tools": [_tool(parameters={"type": "string"})], "tool_choice": "required"}, "tools.0.parameters", "object"),
-        ({"tools": [_tool(), _tool()], "tool_choice": "required"}, "tools.1.name", "unique"),
-        ({"tools": [_tool("two words")], "tool_choice": "required"}, "tools.0.name", "name"),
+        (
+            {"tools": [_tool(parameters={"type": "objekt"})], "tool_choice": "required"},
+            "tools.0.function.parameters",
+            "parameters is not a valid JSON Schema",
+        ),
+        (
+            {"tools": [_tool(parameters={"type": "string"})], "tool_choice": "required"},
+            "tools.0.function.parameters",
+            "object",
+        ),
+        ({"tools": [_tool(), _tool()], "tool_choice": "required"}, "tools.1.function.name", "unique"),
+        ({"tools": [_tool("two words")], "tool_choice": "required"}, "tools.0.function.name", "name"),
+        ({"tools": [_tool("f\n")], "tool_choice": "required"}, "tools.0.function.name", "name"),
         (
             {"tools": [_tool()], "tool_choice": {"type": "function", "function": {"name": "g"}}},
             "tool_choice.function.name",
@@ -467,7 +476,10 @@ def test_malformed_tools_and_reasoning_on_chat(http, fields, param, mentions):
 @pytest.mark.parametrize(
     "fields, mentions",
     [
-        ({"tools": [_anthropic_tool(schema={"type": "objekt"})], "tool_choice": {"type": "any"}}, "schema"),
+        (
+            {"tools": [_anthropic_tool(schema={"type": "objekt"})], "tool_choice": {"type": "any"}},
+            "input_schema is not",
+        ),
         ({"tools": [_anthropic_tool(), _anthropic_tool()], "tool_choice": {"type": "any"}}, "unique"),
         ({"tools": [_anthropic_tool()], "tool_choice": {"type": "tool", "name": "g"}}, "'g'"),
         ({"tools": [_anthropic_tool()], "tool_choice": {"type": "tool"}}, "name"),

@@ -249,7 +249,9 @@ class AnthropicServing:
         return conversation
 
     def _tools(self, body: CountTokensRequest) -> tuple[list[Tool], ToolChoice]:
-        tools = check_tools([(t.name, t.description, t.input_schema) for t in body.tools or []], "tools")
+        tools = check_tools(
+            [(t.name, t.description, t.input_schema) for t in body.tools or []], "tools", "name", "input_schema"
+        )
         chosen = body.tool_choice
         mode = {"any": "required", "tool": "named"}.get(chosen.type, chosen.type) if chosen is not None else None
         parallel = not (chosen is not None and chosen.disable_parallel_tool_use)

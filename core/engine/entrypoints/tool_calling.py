@@ -16,44 +16,51 @@ from engine.interfaces.reasoning_parser import ReasoningParser
 from engine.interfaces.tool_parser import Tool, ToolCall, ToolCallDelta, ToolParser
 from engine.sampling_params import ReasoningMarkers, StructuredOutputsParams
 
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")  # the whole name (fullmatch: no trailing newline)
 
 
-def check_tools(tools: Sequence[tuple[str, str | None, Any]], param: str) -> list[Tool]:
-    """``(name, description, parameters)`` of each declared tool, checked: a valid, unique
-    name and a JSON Schema of an object (or None: any object)."""
+def check_tools(
+    tools: Sequence[tuple[str, str | None, Any]],
+    param: str,
+    name_field: str = "function.name",
+    schema_field: str = "function.parameters",
+) -> list[Tool]:
+    """``(name, description, schema)`` of each declared tool, checked: a valid, unique name and
+    a JSON Schema of an object (or None: any object). Errors name ``{param}.{i}.{name_field}``
+    or ``.{schema_field}`` (OpenAI's ``function.parameters``, Anthropic's ``input_schema``)."""
     import jsonschema
 
+    schema_name = schema_field.rsplit(".", 1)[-1]
     checked: list[Tool] = []
     seen: dict[str, int] = {}
     for i, (name, description, parameters) in enumerate(tools):
         where = f"{param}.{i}"
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
             raise bad_request(
                 f"{where}: the tool name {name!r} must be 1 to 64 letters, digits, '_', '-', '.' or ':'.",
-                param=f"{where}.name",
+                param=f"{where}.{name_field}",
             )
         if name in seen:
             raise bad_request(
                 f"{where}: the tool name {name!r} is already declared by {param}.{seen[name]}; names must be unique.",
-                param=f"{where}.name",
+                param=f"{where}.{name_field}",
             )
         seen[name] = i
         if parameters is None:
             parameters = {"type": "object", "properties": {}}
         if not isinstance(parameters, dict):
-            raise bad_request(f"{where}: parameters must be a JSON Schema object.", param=f"{where}.parameters")
+            raise bad_request(f"{where}: {schema_name} must be a JSON Schema object.", param=f"{where}.{schema_field}")
         try:
             jsonschema.validators.validator_for(parameters).check_schema(parameters)
         except jsonschema.SchemaError as exc:
             raise bad_request(
-                f"{where}: parameters is not a valid JSON Schema: {exc.message}", param=f"{where}.parameters"
+                f"{where}: {schema_name} is not a valid JSON Schema: {exc.message}", param=f"{where}.{schema_field}"
             ) from None
         kind = parameters.get("type")
         if kind is not None and kind != "object":
             raise bad_request(
-                f"{where}: parameters must describe an object (type 'object'), not {kind!r}.",
-                param=f"{where}.parameters",
+                f"{where}: {schema_name} must describe an object (type 'object'), not {kind!r}.",
+                param=f"{where}.{schema_field}",
             )
         checked.append(Tool(name=name, parameters=parameters, description=description))
     return checked

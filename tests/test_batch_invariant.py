@@ -32,8 +32,8 @@ def in_random_batches(llm: LLM, prompts: list[str], params: SamplingParams, rng:
     rng.shuffle(order)
     result: list[list[int] | None] = [None] * len(prompts)
     while order:
-        batch, order = order[: rng.randint(2, 9)], order
-        order = order[len(batch) :]
+        size = rng.randint(2, 9)
+        batch, order = order[:size], order[size:]
         for i, ids in zip(batch, token_ids(llm, [prompts[i] for i in batch], params)):
             result[i] = ids
     return result  # type: ignore[return-value]

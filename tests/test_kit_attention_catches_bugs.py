@@ -136,6 +136,27 @@ class CpuWrongScale(CpuPagedAttention):
         super().__init__(dataclasses.replace(spec, scale=1.0 / spec.head_size), block_size, dtype, device)
 
 
+class CpuIgnoresInvariance(CpuPagedAttention):
+    """The real CPU backend, declaring its batch-invariant mode but never entering it: long
+    prefill chunks keep their own path, decodes theirs."""
+
+    name = "kit_bug_cpu_variant"
+
+    def build_metadata(self, common):
+        wanted, self.batch_invariant = self.batch_invariant, False
+        try:
+            return super().build_metadata(common)
+        finally:
+            self.batch_invariant = wanted
+
+    def forward(self, q, k, v, kv_cache, metadata):
+        wanted, self.batch_invariant = self.batch_invariant, False
+        try:
+            return super().forward(q, k, v, kv_cache, metadata)
+        finally:
+            self.batch_invariant = wanted
+
+
 class ReferenceMla(AttentionBackend):
     """Correct MLA. Cache layout [block, entry dim, offset] (not cpu_mla's); one loop over
     sequences; cached entries come from the cache, this step's from k."""
@@ -376,7 +397,7 @@ class KdaNoConvolution(CpuKdaAttention):
 @engine.hookimpl
 def register_attention_backends(register):
     for cls in (ReferencePaged, WrongScale, DefaultScale, CausalSeesNextKey, CausalDropsDiagonal, IgnoresWindow,
-                NoCacheWrite, CpuWrongScale, ReferenceMla, MlaValueTail, MlaFullValue, MlaScoresWithoutRope,
+                NoCacheWrite, CpuWrongScale, CpuIgnoresInvariance, ReferenceMla, MlaValueTail, MlaFullValue, MlaScoresWithoutRope,
                 MlaDefaultScale, MlaCausalSeesNextKey, MlaNoCacheWrite, CpuMlaWrongScale, SparseIgnoresIndices,
                 SparsePaddingIsPositionZero, SparseNoLse, ReferenceIndexer, IndexerSeesNextKey, IndexerNoCacheWrite,
                 IndexerIgnoresWeights, IndexerAlwaysAll, KdaReference, KdaIgnoresFresh, KdaForgetsState,
@@ -398,6 +419,11 @@ VARIANTS = {
         OTHER_CHECKS,
     ),
     "kit_bug_cpu_scale": ("cpu_paged subclass, scale 1/head_size", ATTENTION_CHECKS, OTHER_CHECKS),
+    "kit_bug_cpu_variant": (
+        "cpu_paged subclass declaring a batch-invariant mode it never enters",
+        {"test_batch_invariant_mode"},
+        ATTENTION_CHECKS | OTHER_CHECKS,
+    ),
     "kit_bug_causal_next": (
         "causal mask lets a query see the next key",
         {"test_mha", "test_sliding_window"},

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec
-from engine.testing.kit.attention.base import BATCHES, KIT_BLOCK_SIZES, random_batch
-from engine.testing.kit.attention.steps import PagedCacheSteps
+from engine.testing.kit.attention.base import BATCHES, KIT_BLOCK_SIZES, make_common_metadata, random_batch
+from engine.testing.kit.attention.steps import PagedCacheSteps, PagedCase
+from engine.testing.kit.base import capability_skip
 
 HEAD_LAYOUTS = {"mha": (4, 4), "gqa2": (4, 2), "gqa4": (8, 2), "mqa": (4, 1)}  # (num_heads, num_kv_heads)
 # sliding windows, as a function of the block size: a single key, just across a block edge, across
@@ -25,7 +26,7 @@ WINDOWS = {
 
 
 class PagedChecks(PagedCacheSteps):
-    """``test_mha`` and ``test_sliding_window``."""
+    """``test_mha``, ``test_sliding_window`` and ``test_batch_invariant_mode``."""
 
     @pytest.mark.parametrize("batch", BATCHES)
     @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
@@ -61,3 +62,44 @@ class PagedChecks(PagedCacheSteps):
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
         case = self.new_case(cls, spec, block_size, dtype, device, seq_lens, gen, stale_cache=True)
         self.run_prefix_then_new_tokens(case, context_lens, query_lens)
+
+    @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
+    def test_batch_invariant_mode(self, block_size: int, dtype: str, engine_device: str) -> None:
+        """A backend declaring ``capabilities.batch_invariant``, with its ``batch_invariant``
+        attribute set (``--batch-invariant``): every token's output is bitwise the same as one
+        prefill of its whole sequence, as chunks beside other sequences' prefills and decodes,
+        and decoded one token at a time, in every dtype it declares."""
+        cls, device = self.setup_backend(MHA, dtype, engine_device, block_size)
+        if not cls.capabilities.batch_invariant:
+            capability_skip("batch_invariant")
+        gen = torch.Generator().manual_seed(zlib.crc32(f"invariant/{block_size}/{dtype}".encode()))
+        spec = AttentionSpec(MHA, 4, 2, self.head_size(block_size), 0.2, None)
+        seq_lens = [40, 29, 17]
+        case = self.new_case(cls, spec, block_size, dtype, device, seq_lens, gen, stale_cache=False)
+        case.backend.batch_invariant = True
+
+        whole = self._rows(case, [(0, 0, 40)])[0]
+        chunked = [
+            self._rows(case, [(1, 0, 29), (0, 0, 7)])[1],  # beside another prefill
+            self._rows(case, [(0, 7, 16), (2, 0, 17), (1, 28, 1)])[0],  # beside a prefill and a decode
+            self._rows(case, [(2, 16, 1), (0, 23, 17)])[1],
+        ]
+        decoded = [self._rows(case, [(0, p, 1)])[0] for p in range(40)]
+        for name, rows in (("in chunks beside other sequences", chunked), ("decoded token by token", decoded)):
+            got = torch.cat(rows)
+            differ = (got != whole).flatten(1).any(1).nonzero().flatten().tolist()
+            assert not differ, (
+                f"{cls.name} in batch-invariant mode, {dtype}, block size {block_size}: positions {differ} of a "
+                f"40-token sequence {name} differ from its one-step prefill"
+            )
+
+    def _rows(self, case: PagedCase, seqs: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """One step of ``seqs`` = [(sequence, cached tokens, new tokens)]: each one's output rows."""
+        bs = case.block_size
+        starts, lens = [c for _, c, _ in seqs], [n for _, _, n in seqs]
+        tables = [case.tables[b][: -(-(c + n) // bs)] for b, c, n in seqs]
+        common = make_common_metadata(starts, lens, tables, bs, case.cache.device)
+        q, k, v = (torch.cat([full[b][c : c + n] for b, c, n in seqs]) for full in (case.q, case.k, case.v))
+        with torch.inference_mode():
+            out = case.backend.forward(q, k, v, case.cache, case.backend.build_metadata(common))
+        return list(out.split(lens))

@@ -442,12 +442,27 @@ def test_one_open_tier_per_directory_and_digest(tmp_path):
 # faults on read
 
 
+def flip_payload_bytes(blocks: dict[bytes, StoredBlock], keys: list[bytes], at: int = 0) -> None:
+    """Flip byte ``at`` of each key's payload in its segment file (they share one segment)."""
+    segment = blocks[keys[0]].segment
+    data = bytearray(segment.read_bytes())
+    for key in keys:
+        data[blocks[key].offset + at] ^= 0xFF
+    segment.write_bytes(bytes(data))
+
+
 def flip_first_payload_byte(blocks: dict[bytes, StoredBlock], keys: list[bytes]) -> list[bool]:
-    block = blocks[keys[0]]
-    data = bytearray(block.segment.read_bytes())
-    data[block.offset + 100] ^= 0xFF
-    block.segment.write_bytes(bytes(data))
+    flip_payload_bytes(blocks, keys[:1], at=100)
     return [False, True]
+
+
+def three_stored_blocks(root: Path) -> tuple[DiskKVTier, list[bytes], list[torch.Tensor]]:
+    """A tier at ``root`` holding three random blocks in one segment: (tier, keys, blocks)."""
+    keys = make_keys(3)
+    blocks = [random_block(seed=i) for i in range(3)]
+    tier = open_tier(root)
+    tier.store(keys, blocks).result()
+    return tier, keys, blocks
 
 
 def cut_into_second_payload(blocks: dict[bytes, StoredBlock], keys: list[bytes]) -> list[bool]:
@@ -490,10 +505,7 @@ def test_a_segment_whose_every_block_failed_is_deleted(tier):
     tier.store(keys, [random_block(seed=0), random_block(seed=1)]).result()
     blocks = stored_blocks(tier.root)
     segment = blocks[keys[0]].segment
-    data = bytearray(segment.read_bytes())
-    for key in keys:
-        data[blocks[key].offset] ^= 0xFF
-    segment.write_bytes(bytes(data))
+    flip_payload_bytes(blocks, keys)
     assert tier.load(keys, [empty_block(), empty_block()]).result() == [False, False]
     assert not segment.exists()
     stats = tier.stats()
@@ -517,10 +529,7 @@ def test_a_segment_deleted_behind_the_tiers_back_loses_all_its_blocks(tier):
 
 
 def test_blocks_cut_off_at_start_are_counted_once_and_gone_after_the_next_restart(tmp_path):
-    keys = make_keys(3)
-    blocks = [random_block(seed=i) for i in range(3)]
-    tier = open_tier(tmp_path)
-    tier.store(keys, blocks).result()
+    tier, keys, blocks = three_stored_blocks(tmp_path)
     tier.close()
     [segment] = segment_files(tmp_path)
     with open(segment, "r+b") as file:  # the last payload loses its last bytes
@@ -544,14 +553,8 @@ def test_blocks_cut_off_at_start_are_counted_once_and_gone_after_the_next_restar
 
 
 def test_a_payload_that_fails_its_checksum_is_never_served_or_counted_again_after_a_restart(tmp_path):
-    keys = make_keys(3)
-    blocks = [random_block(seed=i) for i in range(3)]
-    tier = open_tier(tmp_path)
-    tier.store(keys, blocks).result()
-    damaged = stored_blocks(tmp_path)[keys[1]]
-    data = bytearray(damaged.segment.read_bytes())
-    data[damaged.offset + 100] ^= 0xFF
-    damaged.segment.write_bytes(bytes(data))
+    tier, keys, blocks = three_stored_blocks(tmp_path)
+    flip_payload_bytes(stored_blocks(tmp_path), keys[1:2], at=100)
     out = [empty_block() for _ in keys]
     assert tier.load(keys, out).result() == [True, False, True]
     assert tier.stats().extra_counters["corrupt_blocks"] == 1
@@ -571,14 +574,8 @@ def test_a_payload_that_fails_its_checksum_is_never_served_or_counted_again_afte
 def test_a_load_during_a_repair_reads_the_block_from_its_new_segment(tmp_path, monkeypatch):
     import engine_kv_tier_disk.tier as tier_module
 
-    keys = make_keys(3)
-    blocks = [random_block(seed=i) for i in range(3)]
-    tier = open_tier(tmp_path)
-    tier.store(keys, blocks).result()
-    damaged = stored_blocks(tmp_path)[keys[0]]
-    data = bytearray(damaged.segment.read_bytes())
-    data[damaged.offset] ^= 0xFF
-    damaged.segment.write_bytes(bytes(data))
+    tier, keys, blocks = three_stored_blocks(tmp_path)
+    flip_payload_bytes(stored_blocks(tmp_path), keys[:1])
     read_block, repaired = tier_module.read_block, []
 
     def repair_first(path, entry, into):  # the segment is repaired between the lookup and the read
@@ -598,10 +595,7 @@ def test_a_load_during_a_repair_reads_the_block_from_its_new_segment(tmp_path, m
 
 
 def test_a_repair_cut_short_by_a_crash_is_finished_by_the_next_start(tmp_path):
-    keys = make_keys(3)
-    blocks = [random_block(seed=i) for i in range(3)]
-    tier = open_tier(tmp_path)
-    tier.store(keys, blocks).result()
+    tier, keys, blocks = three_stored_blocks(tmp_path)
     tier.close()
     [segment] = segment_files(tmp_path)
     with open(segment, "r+b") as file:

@@ -111,7 +111,7 @@ def test_make_batch_invariant_wraps_what_does_not_declare_it():
             MergedLinear(8, [8], False, torch.float32, method=Invariant()),
         ]
     )
-    assert make_batch_invariant(model, None) == 2
+    assert make_batch_invariant(model, RowByRowLinearMethod(UnquantizedLinearMethod())) == 2
     assert [type(layer.method) for layer in model] == [RowByRowLinearMethod, RowByRowLinearMethod, Invariant]
     assert type(model[1].method.inner) is Quantized
 

@@ -358,16 +358,16 @@ class RowByRowLinearMethod(LinearMethod):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def make_batch_invariant(model: nn.Module, method: LinearMethod | None) -> int:
+def make_batch_invariant(model: nn.Module, method: LinearMethod) -> int:
     """Give every unquantized :class:`MergedLinear` of a loaded model ``method`` (a
-    batch-invariant one, repacking the weights) or, when ``method`` is None, run it one row at a
-    time; a layer with another method (quantized) that does not declare ``batch_invariant`` is
-    run one row at a time too. Returns the number of layers changed."""
+    batch-invariant one, which may repack the weights); a layer with another method (quantized)
+    that does not declare ``batch_invariant`` is run one row at a time. Returns the number of
+    layers changed."""
     count = 0
     for module in model.modules():
         if not isinstance(module, MergedLinear):
             continue
-        if type(module.method) is UnquantizedLinearMethod and method is not None:
+        if type(module.method) is UnquantizedLinearMethod:
             module.method = method
             method.process_weights_after_loading(module)
         elif not getattr(module.method, "batch_invariant", False):

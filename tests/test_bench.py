@@ -293,8 +293,8 @@ def test_latency_table_names_each_method(capsys, tiny_llama):
 
 
 def test_unknown_peer_is_a_clear_error(capsys, tiny_llama):
-    assert main(["bench", "latency", "--model", tiny_llama, "--peers", "vllm"]) == 1
-    assert "Unknown peer(s) vllm. Available: hf." in capsys.readouterr().err
+    assert main(["bench", "latency", "--model", tiny_llama, "--peers", "sglang"]) == 1
+    assert "Unknown peer(s) sglang. Available: hf, vllm, llamacpp." in capsys.readouterr().err
 
 
 def test_repeat_reports_the_median_run_and_lists_every_wall(capsys, tiny_llama):

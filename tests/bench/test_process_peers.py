@@ -292,12 +292,14 @@ def test_vllm_runs_in_one_process_bound_to_the_bench_cores(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("PYTHONPATH", "/somewhere/else")  # the peer's venv alone decides what it imports
     monkeypatch.setattr(process_peers.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
     peer = VllmPeer.__new__(VllmPeer)
     peer.threads = 2
     env = peer.environment()
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert "PYTHONPATH" not in env
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "2-3")  # a binding the caller chose is kept
     assert peer.environment()["VLLM_CPU_OMP_THREADS_BIND"] == "2-3"
 

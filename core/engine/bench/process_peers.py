@@ -62,6 +62,16 @@ class PeerError(RuntimeError):
     """A peer that cannot run, or a worker that failed: the message says why and what to do."""
 
 
+# variables of this Python's environment that would make the peer's Python import from elsewhere
+_FOREIGN = ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV")
+
+
+def peer_environment() -> dict[str, str]:
+    """This process's environment less what would point the peer's Python at other packages:
+    the peer's venv alone decides what it imports."""
+    return {key: value for key, value in os.environ.items() if key not in _FOREIGN}
+
+
 def resolve_python(python: str, option: str = "--peer-python") -> str:
     """The absolute path of an executable ``python`` (a path, or a name on PATH)."""
     found = python if os.sep in python else shutil.which(python)
@@ -81,6 +91,7 @@ def probe(python: str, modules: dict[str, Sequence[str]]) -> dict[str, Any]:
             capture_output=True,
             text=True,
             timeout=120,
+            env=peer_environment(),
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise PeerError(f"{python} could not be run to look for {', '.join(modules)}: {exc}") from exc
@@ -262,7 +273,7 @@ class ProcessPeer:
         )
 
     def environment(self) -> dict[str, str]:
-        return dict(os.environ)
+        return peer_environment()
 
     def worker_settings(self) -> dict[str, Any]:
         return {}
@@ -285,7 +296,7 @@ class VllmPeer(ProcessPeer):
     script = WORKERS / "vllm_worker.py"
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = peer_environment()
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", VLLM_KVCACHE_SPACE_GIB)
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_list(self.threads))

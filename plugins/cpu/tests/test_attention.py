@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from cpu_isa import ISA_VARIANTS, use_isa
 
 from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec, CommonAttentionMetadata
 from engine_cpu.attention import CpuPagedAttention
@@ -28,9 +29,12 @@ def naive_attention(q, k, v, context_len, scale, window):
     return out
 
 
-@pytest.fixture(params=["native", "torch"])
-def path(request):
-    """Which implementation of the backend runs: the C++ kernel or the torch fallback."""
+@pytest.fixture(params=[*(f"native-{isa}" for isa in ISA_VARIANTS), "torch"])
+def path(request, monkeypatch):
+    """Which implementation of the backend runs: the C++ kernels of one instruction-set variant,
+    or the torch fallback."""
+    if request.param != "torch":
+        use_isa(monkeypatch, request.param.removeprefix("native-"))
     return request.param
 
 
@@ -39,7 +43,7 @@ def make_backend(spec, block_size, dtype, path, batch_invariant=False):
     backend.batch_invariant = batch_invariant
     if path == "torch":
         backend.kernels = None
-    elif backend.kernels is None:
+    elif backend.kernels is None:  # "native" alone: the variant this CPU chooses
         pytest.fail("the engine-cpu native kernels failed to build (see the engine.cpu log)")
     return backend
 

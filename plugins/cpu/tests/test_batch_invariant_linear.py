@@ -12,9 +12,7 @@ from engine_cpu import native
 from engine_cpu.linear import pack_gemv_weight
 from engine_cpu.platform import CpuPlatform
 
-gemv_kernels = pytest.mark.skipif(
-    native.load() is None or not native.load().gemv_supported(), reason="no native gemv on this CPU or build"
-)
+gemv_kernels = pytest.mark.usefixtures("gemv_kernels")
 
 
 def fp32_reference(x, weight, bias):
@@ -66,7 +64,7 @@ def test_platform_batch_invariant_method_runs_every_row_count_through_fixed_orde
     assert torch.allclose(whole.float(), expected, rtol=2**-7, atol=1e-2 * expected.abs().max().item())
 
 
-native_kernels = pytest.mark.skipif(native.load() is None, reason="the engine-cpu kernels did not build")
+native_kernels = pytest.mark.usefixtures("each_isa")
 
 
 @native_kernels

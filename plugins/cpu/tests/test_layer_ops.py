@@ -11,11 +11,8 @@ from engine_cpu.ops import NativeLayerOps
 
 
 @pytest.fixture(scope="module")
-def ops():
-    kernels = native.load()
-    if kernels is None:
-        pytest.fail("the engine-cpu native kernels failed to build (see the engine.cpu log)")
-    return NativeLayerOps(kernels)
+def ops(each_isa):
+    return NativeLayerOps(native.load())
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> None:

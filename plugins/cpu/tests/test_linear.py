@@ -66,9 +66,7 @@ def test_layers_already_given_another_method_are_left_alone():
     assert type(layer.method) is Other
 
 
-gemv_kernels = pytest.mark.skipif(
-    native.load() is None or not native.load().gemv_supported(), reason="no native gemv on this CPU or build"
-)
+gemv_kernels = pytest.mark.usefixtures("gemv_kernels")
 
 
 def fp32_reference(x, weight, bias):

@@ -7,8 +7,7 @@
 // the lanes in a fixed tree, then the scalar tail; without AVX2, the same order in plain C++
 // (compiled without reassociation of its loop). Threads split the output columns, each column
 // block is summed whole by one thread, and its weight rows stay in cache across the rows of x.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include <cstdint>
 #include <cstring>

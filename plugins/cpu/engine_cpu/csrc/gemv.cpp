@@ -7,8 +7,7 @@
 // operand, and a thread's share of the columns is one contiguous stream. Rows go in
 // passes of up to 16 (one accumulator each) over a block of columns, whose weights
 // stay in L1/L2 between passes.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include <cstdint>
 #include <cstring>

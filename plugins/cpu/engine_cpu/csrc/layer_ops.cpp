@@ -3,8 +3,7 @@
 // Each op reproduces the roundings of the torch reference in engine.layers.ops
 // (each torch op on a bf16 tensor rounds to bf16), so results agree with HF
 // transformers while doing one pass over memory and one call from Python.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include <cmath>
 #include <cstdint>

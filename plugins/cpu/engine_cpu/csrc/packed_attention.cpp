@@ -9,8 +9,7 @@
 // there are few, a range of its kv heads): it streams the segments of its heads block by block,
 // prefetching a couple of blocks ahead because the blocks of a sequence lie anywhere in the
 // cache and hardware prefetchers stop at page boundaries.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include <algorithm>
 #include <atomic>

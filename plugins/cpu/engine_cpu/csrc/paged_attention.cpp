@@ -3,8 +3,7 @@
 // Each query token is one work item: its heads are scored against the sequence's
 // keys block by block, read in place from the cache (no gather; a block's keys for
 // all kv heads are contiguous), with an online softmax accumulated in fp32.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -210,51 +209,4 @@ void cache_write(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tens
       std::memcpy(vc + slots[t] * row_bytes, vp + t * row_bytes, row_bytes);
     }
   });
-}
-
-// layer_ops.cpp
-void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
-void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
-void silu_and_mul(torch::Tensor out, torch::Tensor x);
-void argmax(torch::Tensor out, torch::Tensor logits);
-void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
-
-// packed_attention.cpp
-bool packed_kv_supported(int64_t head_size, int64_t block_size);
-void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                            torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
-                            torch::Tensor tokens, double scale, int64_t window);
-void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor k, torch::Tensor v);
-
-// prefill_attention.cpp
-void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                       torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor seqs, double scale,
-                       int64_t window);
-
-// gemv.cpp
-bool gemv_supported();
-void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias, bool batch_invariant);
-
-// dot_linear.cpp
-void dot_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Tensor bias);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("cache_write", &cache_write, "write the new tokens' K and V into their cache slots");
-  m.def("gemv_supported", &gemv_supported, "whether gemv runs on this CPU and build");
-  m.def("gemv", &gemv, "out = x @ W^T + bias for a few rows, W packed by pack_gemv_weight (bf16)",
-        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("batch_invariant") = false);
-  m.def("dot_linear", &dot_linear, "out = x @ W^T + bias, each output summed in an order fixed by K (fp32 / bf16)");
-  m.def("packed_kv_supported", &packed_kv_supported,
-        "whether the packed bf16 cache layout and its kernels run for this head and block size");
-  m.def("cache_write_packed", &cache_write_packed, "write the new tokens' K and V into the packed cache");
-  m.def("paged_attention_packed", &paged_attention_packed, "paged attention over the packed cache (decode, short chunks)");
-  m.def("prefill_attention", &prefill_attention, "tiled causal attention for long prefill chunks over the packed cache");
-  m.def("paged_attention", &paged_attention, "Paged attention over a block-table KV cache (CPU)");
-  m.def("rms_norm", &rms_norm, "out = weight * rms-normalised x");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms-normalised residual (in place)");
-  m.def("rotary", &rotary, "rotate-half RoPE on q and k, in place");
-  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up");
-  m.def("argmax", &argmax, "out[r] = first index of the maximum of logits[r] (fp32 / bf16)");
-  m.def("apply_token_bitmask", &apply_token_bitmask, "logits[rows[j], t] = -inf where bitmask[j] clears t");
 }

@@ -6,8 +6,7 @@
 // independent dot products (one dpbf16 scores 16 keys against a pair of dims of one query) and
 // the 4 rows' outputs stay in registers; online softmax in fp32 per 64-key tile; P @ V with the
 // probabilities in bf16, one dpbf16 adding two keys' values to 16 output dims.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "kernel.h"
 
 #include <algorithm>
 #include <cmath>

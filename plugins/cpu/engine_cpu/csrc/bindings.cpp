@@ -1,0 +1,94 @@
+// The Python bindings of the engine-cpu kernels: pybind11 with torch's tensor caster
+// only (torch/extension.h would bring the whole C++ frontend: four times the compile time).
+#include <torch/csrc/utils/pybind.h>
+
+#include "kernel.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+// paged_attention.cpp
+void paged_attention(torch::Tensor out, torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                     torch::Tensor block_tables, torch::Tensor query_start_loc, torch::Tensor context_lens,
+                     torch::Tensor token_seq, torch::Tensor tokens, double scale, int64_t window);
+void cache_write(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor slot_mapping, torch::Tensor k,
+                 torch::Tensor v);
+
+// layer_ops.cpp
+void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps);
+void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+void silu_and_mul(torch::Tensor out, torch::Tensor x);
+void argmax(torch::Tensor out, torch::Tensor logits);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
+
+// packed_attention.cpp
+bool packed_kv_supported(int64_t head_size, int64_t block_size);
+void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                            torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
+                            torch::Tensor tokens, double scale, int64_t window);
+void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor k, torch::Tensor v);
+
+// prefill_attention.cpp
+void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                       torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor seqs, double scale,
+                       int64_t window);
+
+// gemv.cpp
+bool gemv_supported();
+void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias, bool batch_invariant);
+
+// dot_linear.cpp
+void dot_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Tensor bias);
+
+// the instruction-set extensions this build was compiled with (its variant's -march flags)
+std::vector<std::string> compiled_isa() {
+  std::vector<std::string> isa;
+#if defined(__AVX2__)
+  isa.push_back("avx2");
+#endif
+#if defined(__FMA__)
+  isa.push_back("fma");
+#endif
+#if defined(__AVX512F__)
+  isa.push_back("avx512f");
+#endif
+#if defined(__AVX512BW__)
+  isa.push_back("avx512bw");
+#endif
+#if defined(__AVX512VL__)
+  isa.push_back("avx512vl");
+#endif
+#if defined(__AVX512BF16__)
+  isa.push_back("avx512_bf16");
+#endif
+#if defined(__AMX_TILE__)
+  isa.push_back("amx_tile");
+#endif
+#if defined(__AMX_BF16__)
+  isa.push_back("amx_bf16");
+#endif
+  return isa;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("compiled_isa", &compiled_isa, "the instruction-set extensions this build was compiled with");
+  m.def("cache_write", &cache_write, "write the new tokens' K and V into their cache slots");
+  m.def("gemv_supported", &gemv_supported, "whether gemv runs on this CPU and build");
+  m.def("gemv", &gemv, "out = x @ W^T + bias for a few rows, W packed by pack_gemv_weight (bf16)",
+        py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("batch_invariant") = false);
+  m.def("dot_linear", &dot_linear, "out = x @ W^T + bias, each output summed in an order fixed by K (fp32 / bf16)");
+  m.def("packed_kv_supported", &packed_kv_supported,
+        "whether the packed bf16 cache layout and its kernels run for this head and block size");
+  m.def("cache_write_packed", &cache_write_packed, "write the new tokens' K and V into the packed cache");
+  m.def("paged_attention_packed", &paged_attention_packed, "paged attention over the packed cache (decode, short chunks)");
+  m.def("prefill_attention", &prefill_attention, "tiled causal attention for long prefill chunks over the packed cache");
+  m.def("paged_attention", &paged_attention, "Paged attention over a block-table KV cache (CPU)");
+  m.def("rms_norm", &rms_norm, "out = weight * rms-normalised x");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms-normalised residual (in place)");
+  m.def("rotary", &rotary, "rotate-half RoPE on q and k, in place");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up");
+  m.def("argmax", &argmax, "out[r] = first index of the maximum of logits[r] (fp32 / bf16)");
+  m.def("apply_token_bitmask", &apply_token_bitmask, "logits[rows[j], t] = -inf where bitmask[j] clears t");
+}

@@ -148,12 +148,23 @@ def make_k3_checkpoint(path: Path, seed: int = 0, **overrides) -> dict[str, torc
 
 
 def reference_logits(tensors: dict[str, torch.Tensor], text: dict, tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), vocab] logits of K3 over the whole sequence, in float32."""
+    """[len(tokens), vocab] logits of K3 over the whole sequence, computed in float64 (so the
+    tests measure the engine's float32 error alone, not the reference's own, which depends on
+    the CPU's summation order) and returned as float32."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _reference_logits(tensors, text, tokens).float()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _reference_logits(tensors: dict[str, torch.Tensor], text: dict, tokens: list[int]) -> torch.Tensor:
     text = {**TEXT_CONFIG, **text}
     eps, linear = text["rms_norm_eps"], text["linear_attn_config"]
 
     def w(name):
-        return tensors["language_model." + name].float()
+        return tensors["language_model." + name].to(torch.get_default_dtype())
 
     def rms(x, weight, e=eps):
         return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + e) * weight

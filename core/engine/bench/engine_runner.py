@@ -110,7 +110,22 @@ class EngineRunner:
             "kv_cache_blocks": self.engine.kv_cache.num_blocks,
             "block_size": self.config.block_size,
             "timed_labels": self.timed_labels(),
+            "linear_kernels": self.linear_kernels(),
         }
+
+    def linear_kernels(self) -> list[str]:
+        """What the linear layers' methods say they chose (``LinearMethod.describe``), one line
+        per method, e.g. the kernels a platform picked by timing them on this machine."""
+        from engine.layers.linear import MergedLinear
+
+        lines, seen = [], set()
+        for module in self.model.modules():
+            if isinstance(module, MergedLinear) and id(module.method) not in seen:
+                seen.add(id(module.method))
+                line = module.method.describe()
+                if line:
+                    lines.append(f"{type(module.method).__name__}: {line}")
+        return lines
 
     def spec_stats(self) -> Any:
         """Speculative decoding's counters, or None without it (kept after :meth:`close`)."""

@@ -23,7 +23,10 @@ class LinearMethod(ABC):
        optional tensor the method accepts).
     3. :meth:`process_weights_after_loading` runs once all of them arrived
        (quantize, repack, fuse shards).
-    4. :meth:`apply` runs per forward.
+    4. :meth:`process_model_after_loading` runs once with every layer given this method,
+       in model order, when the whole model has loaded (choices that need all the layers:
+       timing kernels on the model's own shapes, say).
+    5. :meth:`apply` runs per forward.
     """
 
     @abstractmethod
@@ -52,6 +55,15 @@ class LinearMethod(ABC):
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack loaded weights (a no-op by default)."""
+
+    def process_model_after_loading(self, layers: list[torch.nn.Module]) -> None:
+        """All the layers this method was given, in model order, after each one's
+        :meth:`process_weights_after_loading` (a no-op by default)."""
+
+    def describe(self) -> str | None:
+        """A line for logs and ``engine bench`` on what the method chose (kernels, layouts), or
+        None (the default) when there is nothing to say beyond its name."""
+        return None
 
     @abstractmethod
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -316,14 +316,17 @@ def quantize_model(model: nn.Module, quantizer: Quantizer) -> tuple[list[str], l
 
 def apply_linear_method(model: nn.Module, method: LinearMethod) -> int:
     """Switch every unquantized :class:`MergedLinear` of a loaded model to ``method``
-    and let it repack the weights. Returns the number of layers switched."""
-    count = 0
+    and let it repack the weights, then see them all together
+    (``process_model_after_loading``). Returns the number of layers switched."""
+    layers = []
     for module in model.modules():
         if isinstance(module, MergedLinear) and type(module.method) is UnquantizedLinearMethod:
             module.method = method
             method.process_weights_after_loading(module)
-            count += 1
-    return count
+            layers.append(module)
+    if layers:
+        method.process_model_after_loading(layers)
+    return len(layers)
 
 
 class RowByRowLinearMethod(LinearMethod):

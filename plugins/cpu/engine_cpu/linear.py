@@ -26,6 +26,7 @@ an order fixed by K; :class:`DotLinearMethod`).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from types import ModuleType
 
@@ -34,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import UnquantizedLinearMethod
+
+logger = logging.getLogger("engine.cpu")
 
 GEMV_MAX_ROWS = 64
 DECODE_COPY_FRACTION = 0.25
@@ -70,23 +73,71 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
     """Reorders ``weight`` into oneDNN's layout once, after loading, and, given
     ``kernels``, packs a second copy for the decode ``gemv`` kernel.
 
-    The oneDNN tensor replaces the layer's ``weight`` attribute (a tied embedding
-    keeps the original tensor); results equal ``F.linear`` up to the order of the
-    fp32 sums.
+    Which of the two runs at 1 to ``GEMV_MAX_ROWS`` rows is chosen per layer shape and row
+    band by timing both on the loaded model (:mod:`engine_cpu.tuning`; ``ENGINE_CPU_TUNING=0``:
+    ``gemv`` for all of them); a layer whose shape never chooses ``gemv`` gives its copy
+    back. The oneDNN tensor replaces the layer's ``weight`` attribute (a tied embedding
+    keeps the original tensor); results equal ``F.linear`` up to the order of the fp32 sums.
     """
 
     def __init__(self, kernels: ModuleType | None = None, copy_budget_bytes: int | None = None) -> None:
         self.kernels = kernels
         self.copy_budget_bytes = copy_budget_bytes  # None: no limit
+        self.choices: dict[tuple[int, int], tuple[str, ...]] = {}
+        self.measured = False
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.data
         if self._gemv_copy_fits(weight):
             layer.gemv_weight = pack_gemv_weight(weight)
+            layer.gemv_rows = _ALL_ROWS
             if self.copy_budget_bytes is not None:
                 self.copy_budget_bytes -= layer.gemv_weight.numel() * layer.gemv_weight.element_size()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         layer.weight = nn.Parameter(packed, requires_grad=False)
+
+    def process_model_after_loading(self, layers: list[nn.Module]) -> None:
+        from engine_cpu import tuning
+
+        with_copy = [layer for layer in layers if getattr(layer, "gemv_weight", None) is not None]
+        if not with_copy or tuning.mode() == "off":
+            return
+        choices = tuning.choose(
+            with_copy,
+            {"gemv": self._gemv, "onednn": self._onednn},
+            torch.bfloat16,
+            f"{self.kernels.variant} {self.kernels.__file__}",
+        )
+        self.choices = {shape: m.choice for shape, m in choices.items()}
+        self.measured = True
+        for layer in with_copy:
+            choice = self.choices[tuning.shape_of(layer)]
+            if "gemv" not in choice:
+                del layer.gemv_weight  # never used: give the memory back
+                continue
+            layer.gemv_rows = tuple(
+                rows > 0 and choice[tuning.band_of(rows)] == "gemv" for rows in range(GEMV_MAX_ROWS + 1)
+            )
+        logger.info("bf16 linear kernels by shape and rows: %s", self.describe())
+
+    def describe(self) -> str | None:
+        if not self.choices:
+            return None
+        from engine_cpu import tuning
+
+        parts = []
+        for (n, k), choice in sorted(self.choices.items()):
+            runs, lo = [], 1
+            for b, name in enumerate(choice):
+                hi = tuning.ROW_BANDS[b]
+                if runs and runs[-1][2] == name:
+                    runs[-1][1] = hi
+                else:
+                    runs.append([lo, hi, name])
+                lo = hi + 1
+            bands = ", ".join(f"{name} {a}" if a == b else f"{name} {a}-{b}" for a, b, name in runs)
+            parts.append(f"{n}x{k}: {bands}, onednn beyond")
+        return "; ".join(parts)
 
     def _gemv_copy_fits(self, weight: torch.Tensor) -> bool:
         if self.kernels is None or weight.dtype != torch.bfloat16 or weight.shape[1] % 8 != 0:
@@ -94,18 +145,27 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         size = weight.numel() * weight.element_size()
         return self.copy_budget_bytes is None or size <= self.copy_budget_bytes
 
+    def _gemv(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], layer.weight.shape[0], dtype=rows.dtype)
+        self.kernels.gemv(out, rows, layer.gemv_weight, layer.bias if layer.bias is not None else _EMPTY)
+        return out
+
+    @staticmethod
+    def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         gemv_weight = getattr(layer, "gemv_weight", None)
         if gemv_weight is not None and x.dtype == torch.bfloat16:
             rows = x.reshape(-1, x.shape[-1])
-            if rows.shape[0] <= GEMV_MAX_ROWS and rows.stride(-1) == 1:
-                out = torch.empty(rows.shape[0], layer.weight.shape[0], dtype=x.dtype)
-                bias = layer.bias if layer.bias is not None else _EMPTY
-                self.kernels.gemv(out, rows, gemv_weight, bias)
+            n = rows.shape[0]
+            if n <= GEMV_MAX_ROWS and layer.gemv_rows[n] and rows.stride(-1) == 1:
+                out = self._gemv(layer, rows)
                 return out.view(*x.shape[:-1], out.shape[-1])
-        return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
+        return self._onednn(layer, x)
 
 
+_ALL_ROWS = tuple(rows > 0 for rows in range(GEMV_MAX_ROWS + 1))
 _EMPTY = torch.empty(0, dtype=torch.bfloat16)
 
 

@@ -1,0 +1,171 @@
+"""Kernels chosen by timing them on the model's layers (engine_cpu.tuning)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.linear import MergedLinear, apply_linear_method
+from engine_cpu import tuning
+from engine_cpu.linear import GEMV_MAX_ROWS, OneDNNLinearMethod, onednn_available
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENGINE_CPU_TUNING", "1")
+    monkeypatch.setattr(tuning, "BUDGET_SECONDS", float("inf"))
+    monkeypatch.setattr(tuning, "MAX_REPEATS", 3)  # the best of three counts
+    return tmp_path / "tuning.json"
+
+
+def layer(n: int, k: int) -> MergedLinear:
+    module = MergedLinear(k, [n], False, torch.bfloat16)
+    module.weight.data.normal_()
+    return module
+
+
+def spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_band_of_puts_each_row_count_in_its_band():
+    assert [tuning.band_of(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)] == [
+        0,
+        1,
+        2,
+        2,
+        3,
+        3,
+        4,
+        4,
+        5,
+        5,
+        6,
+        6,
+    ]
+
+
+def test_the_fastest_candidate_of_each_band_is_chosen_stored_and_reused(store):
+    calls = {"per_row": 0, "flat": 0}
+
+    def per_row(module, x):  # cheap for few rows, dear for many
+        calls["per_row"] += 1
+        spin(0.0002 * x.shape[0])  # 0.2 ms a row
+        return x
+
+    def flat(module, x):
+        calls["flat"] += 1
+        spin(0.0002 * 11.3)  # 8 rows' cost x 1.41, 16 rows' / 1.41
+        return x
+
+    layers = [layer(16, 8), layer(32, 8), layer(16, 8)]
+    candidates = {"per_row": per_row, "flat": flat}
+    chosen = tuning.choose(layers, candidates, torch.bfloat16, "build-1", store)
+    assert set(chosen) == {(16, 8), (32, 8)}
+    assert chosen[(16, 8)].choice == ("per_row",) * 4 + ("flat",) * 3  # 1..8 rows, then 16+
+    assert chosen[(32, 8)].choice == ("per_row",) * 4 + ("flat",) * 3
+    assert chosen[(16, 8)].seconds[0]["per_row"] < chosen[(16, 8)].seconds[0]["flat"]
+    stored = json.loads(store.read_text())
+    (context,) = stored
+    assert "threads" in context and "build-1" in context and stored[context]["16x8"]["choice"][-1] == "flat"
+
+    before = dict(calls)
+    again = tuning.choose(layers, candidates, torch.bfloat16, "build-1", store)
+    assert calls == before and {s: m.choice for s, m in again.items()} == {s: m.choice for s, m in chosen.items()}
+    tuning.choose(layers, candidates, torch.bfloat16, "build-2", store)  # another kernel build: measured again
+    assert calls["flat"] > before["flat"]
+
+
+def test_fresh_measures_again_and_a_damaged_store_is_measured_over(store, monkeypatch):
+    count = []
+
+    def kernel(module, x):
+        count.append(1)
+        return x
+
+    layers = [layer(16, 8)]
+    tuning.choose(layers, {"a": kernel}, torch.bfloat16, "b", store)
+    n = len(count)
+    monkeypatch.setenv("ENGINE_CPU_TUNING", "fresh")
+    tuning.choose(layers, {"a": kernel}, torch.bfloat16, "b", store)
+    assert len(count) == 2 * n
+    monkeypatch.setenv("ENGINE_CPU_TUNING", "1")
+    store.write_text("{not json")
+    assert tuning.choose(layers, {"a": kernel}, torch.bfloat16, "b", store)[(16, 8)].choice == ("a",) * 7
+    assert len(count) == 3 * n and json.loads(store.read_text())
+
+
+gemv_kernels = pytest.mark.usefixtures("gemv_kernels")
+
+
+@gemv_kernels
+def test_the_linear_method_follows_the_measured_choice_and_frees_unused_copies(store, monkeypatch):
+    from engine_cpu import native
+
+    if not onednn_available():
+        pytest.skip("no oneDNN bf16 path on this CPU")
+    wide, narrow = layer(96, 64), layer(48, 64)
+    weights = {id(m): m.weight.data.clone() for m in (wide, narrow)}
+    model = torch.nn.ModuleList([wide, narrow])
+    picked = {(96, 64): ("gemv", "gemv", "onednn", "gemv", "onednn", "onednn", "onednn"), (48, 64): ("onednn",) * 7}
+    monkeypatch.setattr(
+        tuning,
+        "measure",
+        lambda layers, candidates, dtype: {
+            s: tuning.Measured(c, tuple({"gemv": 1.0, "onednn": 1.0} for _ in c)) for s, c in picked.items()
+        },
+    )
+    method = OneDNNLinearMethod(native.load())
+    apply_linear_method(model, method)
+    assert not hasattr(narrow, "gemv_weight")  # never chosen: the copy is given back
+    assert [r for r in range(1, GEMV_MAX_ROWS + 1) if wide.gemv_rows[r]] == [1, 2, 5, 6, 7, 8]
+    assert (
+        method.describe()
+        == "48x64: onednn 1-64, onednn beyond; 96x64: gemv 1-2, onednn 3-4, gemv 5-8, onednn 9-64, onednn beyond"
+    )
+
+    calls = []
+    kernels = method.kernels
+
+    class Spy:
+        variant = kernels.variant
+
+        def gemv(self, *args):
+            calls.append(args[1].shape[0])
+            return kernels.gemv(*args)
+
+    method.kernels = Spy()
+    for rows in (1, 3, 6, 20):
+        x = torch.randn(rows, 64).bfloat16()
+        for module in (wide, narrow):
+            expected = F.linear(x.float(), weights[id(module)].float())
+            assert torch.allclose(module(x).float(), expected, rtol=2**-7, atol=1e-2 * expected.abs().max().item())
+    assert calls == [1, 6]
+
+
+@gemv_kernels
+def test_measuring_the_real_kernels_gives_a_choice_for_every_shape_and_band(store):
+    from engine_cpu import native
+
+    if not onednn_available():
+        pytest.skip("no oneDNN bf16 path on this CPU")
+    model = torch.nn.ModuleList([layer(256, 128), layer(128, 256), layer(256, 128)])
+    method = OneDNNLinearMethod(native.load())
+    apply_linear_method(model, method)
+    assert set(method.choices) == {(256, 128), (128, 256)}
+    for choice in method.choices.values():
+        assert len(choice) == len(tuning.ROW_BANDS) and set(choice) <= {"gemv", "onednn"}
+    assert "256x128:" in method.describe()
+
+
+def test_tuning_off_keeps_the_fixed_rule(monkeypatch):
+    monkeypatch.setenv("ENGINE_CPU_TUNING", "0")
+    assert tuning.mode() == "off"
+    monkeypatch.setenv("ENGINE_CPU_TUNING", "fresh")
+    assert tuning.mode() == "fresh"

@@ -292,6 +292,22 @@ def test_latency_table_names_each_method(capsys, tiny_llama):
     assert "[1] engine: add_request" in out and "NOT the benchmark workloads" in out
 
 
+def test_the_setup_shows_the_linear_kernels_the_platform_chose(capsys, tiny_llama, tmp_path, monkeypatch):
+    from engine_cpu import native
+    from engine_cpu.linear import onednn_available
+
+    kernels = native.load()
+    if kernels is None or not kernels.gemv_supported() or not onednn_available():
+        pytest.skip("engine-cpu chooses between kernels only with gemv (AVX512-BF16) and oneDNN")
+    monkeypatch.setenv("ENGINE_CPU_TUNING", "1")
+    monkeypatch.setenv("ENGINE_CPU_TUNING_FILE", str(tmp_path / "tuning.json"))
+    args = ["bench", "latency", "--model", tiny_llama, "--scale", "0.05", "--plugins", "cpu,llama", "--json"]
+    assert main(args) == 0
+    line = json.loads(capsys.readouterr().out)["setup"]["engine linear kernels"]
+    assert line.startswith("OneDNNLinearMethod: ") and "onednn beyond" in line
+    assert (tmp_path / "tuning.json").exists()
+
+
 def test_unknown_peer_is_a_clear_error(capsys, tiny_llama):
     assert main(["bench", "latency", "--model", tiny_llama, "--peers", "sglang"]) == 1
     assert "Unknown peer(s) sglang. Available: hf, vllm, llamacpp." in capsys.readouterr().err

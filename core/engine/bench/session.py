@@ -164,6 +164,8 @@ class Session:
             f"{d['architecture']} on {d['platform']} ({d['dtype']}{quantized}), max_num_seqs {d['max_num_seqs']}, "
             f"max_num_batched_tokens {d['max_num_batched_tokens']}, {d['kv_cache_blocks']} KV blocks of {d['block_size']}"
         )
+        if d["linear_kernels"]:  # what the platform's linear method chose, by measuring or by rule
+            self.report.setup["engine linear kernels"] = "; ".join(d["linear_kernels"])
         runner.warm_up(self.warmup)
         return runner
 

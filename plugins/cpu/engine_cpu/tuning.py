@@ -5,7 +5,7 @@ a few rows on; an AMD EPYC's does not), so at start-up the candidates are timed 
 model's own layers, in model order (a decode step's weights come from memory, not from a
 cache warmed by timing one layer again and again), at the row counts of :data:`ROW_BANDS`,
 and each (shape, band) gets the fastest. Results are kept in a JSON file beside the kernel
-builds (``<kernel cache>/../tuning.json``), keyed by CPU model, thread count, torch version,
+builds (``<kernel cache>/../tuning.json``, or ``ENGINE_CPU_TUNING_FILE``), keyed by CPU model, thread count, torch version,
 kernel build and shape, so later starts measure nothing.
 
 ``ENGINE_CPU_TUNING=0`` skips the measurement (each method's fixed rule then applies);
@@ -53,7 +53,8 @@ def mode() -> str:
 def store_path() -> Path:
     from engine_cpu.native import cache_root
 
-    return cache_root().parent / "tuning.json"
+    configured = os.environ.get("ENGINE_CPU_TUNING_FILE")
+    return Path(configured) if configured else cache_root().parent / "tuning.json"
 
 
 @dataclass(frozen=True)

@@ -48,46 +48,68 @@ inline void prefetch_segment(const at::BFloat16* seg, int64_t elements) {
   for (int64_t off = 0; off < elements * 2; off += 64) _mm_prefetch(p + off, _MM_HINT_T2);
 }
 
+// Per-thread scratch of decode_item: scores and probabilities of every key of an item's heads,
+// and the heads' fp32 outputs.
+struct DecodeScratch {
+  std::vector<float> scores;     // [heads][span] scaled q.k (-inf outside the item's keys)
+  std::vector<uint16_t> probs;   // [heads][span] bf16 exp(score - max)
+  std::vector<float> acc, vmax;  // [heads][D], [heads][16]
+};
+
 // Attention of the query heads of kv heads [g0, g1) (query heads [g0 * group, g1 * group)) of
 // one token at position pos over keys [lo, pos] of its sequence; the caches are the K and V
-// halves of the packed cache. Blocks are the outer loop, so that the segments of [g0, g1) of a
-// block, contiguous in the cache, are read as one stream; per query head the running max,
-// sum and output (fp32) live in m, l, acc_mem.
+// halves of the packed cache. Three passes, none waiting on another key's softmax: all scores
+// (K streamed block by block, the segments of [g0, g1) of a block read as one piece), then each
+// head's max, exponentials and sum, then P @ V (V streamed the same way). The scores of one
+// item (heads x keys x 4 bytes) stay in L2.
 template <int D>
 void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* key_cache,
                  const at::BFloat16* value_cache, const int64_t* table, int64_t pos, int64_t lo, int64_t g0,
-                 int64_t g1, int64_t group, int64_t num_kv_heads, int64_t block_size, float scale, float* acc_mem,
-                 float* m, float* l) {
+                 int64_t g1, int64_t group, int64_t num_kv_heads, int64_t block_size, float scale,
+                 DecodeScratch& scratch) {
   constexpr int64_t P = D / 2, C = D / 16;
   const int64_t seg = block_size * D, heads = (g1 - g0) * group;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t h = 0; h < heads; ++h) {
-    m[h] = -std::numeric_limits<float>::infinity();
-    l[h] = 0.f;
-    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc_mem + h * D + c * 16, _mm512_setzero_ps());
-  }
   const int64_t first_block = lo / block_size, last_block = pos / block_size;
-  auto prefetch = [&](int64_t n) {
-    const int64_t base = (table[n] * num_kv_heads + g0) * seg;
-    prefetch_segment(key_cache + base, (g1 - g0) * seg);
-    prefetch_segment(value_cache + base, (g1 - g0) * seg);
+  const int64_t key0 = first_block * block_size, span = (last_block + 1) * block_size - key0;
+  if (static_cast<int64_t>(scratch.scores.size()) < heads * span) {
+    scratch.scores.resize(heads * span);
+    scratch.probs.resize(heads * span);
+  }
+  scratch.acc.assign(heads * D, 0.f);
+  scratch.vmax.assign(heads * 16, -std::numeric_limits<float>::infinity());
+  float* scores = scratch.scores.data();
+  uint16_t* probs = scratch.probs.data();
+  float* acc_mem = scratch.acc.data();
+  float* vmax = scratch.vmax.data();
+  // the 16-key chunks holding keys [lo, pos], and each chunk's valid lanes
+  const int64_t chunk_lo = lo / 16 * 16, chunk_hi = pos / 16 * 16;
+  auto valid_lanes = [&](int64_t chunk) {
+    const int64_t hi = std::min<int64_t>(15, pos - chunk), lane_lo = std::max<int64_t>(0, lo - chunk);
+    return static_cast<__mmask16>(((1u << (hi + 1)) - 1) & ~((1u << lane_lo) - 1));
   };
-  for (int64_t n = first_block; n < std::min(first_block + kPrefetchBlocks, last_block + 1); ++n) prefetch(n);
+  // the first kPrefetchBlocks blocks at once; later ones a head's segment at a time, spread over
+  // the work on the block kPrefetchBlocks before (a burst of a whole block's lines stalls the
+  // miss queue)
+  auto prefetch = [&](const at::BFloat16* cache, int64_t n) {
+    prefetch_segment(cache + (table[n] * num_kv_heads + g0) * seg, (g1 - g0) * seg);
+  };
+  // pass 1: scores
+  for (int64_t n = first_block; n < std::min(first_block + kPrefetchBlocks, last_block + 1); ++n)
+    prefetch(key_cache, n);
   for (int64_t n = first_block; n <= last_block; ++n) {
-    if (n + kPrefetchBlocks <= last_block) prefetch(n + kPrefetchBlocks);
     const int64_t block_start = n * block_size;
     for (int64_t o = 0; o < block_size; o += 16) {
       const int64_t chunk = block_start + o;  // position of lane 0
       if (chunk > pos) break;
-      if (chunk + 15 < lo) continue;
-      const int64_t hi = std::min<int64_t>(15, pos - chunk), lane_lo = std::max<int64_t>(0, lo - chunk);
-      const __mmask16 valid = static_cast<__mmask16>(((1u << (hi + 1)) - 1) & ~((1u << lane_lo) - 1));
-      const int64_t pair_lo = lane_lo / 2, pair_hi = hi / 2;
+      if (chunk < chunk_lo) continue;
+      const __mmask16 valid = valid_lanes(chunk);
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t base = (table[n] * num_kv_heads + g) * seg;
+        if (o == 0 && n + kPrefetchBlocks <= last_block)  // the same head's segment, kPrefetchBlocks ahead
+          prefetch_segment(key_cache + (table[n + kPrefetchBlocks] * num_kv_heads + g) * seg, seg);
         const uint32_t* kw = reinterpret_cast<const uint32_t*>(key_cache + base) + o;  // pair p of key o+i: kw[p*bs+i]
-        const uint32_t* vw = reinterpret_cast<const uint32_t*>(value_cache + base) + (o / 2) * D;  // pair j: vw + j*D
         for (int64_t h = (g - g0) * group; h < (g - g0 + 1) * group; ++h) {
           const uint32_t* qw = reinterpret_cast<const uint32_t*>(q + h * D);
           __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(),
@@ -109,18 +131,48 @@ void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k
           }
           __m512 s = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
           s = _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(s, vscale));
-          const float new_max = std::max(m[h], _mm512_reduce_max_ps(s));
-          const float corr = std::exp(m[h] - new_max);  // m = -inf at first: 0, and acc is 0
-          const __m512 e =
-              _mm512_maskz_mov_ps(valid, engine_cpu::exp512(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-          l[h] = l[h] * corr + _mm512_reduce_add_ps(e);
-          m[h] = new_max;
-          alignas(32) uint32_t pw[8];
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pw), (__m256i)_mm512_cvtneps_pbh(e));
+          _mm512_storeu_ps(scores + h * span + (chunk - key0), s);
+          _mm512_storeu_ps(vmax + h * 16, _mm512_max_ps(_mm512_loadu_ps(vmax + h * 16), s));
+        }
+      }
+    }
+  }
+  // pass 2: probabilities (bf16, as the softmax output is rounded before P @ V in the model's
+  // dtype) and each head's sum of the unrounded ones
+  std::vector<float>& l = scratch.vmax;  // reused: head h's sum in l[h * 16] once its max is read
+  for (int64_t h = 0; h < heads; ++h) {
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(vmax + h * 16)));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t chunk = chunk_lo; chunk <= chunk_hi; chunk += 16) {
+      const int64_t i = h * span + (chunk - key0);
+      const __m512 e =
+          _mm512_maskz_mov_ps(valid_lanes(chunk), engine_cpu::exp512(_mm512_sub_ps(_mm512_loadu_ps(scores + i), mx)));
+      sum = _mm512_add_ps(sum, e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + i), (__m256i)_mm512_cvtneps_pbh(e));
+    }
+    l[h * 16] = _mm512_reduce_add_ps(sum);
+  }
+  // pass 3: P @ V
+  for (int64_t n = first_block; n < std::min(first_block + kPrefetchBlocks, last_block + 1); ++n)
+    prefetch(value_cache, n);
+  for (int64_t n = first_block; n <= last_block; ++n) {
+    const int64_t block_start = n * block_size;
+    for (int64_t o = 0; o < block_size; o += 16) {
+      const int64_t chunk = block_start + o;
+      if (chunk > pos) break;
+      if (chunk < chunk_lo) continue;
+      const int64_t hi = std::min<int64_t>(15, pos - chunk), lane_lo = std::max<int64_t>(0, lo - chunk);
+      const int64_t pair_lo = lane_lo / 2, pair_hi = hi / 2;
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t base = (table[n] * num_kv_heads + g) * seg;
+        if (o == 0 && n + kPrefetchBlocks <= last_block)
+          prefetch_segment(value_cache + (table[n + kPrefetchBlocks] * num_kv_heads + g) * seg, seg);
+        const uint32_t* vw = reinterpret_cast<const uint32_t*>(value_cache + base) + (o / 2) * D;  // pair j: vw + j*D
+        for (int64_t h = (g - g0) * group; h < (g - g0 + 1) * group; ++h) {
+          const uint32_t* pw = reinterpret_cast<const uint32_t*>(probs + h * span + (chunk - key0));
           float* acc_h = acc_mem + h * D;
           __m512 acc[C];
-          const __m512 vcorr = _mm512_set1_ps(corr);
-          for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_mul_ps(_mm512_loadu_ps(acc_h + c * 16), vcorr);
+          for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_loadu_ps(acc_h + c * 16);
           for (int64_t j = pair_lo; j <= pair_hi; ++j) {
             const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(pw[j]));
             for (int64_t c = 0; c < C; ++c)
@@ -132,7 +184,7 @@ void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
-    const __m512 inv = _mm512_set1_ps(1.f / l[h]);
+    const __m512 inv = _mm512_set1_ps(1.f / l[h * 16]);
     for (int64_t c = 0; c < C; ++c)
       engine_cpu::store_bf16(out + h * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc_mem + h * D + c * 16), inv));
   }
@@ -189,7 +241,7 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return position(a) > position(b); });
   std::atomic<int64_t> next{0};
   at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(heads_per_item * group * head_size), m(heads_per_item * group), l(heads_per_item * group);
+    DecodeScratch scratch;
     for (int64_t tid = begin; tid < end; ++tid) {
       for (int64_t item = next++; item < num_items; item = next++) {
         const int64_t row = order[item / items_per_row], g0 = item % items_per_row * heads_per_item;
@@ -203,7 +255,7 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
         auto run = [&](auto d) {
           decode_item<decltype(d)::value>(out_ptr + offset, q_ptr + q_offset, key_cache, value_cache,
                                           tables + b * max_blocks, pos, lo, g0, g1, group, num_kv_heads, block_size,
-                                          fscale, acc.data(), m.data(), l.data());
+                                          fscale, scratch);
         };
         engine_cpu::with_head_size(head_size, run);
       }

@@ -3,18 +3,21 @@
 For batch-1 decode, ``F.linear`` on bf16 reaches about a third of the memory
 bandwidth that oneDNN's matmul on a weight reordered once into its blocked
 layout does, and oneDNN in turn reaches a little over half of what a plain
-kernel streaming a [N/16][K/2][16][2] packing gets. With weights that come from
-memory every step (a decode step's weights do not stay in cache), that kernel
-stays ahead of oneDNN up to a few dozen rows (for llama58m's layers at 16 rows:
-2.8 ms against 4.7; at 64: 8.5 against 9.4). So:
+kernel streaming a [N/16][K/2][16][2] packing gets. With more rows the same packing
+feeds a register-blocked kernel (6 rows x 64 columns a pass), which on an AMD EPYC
+(Zen 5, AVX512-BF16) runs llama58m's layers at about 800 GFLOP/s from 64 rows with the
+weights coming from memory and about 1 TFLOP/s for prefill chunks, against oneDNN's 600-780
+and 670-990. Which wins differs by CPU (an AMX Xeon's oneDNN is far ahead from a few rows),
+so:
 
-- every layer keeps oneDNN's packed weight, used beyond ``GEMV_MAX_ROWS`` rows
-  (prefill), where its cache blocking wins;
+- every layer keeps oneDNN's packed weight;
 - with the native kernels on an AVX512-BF16 CPU, it also keeps a copy packed for
-  ``gemv`` (csrc/gemv.cpp), used for 1 to ``GEMV_MAX_ROWS`` rows (decode). The
-  copy costs the weight's size again, so it is made only while the copies stay
-  under ``DECODE_COPY_FRACTION`` of the machine's memory
-  (``ENGINE_CPU_DECODE_GEMV=0`` turns it off).
+  ``gemv`` (csrc/gemv.cpp). The copy costs the weight's size again, so it is made only
+  while the copies stay under ``DECODE_COPY_FRACTION`` of the machine's memory
+  (``ENGINE_CPU_DECODE_GEMV=0`` turns it off);
+- which of the two runs is measured per layer shape and row band at load
+  (:mod:`engine_cpu.tuning`); with the measurement off, ``gemv`` runs for 1 to
+  ``GEMV_MAX_ROWS`` rows and oneDNN beyond.
 
 With ``--batch-invariant`` a row's sums must not follow the row count, which oneDNN's
 blocking does: bf16 layers then run ``gemv`` for every row count in its fixed-order mode
@@ -73,10 +76,10 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
     """Reorders ``weight`` into oneDNN's layout once, after loading, and, given
     ``kernels``, packs a second copy for the decode ``gemv`` kernel.
 
-    Which of the two runs at 1 to ``GEMV_MAX_ROWS`` rows is chosen per layer shape and row
-    band by timing both on the loaded model (:mod:`engine_cpu.tuning`; ``ENGINE_CPU_TUNING=0``:
-    ``gemv`` for all of them); a layer whose shape never chooses ``gemv`` gives its copy
-    back. The oneDNN tensor replaces the layer's ``weight`` attribute (a tied embedding
+    Which of the two runs is chosen per layer shape and row band (1 to ``GEMV_MAX_ROWS`` rows
+    in bands, and one band beyond) by timing both on the loaded model
+    (:mod:`engine_cpu.tuning`; ``ENGINE_CPU_TUNING=0``: ``gemv`` up to ``GEMV_MAX_ROWS`` rows,
+    oneDNN beyond); a layer whose shape never chooses ``gemv`` gives its copy back. The oneDNN tensor replaces the layer's ``weight`` attribute (a tied embedding
     keeps the original tensor); results equal ``F.linear`` up to the order of the fp32 sums.
     """
 
@@ -90,7 +93,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         weight = layer.weight.data
         if self._gemv_copy_fits(weight):
             layer.gemv_weight = pack_gemv_weight(weight)
-            layer.gemv_rows = _ALL_ROWS
+            layer.gemv_rows, layer.gemv_beyond = _ALL_ROWS, False
             if self.copy_budget_bytes is not None:
                 self.copy_budget_bytes -= layer.gemv_weight.numel() * layer.gemv_weight.element_size()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
@@ -118,6 +121,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
             layer.gemv_rows = tuple(
                 rows > 0 and choice[tuning.band_of(rows)] == "gemv" for rows in range(GEMV_MAX_ROWS + 1)
             )
+            layer.gemv_beyond = choice[-1] == "gemv"
         logger.info("bf16 linear kernels by shape and rows: %s", self.describe())
 
     def describe(self) -> str | None:
@@ -128,7 +132,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         parts = []
         for (n, k), choice in sorted(self.choices.items()):
             runs, lo = [], 1
-            for b, name in enumerate(choice):
+            for b, name in enumerate(choice[:-1]):
                 hi = tuning.ROW_BANDS[b]
                 if runs and runs[-1][2] == name:
                     runs[-1][1] = hi
@@ -136,7 +140,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
                     runs.append([lo, hi, name])
                 lo = hi + 1
             bands = ", ".join(f"{name} {a}" if a == b else f"{name} {a}-{b}" for a, b, name in runs)
-            parts.append(f"{n}x{k}: {bands}, onednn beyond")
+            parts.append(f"{n}x{k}: {bands}, {choice[-1]} beyond")
         return "; ".join(parts)
 
     def _gemv_copy_fits(self, weight: torch.Tensor) -> bool:
@@ -159,7 +163,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         if gemv_weight is not None and x.dtype == torch.bfloat16:
             rows = x.reshape(-1, x.shape[-1])
             n = rows.shape[0]
-            if n <= GEMV_MAX_ROWS and layer.gemv_rows[n] and rows.stride(-1) == 1:
+            if (layer.gemv_rows[n] if n <= GEMV_MAX_ROWS else layer.gemv_beyond) and rows.stride(-1) == 1:
                 out = self._gemv(layer, rows)
                 return out.view(*x.shape[:-1], out.shape[-1])
         return self._onednn(layer, x)

@@ -29,8 +29,9 @@ from torch import nn
 
 logger = logging.getLogger("engine.cpu")
 
-# a band covers the row counts above the previous bound up to its own; it is timed at its bound
-ROW_BANDS = (1, 2, 4, 8, 16, 32, 64)
+# a band covers the row counts above the previous bound up to its own; it is timed at its bound;
+# the last covers every row count above the one before it (prefill chunks), timed at its bound
+ROW_BANDS = (1, 2, 4, 8, 16, 32, 64, 512)
 # the measurement stops adding repeats once it has taken this long
 BUDGET_SECONDS = 4.0
 MAX_REPEATS = 5
@@ -39,8 +40,9 @@ Kernel = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
 def band_of(rows: int) -> int:
-    """The index of the band holding ``rows`` (1 <= rows <= ROW_BANDS[-1])."""
-    return bisect.bisect_left(ROW_BANDS, rows)
+    """The index of the band holding ``rows`` (>= 1; the last band holds every count above the
+    bound before it)."""
+    return min(bisect.bisect_left(ROW_BANDS, rows), len(ROW_BANDS) - 1)
 
 
 def mode() -> str:

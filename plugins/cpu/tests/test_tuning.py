@@ -35,7 +35,7 @@ def spin(seconds: float) -> None:
 
 
 def test_band_of_puts_each_row_count_in_its_band():
-    assert [tuning.band_of(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)] == [
+    assert [tuning.band_of(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 512, 16384)] == [
         0,
         1,
         2,
@@ -48,6 +48,9 @@ def test_band_of_puts_each_row_count_in_its_band():
         5,
         6,
         6,
+        7,  # the last band holds every row count beyond 64 (prefill)
+        7,
+        7,
     ]
 
 
@@ -68,8 +71,8 @@ def test_the_fastest_candidate_of_each_band_is_chosen_stored_and_reused(store):
     candidates = {"per_row": per_row, "flat": flat}
     chosen = tuning.choose(layers, candidates, torch.bfloat16, "build-1", store)
     assert set(chosen) == {(16, 8), (32, 8)}
-    assert chosen[(16, 8)].choice == ("per_row",) * 4 + ("flat",) * 3  # 1..8 rows, then 16+
-    assert chosen[(32, 8)].choice == ("per_row",) * 4 + ("flat",) * 3
+    assert chosen[(16, 8)].choice == ("per_row",) * 4 + ("flat",) * 4  # 1..8 rows, then 16+
+    assert chosen[(32, 8)].choice == ("per_row",) * 4 + ("flat",) * 4
     assert chosen[(16, 8)].seconds[0]["per_row"] < chosen[(16, 8)].seconds[0]["flat"]
     stored = json.loads(store.read_text())
     (context,) = stored
@@ -97,7 +100,7 @@ def test_fresh_measures_again_and_a_damaged_store_is_measured_over(store, monkey
     assert len(count) == 2 * n
     monkeypatch.setenv("ENGINE_CPU_TUNING", "1")
     store.write_text("{not json")
-    assert tuning.choose(layers, {"a": kernel}, torch.bfloat16, "b", store)[(16, 8)].choice == ("a",) * 7
+    assert tuning.choose(layers, {"a": kernel}, torch.bfloat16, "b", store)[(16, 8)].choice == ("a",) * len(tuning.ROW_BANDS)
     assert len(count) == 3 * n and json.loads(store.read_text())
 
 
@@ -113,7 +116,10 @@ def test_the_linear_method_follows_the_measured_choice_and_frees_unused_copies(s
     wide, narrow = layer(96, 64), layer(48, 64)
     weights = {id(m): m.weight.data.clone() for m in (wide, narrow)}
     model = torch.nn.ModuleList([wide, narrow])
-    picked = {(96, 64): ("gemv", "gemv", "onednn", "gemv", "onednn", "onednn", "onednn"), (48, 64): ("onednn",) * 7}
+    picked = {
+        (96, 64): ("gemv", "gemv", "onednn", "gemv", "onednn", "onednn", "onednn", "gemv"),
+        (48, 64): ("onednn",) * 8,
+    }
     monkeypatch.setattr(
         tuning,
         "measure",
@@ -125,9 +131,10 @@ def test_the_linear_method_follows_the_measured_choice_and_frees_unused_copies(s
     apply_linear_method(model, method)
     assert not hasattr(narrow, "gemv_weight")  # never chosen: the copy is given back
     assert [r for r in range(1, GEMV_MAX_ROWS + 1) if wide.gemv_rows[r]] == [1, 2, 5, 6, 7, 8]
+    assert wide.gemv_beyond
     assert (
         method.describe()
-        == "48x64: onednn 1-64, onednn beyond; 96x64: gemv 1-2, onednn 3-4, gemv 5-8, onednn 9-64, onednn beyond"
+        == "48x64: onednn 1-64, onednn beyond; 96x64: gemv 1-2, onednn 3-4, gemv 5-8, onednn 9-64, gemv beyond"
     )
 
     calls = []
@@ -141,12 +148,12 @@ def test_the_linear_method_follows_the_measured_choice_and_frees_unused_copies(s
             return kernels.gemv(*args)
 
     method.kernels = Spy()
-    for rows in (1, 3, 6, 20):
+    for rows in (1, 3, 6, 20, 100):
         x = torch.randn(rows, 64).bfloat16()
         for module in (wide, narrow):
             expected = F.linear(x.float(), weights[id(module)].float())
             assert torch.allclose(module(x).float(), expected, rtol=2**-7, atol=1e-2 * expected.abs().max().item())
-    assert calls == [1, 6]
+    assert calls == [1, 6, 100]
 
 
 @gemv_kernels

@@ -284,7 +284,10 @@ def test_n_greedy_gives_identical_completions(llm):
     )
     assert len(three.outputs) == 3
     assert all(c.token_ids == one.outputs[0].token_ids and c.text == one.outputs[0].text for c in three.outputs)
-    assert len({c.cumulative_logprob for c in three.outputs}) == 1
+    # the same tokens; their logprobs agree up to the order of the sums, which a batch's row
+    # count may change (the three rows may be computed in different batches)
+    logprobs = [c.cumulative_logprob for c in three.outputs]
+    assert logprobs == pytest.approx([logprobs[0]] * 3, rel=1e-5)
 
 
 def test_aborting_an_n_request_aborts_every_sample(llm):

@@ -16,6 +16,16 @@ from cpu_isa import ISA_VARIANTS, use_isa  # noqa: E402
 from engine_cpu import native  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def kernels_whatever_the_environment_says():
+    """These are the kernels' own tests: they build and run the kernels even under
+    ENGINE_CPU_NATIVE=0, which decides what the engine runs (the rest of the suite then covers
+    the torch paths). Module-scoped, so it holds before each_isa forces a build."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.delenv("ENGINE_CPU_NATIVE", raising=False)
+        yield
+
+
 @pytest.fixture(scope="module", params=ISA_VARIANTS)
 def each_isa(request):
     """The tests of a module once per variant (module-scoped, so each build is forced once per module)."""

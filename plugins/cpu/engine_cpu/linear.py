@@ -94,6 +94,8 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         if self._gemv_copy_fits(weight):
             layer.gemv_weight = pack_gemv_weight(weight)
             layer.gemv_rows, layer.gemv_beyond = _ALL_ROWS, False
+            layer.gemv_out = weight.shape[0]
+            layer.gemv_bias = layer.bias.data if layer.bias is not None else _EMPTY
             if self.copy_budget_bytes is not None:
                 self.copy_budget_bytes -= layer.gemv_weight.numel() * layer.gemv_weight.element_size()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
@@ -150,8 +152,8 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         return self.copy_budget_bytes is None or size <= self.copy_budget_bytes
 
     def _gemv(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], layer.weight.shape[0], dtype=rows.dtype)
-        self.kernels.gemv(out, rows, layer.gemv_weight, layer.bias if layer.bias is not None else _EMPTY)
+        out = torch.empty(rows.shape[0], layer.gemv_out, dtype=rows.dtype)
+        self.kernels.gemv(out, rows, layer.gemv_weight, layer.gemv_bias)
         return out
 
     @staticmethod
@@ -159,13 +161,17 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        gemv_weight = getattr(layer, "gemv_weight", None)
+        # a decode step calls this for every layer: the gemv attributes are read from the
+        # instance dict (nn.Module's __getattr__ costs a microsecond a lookup)
+        attrs = layer.__dict__
+        gemv_weight = attrs.get("gemv_weight")
         if gemv_weight is not None and x.dtype == torch.bfloat16:
-            rows = x.reshape(-1, x.shape[-1])
+            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             n = rows.shape[0]
-            if (layer.gemv_rows[n] if n <= GEMV_MAX_ROWS else layer.gemv_beyond) and rows.stride(-1) == 1:
-                out = self._gemv(layer, rows)
-                return out.view(*x.shape[:-1], out.shape[-1])
+            if (attrs["gemv_rows"][n] if n <= GEMV_MAX_ROWS else attrs["gemv_beyond"]) and rows.stride(-1) == 1:
+                out = torch.empty(n, attrs["gemv_out"], dtype=x.dtype)
+                self.kernels.gemv(out, rows, gemv_weight, attrs["gemv_bias"])
+                return out if rows is x else out.view(*x.shape[:-1], out.shape[-1])
         return self._onednn(layer, x)
 
 

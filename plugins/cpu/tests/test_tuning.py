@@ -100,7 +100,9 @@ def test_fresh_measures_again_and_a_damaged_store_is_measured_over(store, monkey
     assert len(count) == 2 * n
     monkeypatch.setenv("ENGINE_CPU_TUNING", "1")
     store.write_text("{not json")
-    assert tuning.choose(layers, {"a": kernel}, torch.bfloat16, "b", store)[(16, 8)].choice == ("a",) * len(tuning.ROW_BANDS)
+    assert tuning.choose(layers, {"a": kernel}, torch.bfloat16, "b", store)[(16, 8)].choice == ("a",) * len(
+        tuning.ROW_BANDS
+    )
     assert len(count) == 3 * n and json.loads(store.read_text())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import logging
 import sys
 from pathlib import Path
 from typing import ClassVar
@@ -476,6 +477,21 @@ def test_single_available_accelerator_is_chosen_over_cpu():
     gpu = fake_platform("gpu")
     registry = platforms(fake_platform("cpu", "cpu"), gpu, fake_platform("npu", available=False))
     assert type(select_platform(registry, None)) is gpu
+
+
+def test_the_choice_is_logged_with_every_reason(caplog):
+    gpu = fake_platform("gpu", reason="1 GPU visible")
+    registry = platforms(
+        fake_platform("cpu", "cpu"), gpu, fake_platform("npu", available=False, reason="no NPU driver")
+    )
+    with caplog.at_level(logging.INFO, logger="engine"):
+        select_platform(registry, None)
+        select_platform(registry, "cpu")
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+        "platform gpu chosen: 1 GPU visible; passed over: cpu (available; an accelerator is preferred, --device cpu "
+        "to use it), npu (no NPU driver)",
+        "platform cpu chosen (--device cpu): cpu probed",
+    ]
 
 
 def test_two_available_accelerators_are_ambiguous():

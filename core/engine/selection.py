@@ -15,36 +15,51 @@ __all__ = ["SelectionError", "resolve_dtype", "select_attention_backend", "selec
 
 
 def select_platform(platforms: Any, device: str | None) -> Platform:
-    """``device`` by name; else the single available non-CPU platform; else CPU."""
+    """``device`` by name; else the single available non-CPU platform; else CPU. The choice is
+    logged at INFO with its reason and every platform passed over with its own (an available
+    accelerator is never passed over for the CPU unless ``device`` asks for the CPU)."""
     if device is not None:
         cls = platforms.get(device)
         availability = cls.is_available()
         if not availability:
             raise SelectionError(f"Platform {device!r} is not available: {availability.reason}")
+        logger.info("platform %s chosen (--device %s): %s", cls.name, device, availability.reason)
         return cls()
     candidates = []
     cpu = None
+    probed: list[tuple[str, Any, Any]] = []  # (name, class, availability) in registration order
     for name in platforms.names():
         cls = platforms.get(name)
         availability = cls.is_available()
-        logger.debug("platform %s available=%s (%s)", name, availability.available, availability.reason)
+        probed.append((name, cls, availability))
         if not availability:
             continue
         if cls.device_type == "cpu":
             cpu = cpu or cls
         else:
             candidates.append(cls)
-    if len(candidates) == 1:
-        return candidates[0]()
     if len(candidates) > 1:
         names = ", ".join(cls.name for cls in candidates)
         raise SelectionError(f"More than one platform is available ({names}); choose one with --device.")
-    if cpu is not None:
-        return cpu()
-    installed = ", ".join(platforms.names()) or "none"
-    raise SelectionError(
-        f"No platform is available (registered: {installed}). Install a platform plugin such as engine-cpu."
+    chosen = candidates[0] if candidates else cpu
+    if chosen is None:
+        installed = ", ".join(platforms.names()) or "none"
+        raise SelectionError(
+            f"No platform is available (registered: {installed}). Install a platform plugin such as engine-cpu."
+        )
+    passed = []
+    for name, cls, availability in probed:
+        if cls is chosen:
+            reason = availability.reason
+        elif availability:
+            why = "an accelerator is preferred" if chosen.device_type != "cpu" else f"{chosen.name} is registered first"
+            passed.append(f"{name} (available; {why}, --device {name} to use it)")
+        else:
+            passed.append(f"{name} ({availability.reason})")
+    logger.info(
+        "platform %s chosen: %s%s", chosen.name, reason, f"; passed over: {', '.join(passed)}" if passed else ""
     )
+    return chosen()
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str | None, platform: Platform) -> str:

@@ -1,0 +1,1 @@
+"""engine-cuda: the NVIDIA GPU platform."""

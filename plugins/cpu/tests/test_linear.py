@@ -75,7 +75,8 @@ def fp32_reference(x, weight, bias):
 
 @gemv_kernels
 @pytest.mark.parametrize("n, k", [(64, 48), (100, 512), (7, 8), (1000, 1408)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 10, 16, 17, 40, 64])  # passes of 6 (4 blocks) or 16 rows
+# passes of 6 rows (4 blocks) or up to 16 (one block), x in sweeps of 192 rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 10, 16, 17, 40, 64, 197, 386])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv_equals_the_fp32_product_rounded_once(n, k, rows, bias):
     gen = torch.Generator().manual_seed(n * 10 + rows)

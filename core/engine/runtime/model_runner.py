@@ -82,22 +82,31 @@ class ModelRunner:
             input_ids.extend(ids)
             input_ids.extend(batch.drafts.get(i, ()))
         tables = batch.block_tables
-        block_table = np.zeros((num_seqs, max(map(len, tables))), dtype=np.int64)
-        for i, table in enumerate(tables):
-            block_table[i, : len(table)] = table
-
-        # index arithmetic in numpy: a dozen tiny torch ops cost more than the work at batch 1
-        query_lens = np.asarray(num_new, dtype=np.int64)
-        context_lens = np.asarray(context, dtype=np.int64)
-        seq_lens = context_lens + query_lens
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        # token t belongs to sequence seq_idx[t], at position context + (t - query start)
-        seq_idx = np.repeat(np.arange(num_seqs), query_lens)
-        positions = np.arange(len(input_ids)) - query_start_loc[seq_idx] + context_lens[seq_idx]
-        slot_mapping = (
-            block_table[seq_idx, positions // self.block_size] * self.block_size + positions % self.block_size
-        )
+        width = max(map(len, tables))
+        block_table = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
+        bs = self.block_size
+        if all(n == 1 for n in num_new):
+            # one token a sequence, at position context: a few Python lines cost less than the
+            # dozen numpy calls of the general case, which make up most of a batch-1 step's inputs
+            positions = np.asarray(context, dtype=np.int64)
+            query_lens = np.ones(num_seqs, dtype=np.int64)
+            context_lens = np.asarray(context, dtype=np.int64)
+            seq_lens = context_lens + 1
+            query_start_loc = np.arange(num_seqs + 1, dtype=np.int64)
+            slot_mapping = np.asarray([t[p // bs] * bs + p % bs for t, p in zip(tables, context)], dtype=np.int64)
+            max_query_len, max_seq_len = 1, max(context) + 1
+        else:
+            # index arithmetic in numpy: a dozen tiny torch ops cost more than the work at batch 1
+            query_lens = np.asarray(num_new, dtype=np.int64)
+            context_lens = np.asarray(context, dtype=np.int64)
+            seq_lens = context_lens + query_lens
+            query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+            np.cumsum(query_lens, out=query_start_loc[1:])
+            # token t belongs to sequence seq_idx[t], at position context + (t - query start)
+            seq_idx = np.repeat(np.arange(num_seqs), query_lens)
+            positions = np.arange(len(input_ids)) - query_start_loc[seq_idx] + context_lens[seq_idx]
+            slot_mapping = block_table[seq_idx, positions // bs] * bs + positions % bs
+            max_query_len, max_seq_len = max(num_new), int(seq_lens.max())
 
         return {
             "input_ids": np.asarray(input_ids, dtype=np.int64),
@@ -108,6 +117,8 @@ class ModelRunner:
             "seq_lens": seq_lens,
             "block_tables": block_table,
             "slot_mapping": slot_mapping,
+            "max_query_len": max_query_len,
+            "max_seq_len": max_seq_len,
             "state_slots": (
                 np.asarray(batch.state_slots, dtype=np.int64) if batch.state_slots[0] is not None else None
             ),
@@ -115,9 +126,11 @@ class ModelRunner:
 
     def to_device(self, arrays: dict) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         device = self.device
+        on_host = device.type == "cpu"
 
         def tensor(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(device)
+            host = torch.from_numpy(array)
+            return host if on_host else host.to(device)
 
         metadata = CommonAttentionMetadata(
             query_start_loc=tensor(arrays["query_start_loc"]),
@@ -126,8 +139,8 @@ class ModelRunner:
             seq_lens=tensor(arrays["seq_lens"]),
             block_tables=tensor(arrays["block_tables"]),
             slot_mapping=tensor(arrays["slot_mapping"]),
-            max_query_len=int(arrays["query_lens"].max()),
-            max_seq_len=int(arrays["seq_lens"].max()),
+            max_query_len=arrays["max_query_len"],
+            max_seq_len=arrays["max_seq_len"],
             block_size=self.block_size,
             state_slots=tensor(arrays["state_slots"]) if arrays["state_slots"] is not None else None,
         )

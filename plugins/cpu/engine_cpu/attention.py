@@ -91,13 +91,19 @@ class CpuPagedAttention(AttentionBackend):
         self.kernels = native.load()
 
     @property
-    def packed(self) -> bool:
-        """Whether the cache has the packed layout (fixed for a cache's lifetime: it follows the
-        backend's dtype, sizes and kernels)."""
-        return (
-            self.kernels is not None
+    def kernels(self):
+        """The native kernels module, or None (the torch path)."""
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels) -> None:
+        self._kernels = kernels
+        # whether the cache has the packed layout: fixed for a cache's lifetime (it follows the
+        # backend's dtype, sizes and kernels), and read by every layer's forward
+        self.packed = (
+            kernels is not None
             and self.dtype == torch.bfloat16
-            and self.kernels.packed_kv_supported(self.spec.head_size, self.block_size)
+            and kernels.packed_kv_supported(self.spec.head_size, self.block_size)
         )
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -277,7 +283,12 @@ class CpuPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
         # the kernels take q, k and v as slices of a fused projection: no copies
-        q, k, v = (x if _rows_of_heads(x) else x.contiguous() for x in (q, k, v))
+        if not _rows_of_heads(q):
+            q = q.contiguous()
+        if not _rows_of_heads(k):
+            k = k.contiguous()
+        if not _rows_of_heads(v):
+            v = v.contiguous()
         self.kernels.cache_write_packed(kv_cache, common.slot_mapping, k, v)
         out = torch.empty(q.shape, dtype=q.dtype)
         window = spec.sliding_window or 0

@@ -100,7 +100,7 @@ class LlamaAttentionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q, k, v = self.qkv_proj.forward(x).split(self.qkv_proj.output_sizes, dim=-1)
         # q: [T, H, D]; k, v: [T, Hkv, D]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -109,7 +109,7 @@ class LlamaAttentionBlock(nn.Module):
             q, k = self.q_norm(q, ops=ctx.ops), self.k_norm(k, ops=ctx.ops)
         q, k = ctx.ops.rotary(q, k, *cos_sin)
         out = self.attn(q, k, v, ctx)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj.forward(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class LlamaForCausalLM(Model):

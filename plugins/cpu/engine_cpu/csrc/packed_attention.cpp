@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -42,6 +43,7 @@ bool packed_kv_supported(int64_t head_size, int64_t block_size) {
 namespace {
 
 constexpr int64_t kPrefetchBlocks = 2;  // into L2: a block of all heads' K and V can exceed L1
+constexpr int kScoreChunks = 4;  // 16-key chunks scored together (pass 1)
 
 inline void prefetch_segment(const at::BFloat16* seg, int64_t elements) {
   const char* p = reinterpret_cast<const char*>(seg);
@@ -68,6 +70,7 @@ void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k
                  int64_t g1, int64_t group, int64_t num_kv_heads, int64_t block_size, float scale,
                  DecodeScratch& scratch) {
   constexpr int64_t P = D / 2, C = D / 16;
+  static_assert(P % 4 == 0, "head sizes are multiples of 8");
   const int64_t seg = block_size * D, heads = (g1 - g0) * group;
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -95,48 +98,63 @@ void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k
   auto prefetch = [&](const at::BFloat16* cache, int64_t n) {
     prefetch_segment(cache + (table[n] * num_kv_heads + g0) * seg, (g1 - g0) * seg);
   };
-  // pass 1: scores
-  for (int64_t n = first_block; n < std::min(first_block + kPrefetchBlocks, last_block + 1); ++n)
-    prefetch(key_cache, n);
-  for (int64_t n = first_block; n <= last_block; ++n) {
-    const int64_t block_start = n * block_size;
-    for (int64_t o = 0; o < block_size; o += 16) {
-      const int64_t chunk = block_start + o;  // position of lane 0
-      if (chunk > pos) break;
-      if (chunk < chunk_lo) continue;
-      const __mmask16 valid = valid_lanes(chunk);
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t base = (table[n] * num_kv_heads + g) * seg;
-        if (o == 0 && n + kPrefetchBlocks <= last_block)  // the same head's segment, kPrefetchBlocks ahead
-          prefetch_segment(key_cache + (table[n + kPrefetchBlocks] * num_kv_heads + g) * seg, seg);
-        const uint32_t* kw = reinterpret_cast<const uint32_t*>(key_cache + base) + o;  // pair p of key o+i: kw[p*bs+i]
-        for (int64_t h = (g - g0) * group; h < (g - g0 + 1) * group; ++h) {
-          const uint32_t* qw = reinterpret_cast<const uint32_t*>(q + h * D);
-          __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(),
-                 s3 = _mm512_setzero_ps();
-          int64_t p = 0;
-          for (; p + 4 <= P; p += 4) {
-            s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[p])),
-                                  (__m512bh)_mm512_loadu_si512(kw + p * block_size));
-            s1 = _mm512_dpbf16_ps(s1, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[p + 1])),
-                                  (__m512bh)_mm512_loadu_si512(kw + (p + 1) * block_size));
-            s2 = _mm512_dpbf16_ps(s2, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[p + 2])),
-                                  (__m512bh)_mm512_loadu_si512(kw + (p + 2) * block_size));
-            s3 = _mm512_dpbf16_ps(s3, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[p + 3])),
-                                  (__m512bh)_mm512_loadu_si512(kw + (p + 3) * block_size));
+  // pass 1: scores, kScoreChunks 16-key chunks at a time: each broadcast query pair feeds the
+  // chunks' products (4 accumulators a chunk, pair p to accumulator p % 4, so a key's score
+  // sums its pairs in the same order however the chunks are grouped)
+  // a group spans up to score_blocks blocks: K is prefetched kPrefetchBlocks past the group
+  const int64_t score_blocks = (16 * kScoreChunks + block_size - 1) / block_size;
+  const int64_t ahead = kPrefetchBlocks + score_blocks;
+  for (int64_t n = first_block; n < std::min(first_block + ahead, last_block + 1); ++n) prefetch(key_cache, n);
+  for (int64_t chunk0 = chunk_lo; chunk0 <= chunk_hi; chunk0 += 16 * kScoreChunks) {
+    const int nc = static_cast<int>(std::min<int64_t>(kScoreChunks, (chunk_hi - chunk0) / 16 + 1));
+    int64_t block_of[kScoreChunks], offset_of[kScoreChunks];
+    for (int i = 0; i < nc; ++i) {
+      block_of[i] = (chunk0 + 16 * i) / block_size;
+      offset_of[i] = (chunk0 + 16 * i) % block_size;
+    }
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint32_t* kw[kScoreChunks];  // pair p of key o+i of chunk c: kw[c][p*bs+i]
+      for (int i = 0; i < nc; ++i) {
+        const int64_t n = block_of[i];
+        if (offset_of[i] == 0 && n + ahead <= last_block)  // the same head's segment, `ahead` blocks on
+          prefetch_segment(key_cache + (table[n + ahead] * num_kv_heads + g) * seg, seg);
+        kw[i] = reinterpret_cast<const uint32_t*>(key_cache + (table[n] * num_kv_heads + g) * seg) + offset_of[i];
+      }
+      for (int64_t h = (g - g0) * group; h < (g - g0 + 1) * group; ++h) {
+        const uint32_t* qw = reinterpret_cast<const uint32_t*>(q + h * D);
+        auto score = [&](auto chunks) {
+          constexpr int NC = decltype(chunks)::value;
+          __m512 s[NC][4];
+          for (int i = 0; i < NC; ++i)
+            for (int u = 0; u < 4; ++u) s[i][u] = _mm512_setzero_ps();
+          for (int64_t p = 0; p < P; p += 4) {
+            for (int u = 0; u < 4; ++u) {
+              const __m512bh xq = (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[p + u]));
+              for (int i = 0; i < NC; ++i)
+                s[i][u] = _mm512_dpbf16_ps(s[i][u], xq, (__m512bh)_mm512_loadu_si512(kw[i] + (p + u) * block_size));
+            }
           }
-          for (; p < P; ++p) {
-            s0 = _mm512_dpbf16_ps(s0, (__m512bh)_mm512_set1_epi32(static_cast<int>(qw[p])),
-                                  (__m512bh)_mm512_loadu_si512(kw + p * block_size));
+          __m512 m = _mm512_loadu_ps(vmax + h * 16);
+          for (int i = 0; i < NC; ++i) {
+            const int64_t chunk = chunk0 + 16 * i;
+            __m512 t = _mm512_add_ps(_mm512_add_ps(s[i][0], s[i][1]), _mm512_add_ps(s[i][2], s[i][3]));
+            t = _mm512_mask_blend_ps(valid_lanes(chunk), neg_inf, _mm512_mul_ps(t, vscale));
+            _mm512_storeu_ps(scores + h * span + (chunk - key0), t);
+            m = _mm512_max_ps(m, t);
           }
-          __m512 s = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
-          s = _mm512_mask_blend_ps(valid, neg_inf, _mm512_mul_ps(s, vscale));
-          _mm512_storeu_ps(scores + h * span + (chunk - key0), s);
-          _mm512_storeu_ps(vmax + h * 16, _mm512_max_ps(_mm512_loadu_ps(vmax + h * 16), s));
+          _mm512_storeu_ps(vmax + h * 16, m);
+        };
+        switch (nc) {
+          case 4: score(std::integral_constant<int, 4>{}); break;
+          case 3: score(std::integral_constant<int, 3>{}); break;
+          case 2: score(std::integral_constant<int, 2>{}); break;
+          default: score(std::integral_constant<int, 1>{}); break;
         }
       }
     }
   }
+  for (int64_t n = first_block; n < std::min(first_block + kPrefetchBlocks, last_block + 1); ++n)
+    prefetch(value_cache, n);
   // pass 2: probabilities (bf16, as the softmax output is rounded before P @ V in the model's
   // dtype) and each head's sum of the unrounded ones
   std::vector<float>& l = scratch.vmax;  // reused: head h's sum in l[h * 16] once its max is read
@@ -152,9 +170,7 @@ void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k
     }
     l[h * 16] = _mm512_reduce_add_ps(sum);
   }
-  // pass 3: P @ V
-  for (int64_t n = first_block; n < std::min(first_block + kPrefetchBlocks, last_block + 1); ++n)
-    prefetch(value_cache, n);
+  // pass 3: P @ V (its first blocks prefetched before pass 2, which reads no memory)
   for (int64_t n = first_block; n <= last_block; ++n) {
     const int64_t block_start = n * block_size;
     for (int64_t o = 0; o < block_size; o += 16) {

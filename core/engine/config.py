@@ -62,6 +62,15 @@ class EngineConfig(BaseModel):
         description="Share of the free device memory (host memory on cpu) for the KV cache, "
         "used when kv_cache_memory is unset.",
     )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="Share of the device's total memory the engine may take, on platforms whose allocator "
+        "counts its bytes (cuda, rocm): the KV cache gets that share less what is in use before it (weights, "
+        "the runtime, other processes) and the activation peak of a profiled forward at max_num_batched_tokens. "
+        "Not used where kv_cache_memory or kv_cache_memory_fraction is set, nor on cpu.",
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before.")
     kv_tier: str | None = Field(
         None,

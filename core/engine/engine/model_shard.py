@@ -14,6 +14,7 @@ import torch
 
 from engine.distributed.executor import ControlChannel
 from engine.distributed.parallel_state import SINGLE, TensorParallel, tensor_parallel
+from engine.engine.memory_plan import MemoryBudget, budget_kv_cache, measure_activation_peak
 from engine.engine.setup import EngineSetup
 from engine.interfaces.model import Model
 from engine.runtime.batch import ModelOutput, ScheduledBatch
@@ -87,6 +88,47 @@ def local_device_index(platform, tp: TensorParallel) -> int:
     return int(os.environ.get("LOCAL_RANK", tp.rank))
 
 
+def profiled_kv_cache_bytes(setup: EngineSetup, model: Model, platform, device, backends) -> int:
+    """The KV cache's bytes by ``--gpu-memory-utilization``: the share of the device less what
+    is in use now (the weights loaded) and a profiled forward's activation peak."""
+    config = setup.config
+    info = platform.memory_info()
+
+    def profile_cache(max_model_len: int, num_seqs: int) -> KVCache:
+        # the free memory as the budget: the cache is capped at what num_seqs sequences can use
+        return build_kv_cache(
+            model,
+            setup.components,
+            platform,
+            setup.dtype_name,
+            device,
+            config.block_size,
+            info.free_bytes,
+            max_model_len=max_model_len,
+            max_num_seqs=num_seqs,
+            backends=backends,
+            batch_invariant=config.batch_invariant,
+        )
+
+    peak = measure_activation_peak(
+        model,
+        platform,
+        profile_cache,
+        num_tokens=config.max_num_batched_tokens,
+        max_model_len=setup.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        block_size=config.block_size,
+    )
+    budget = MemoryBudget(
+        total_bytes=info.total_bytes,
+        utilization=config.gpu_memory_utilization,
+        in_use_bytes=info.total_bytes - info.free_bytes,
+        activation_peak_bytes=peak,
+        profile_tokens=config.max_num_batched_tokens,
+    )
+    return budget_kv_cache(budget)
+
+
 def build_shard(
     setup: EngineSetup,
     *,
@@ -139,6 +181,8 @@ def build_shard(
             memory = int(config.kv_cache_memory * 2**30)
         elif config.kv_cache_memory_fraction is not None:
             memory = int(platform.memory_info().free_bytes * config.kv_cache_memory_fraction)
+        elif platform.memory_stats() is not None:
+            memory = profiled_kv_cache_bytes(setup, model, platform, device, backends)
         else:
             memory = platform.default_kv_cache_bytes()
         kv_cache = build_kv_cache(

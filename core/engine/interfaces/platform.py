@@ -98,6 +98,16 @@ class Platform(ABC):
         and matching it up to the dtype's rounding; None keeps the torch reference."""
         return None
 
+    def memory_stats(self) -> tuple[int, int] | None:
+        """``(allocated, peak)``: the bytes the device allocator's live tensors hold now and
+        their peak since :meth:`reset_peak_memory`; None (the default, the CPU's answer) where
+        the platform cannot tell. Where it can, the KV cache is sized by
+        ``--gpu-memory-utilization`` and a profiled forward (``engine.engine.memory_plan``)."""
+        return None
+
+    def reset_peak_memory(self) -> None:
+        """Start :meth:`memory_stats`' peak afresh (a no-op where it answers None)."""
+
     def default_kv_cache_bytes(self) -> int:
         """KV-cache size when the user sets none: half of the free memory by default."""
         return self.memory_info().free_bytes // 2

@@ -41,6 +41,19 @@ def test_memory_info_and_default_kv_cache(platform, monkeypatch):
     assert asked == [torch.device("cuda", 0)] * 2
 
 
+def test_memory_stats_read_the_caching_allocator_of_the_device(platform, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: calls.append(("now", device)) or 5 << 20)
+    monkeypatch.setattr(
+        torch.cuda, "max_memory_allocated", lambda device=None: calls.append(("peak", device)) or 9 << 20
+    )
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", device)))
+    platform.reset_peak_memory()
+    assert platform.memory_stats() == (5 << 20, 9 << 20)
+    device = torch.device("cuda", 0)
+    assert calls == [("reset", device), ("now", device), ("peak", device)]
+
+
 def test_seed_everything_seeds_every_gpu_and_the_host(platform, monkeypatch):
     seeds = []
     monkeypatch.setattr(torch.cuda, "manual_seed_all", seeds.append)

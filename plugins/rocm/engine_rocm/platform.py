@@ -117,6 +117,18 @@ class RocmPlatform(Platform):
         free_bytes, total_bytes = torch.cuda.mem_get_info(self.device())
         return MemoryInfo(free_bytes=int(free_bytes), total_bytes=int(total_bytes))
 
+    def memory_stats(self) -> tuple[int, int]:
+        """The caching allocator's live bytes on the device and their peak since the last reset."""
+        import torch
+
+        device = self.device()
+        return int(torch.cuda.memory_allocated(device)), int(torch.cuda.max_memory_allocated(device))
+
+    def reset_peak_memory(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(self.device())
+
     def seed_everything(self, seed: int) -> None:
         """Seed Python, NumPy and torch, and the generators of every visible GPU."""
         import torch

@@ -73,6 +73,24 @@ class PlatformTests(KitTests):
         info = self.available_platform().memory_info()
         assert 0 < info.free_bytes <= info.total_bytes
 
+    def test_memory_stats_count_what_is_allocated(self) -> None:
+        """Where ``memory_stats`` answers: a tensor allocated after ``reset_peak_memory`` raises
+        the live bytes by at least its size, and the peak is never below the live bytes."""
+        import torch
+
+        platform = self.available_platform()
+        if platform.memory_stats() is None:
+            capability_skip("memory_stats")
+        platform.synchronize()
+        platform.reset_peak_memory()
+        before, _ = platform.memory_stats()
+        held = torch.empty(4 << 20, dtype=torch.uint8, device=platform.device())
+        platform.synchronize()
+        allocated, peak = platform.memory_stats()
+        assert allocated - before >= held.numel(), f"allocated rose by {allocated - before} bytes for {held.numel()}"
+        assert peak >= allocated, f"peak {peak} below the live bytes {allocated}"
+        del held
+
     def test_seeding_makes_sampling_reproducible(self) -> None:
         """``seed_everything`` fixes torch's random streams on the device."""
         import torch

@@ -154,3 +154,20 @@ def test_requests_whose_sampling_reads_their_output_are_scheduled_after_the_step
     assert outputs_of(overlapped, prompts, params) == expected
     assert overlapped.engine.scheduler.num_scheduled_ahead == 0
     overlapped.close()
+
+
+def test_unset_async_scheduling_follows_the_platform(checkpoint, monkeypatch):
+    """Without --async-scheduling the platform decides (engine-cuda: on, the CPU: off); the
+    option given either way wins, and the outputs do not change."""
+    from engine_cpu.platform import CpuPlatform
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = mixed_prompts()[:3]
+    plain = make_llm(checkpoint)
+    assert plain.engine.async_scheduling is False and plain.engine.shard.executor is None
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(CpuPlatform, "async_scheduling_default", True)
+    overlapped = make_llm(checkpoint)
+    assert overlapped.engine.async_scheduling is True and overlapped.engine.shard.executor is not None
+    assert [o.outputs[0].token_ids for o in overlapped.generate(prompts, params, use_tqdm=False)] == expected
+    assert make_llm(checkpoint, async_scheduling=False).engine.async_scheduling is False

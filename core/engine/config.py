@@ -114,11 +114,12 @@ class EngineConfig(BaseModel):
         description="Ranks to split the model over (tensor parallelism): spawned on this machine, or "
         "started by torchrun across machines (WORLD_SIZE must equal it).",
     )
-    async_scheduling: bool = Field(
-        False,
+    async_scheduling: bool | None = Field(
+        None,
         description="Run the forward on a thread of its own and schedule each step while the one before "
         "runs (its sampled tokens filled in when known), so that scheduling, output processing and the caller's "
-        "work overlap the forward; outputs are the same either way.",
+        "work overlap the forward; outputs are the same either way. Default: the platform's (on for cuda, where "
+        "the GPU runs a step while the host plans the next; off on cpu, whose cores the forward itself uses).",
     )
 
     structured_output_backend: str | None = Field(

@@ -55,6 +55,12 @@ class LLMEngine:
             if launch.rank != 0:
                 raise ValueError(f"Rank {launch.rank} runs engine.engine.workers.run_worker, not an LLMEngine.")
         self.setup.platform.configure_process()
+        # --async-scheduling, else the platform's default (on where a device runs the forward)
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else type(self.setup.platform).async_scheduling_default
+        )
         self.shard: ModelShard | None = None
         self._in_flight: InFlightStep | None = None  # async scheduling: the step whose forward runs now
         self._ready: list[StepResult] = []  # a step finished early (_drain), returned by the next step()
@@ -84,7 +90,7 @@ class LLMEngine:
             channel=self.ranks.channel,
             progress=progress,
             before_weights=self._plan_caches,
-            async_execution=config.async_scheduling,
+            async_execution=self.async_scheduling,
         )
         kv_cache = self.shard.kv_cache
         self.kv_manager = KVCacheManager(
@@ -327,8 +333,8 @@ class LLMEngine:
         if self._ready:  # finished early by _drain
             return self._ready.pop()
         step, self._in_flight = self._in_flight or self._start(), None
-        result = self._finish(step, then=self._schedule_ahead(step) if self.config.async_scheduling else None)
-        if self.config.async_scheduling and self._in_flight is None and self.scheduler.has_unfinished():
+        result = self._finish(step, then=self._schedule_ahead(step) if self.async_scheduling else None)
+        if self.async_scheduling and self._in_flight is None and self.scheduler.has_unfinished():
             self._in_flight = self._start()  # scheduled after this step: it needed this step's outcome
         return result
 

@@ -49,6 +49,9 @@ class Platform(ABC):
     - ``fp8_dtype``: name of the native FP8 dtype, or None.
     - ``attention_backends``: attention kind -> backend names in order of preference.
     - ``supported_quantizations``: quantization method names, or None for any.
+    - ``async_scheduling_default``: whether ``--async-scheduling`` is on when not given (the
+      forward on a thread of its own while the host schedules the next step: a gain where a
+      device runs the forward, a loss where the host's cores do).
 
     Instances take no constructor arguments. Methods raise ``RuntimeError`` with a
     reason when used on a platform that is not available.
@@ -63,6 +66,7 @@ class Platform(ABC):
     auto_dtype_overrides: ClassVar[Mapping[str, str]] = {}
     attention_backends: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     supported_quantizations: ClassVar[tuple[str, ...] | None] = None
+    async_scheduling_default: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

@@ -49,6 +49,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     device_type = "cuda"
     dist_backend = "nccl"
+    async_scheduling_default = True  # the host plans step N + 1 while the GPU runs step N
     supported_dtypes = ByDevice("dtypes", ALL_DTYPES)  # type: ignore[assignment]
     default_dtype = ByDevice("default_dtype", "bfloat16")  # type: ignore[assignment]
     fp8_dtype = ByDevice("fp8_dtype", None)  # type: ignore[assignment]

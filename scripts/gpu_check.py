@@ -1,5 +1,6 @@
 """Run the engine's Triton kernels natively on a CUDA or ROCm GPU against their torch
-references, and print each one's error and time.
+references, and print each one's error and time; then the engine on the GPU with CUDA graphs
+and async scheduling on and off (identical greedy outputs, and the batch-1 step each way).
 
     python scripts/gpu_check.py            # needs torch with CUDA or HIP and triton
 
@@ -107,6 +108,69 @@ def check_moe(device) -> bool:
     return report("fused MoE (512 tokens, 64 experts, top 8)", got, expected, ms, ref_ms)
 
 
+def check_fp8_gemm(device) -> bool:
+    from engine_cuda.fp8_gemm import fp8_block_linear, quantize_fp8_groups
+
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        print("FP8 GEMM: skipped (needs compute capability 8.9+)")
+        return True
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    m, n, k = 64, 4096, 7168  # a DeepSeek-V3 projection's shape
+    weight = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(n // 128, k // 128, generator=gen) / 64 + 1e-3
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    weight, scales, x = weight.to(device), scales.to(device), x.to(device)
+    q, x_scales = quantize_fp8_groups(x, 128)
+    x_ref = (q.float().view(m, k // 128, 128) * x_scales[:, :, None]).view(m, k)
+    w_ref = (weight.float().view(n // 128, 128, k // 128, 128) * scales[:, None, :, None]).view(n, k)
+
+    expected, ref_ms = timed(lambda: (x_ref @ w_ref.T).to(torch.bfloat16), repeat=10)
+    got, ms = timed(lambda: fp8_block_linear(x, weight, scales, (128, 128), block_k=128), repeat=10)
+    return report("FP8 block GEMM W8A8 (64x4096x7168)", got, expected, ms, ref_ms)
+
+
+def check_decode_graphs(device) -> bool:
+    """The engine on cuda with a tiny random Llama: greedy outputs identical with CUDA graphs
+    on and off and async scheduling on and off, and the batch-1 decode step's time each way."""
+    import tempfile
+
+    from engine import LLM, SamplingParams
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory() as path:
+        make_tiny_checkpoint("LlamaForCausalLM", path, dtype="bfloat16")
+        params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+        prompts = [[(7 * i + j) % 300 + 3 for j in range(5 + 3 * i)] for i in range(6)]
+        outputs, steps = {}, {}
+        for name, settings in {
+            "graphs": {},
+            "eager": {"enforce_eager": True},
+            "graphs, no async": {"async_scheduling": False},
+        }.items():
+            platform = "rocm" if torch.version.hip else "cuda"
+            llm = LLM(path, plugins=[platform, "llama"], dtype="bfloat16", progress=False, max_num_seqs=8, **settings)
+            outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            engine = llm.engine
+            engine.add_request("timed", prompts[0], params)
+            times = []
+            while engine.has_unfinished():
+                start = time.perf_counter()
+                engine.step()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1000)
+            steps[name] = sorted(times[2:])[len(times[2:]) // 2]
+            del llm, engine
+    same = all(o == outputs["eager"] for o in outputs.values())
+    print(
+        "decode graphs: outputs "
+        + ("identical" if same else "DIFFER")
+        + "; batch-1 step "
+        + ", ".join(f"{name} {ms:.2f} ms" for name, ms in steps.items())
+        + f"; eager / graphs {steps['eager'] / steps['graphs']:.2f}x"
+    )
+    return same
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print(
@@ -118,7 +182,8 @@ def main() -> int:
     runtime = f"HIP {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {runtime}")
     with torch.inference_mode():
-        results = [check(device) for check in (check_paged_attention, check_kda, check_moe)]
+        results = [check(device) for check in (check_paged_attention, check_kda, check_moe, check_fp8_gemm)]
+    results.append(check_decode_graphs(device))
     return 0 if all(results) else 1
 
 

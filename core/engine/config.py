@@ -114,6 +114,16 @@ class EngineConfig(BaseModel):
         description="Ranks to split the model over (tensor parallelism): spawned on this machine, or "
         "started by torchrun across machines (WORLD_SIZE must equal it).",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="Run every step eagerly: capture no device graphs of decode steps (CUDA graphs on cuda).",
+    )
+    cuda_graph_max_bs: int | None = Field(
+        None,
+        ge=1,
+        description="Largest decode batch captured as a device graph (sizes 1, 2, 4, 8, then steps of 8); "
+        "default: max_num_seqs, at most 512. Larger decode batches run eagerly.",
+    )
     async_scheduling: bool | None = Field(
         None,
         description="Run the forward on a thread of its own and schedule each step while the one before "

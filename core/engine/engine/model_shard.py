@@ -18,6 +18,7 @@ from engine.engine.memory_plan import MemoryBudget, budget_kv_cache, measure_act
 from engine.engine.setup import EngineSetup
 from engine.interfaces.model import Model
 from engine.runtime.batch import ModelOutput, ScheduledBatch
+from engine.runtime.graphs import DecodeGraphs, graph_batch_sizes
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.kv_tier_connector import CanonicalBlocks, tier_spec
 from engine.runtime.model_builder import (
@@ -86,6 +87,27 @@ def local_device_index(platform, tp: TensorParallel) -> int:
     if not tp.is_parallel or platform.device_type == "cpu":
         return 0
     return int(os.environ.get("LOCAL_RANK", tp.rank))
+
+
+def decode_graphs_of(setup: EngineSetup, model: Model, tp: TensorParallel):
+    """The platform's device-graph factory when decode steps are to be captured, else None
+    (the platform has none, ``--enforce-eager``, or a case graphs do not cover yet: logged)."""
+    make_graph = setup.platform.device_graphs()
+    if make_graph is None:
+        return None
+    reason = None
+    if setup.config.enforce_eager:
+        reason = "--enforce-eager"
+    elif tp.is_parallel:
+        reason = "tensor parallelism"
+    elif setup.proposer_cls is not None:
+        reason = "speculative decoding (its proposers read hidden states the graphs do not keep)"
+    elif any(spec.is_recurrent for spec in model.kv_cache_specs()):
+        reason = "recurrent attention layers (their padding rows would need a state of their own)"
+    if reason is not None:
+        logger.info("decode steps run eagerly: %s", reason)
+        return None
+    return make_graph
 
 
 def profiled_kv_cache_bytes(setup: EngineSetup, model: Model, platform, device, backends) -> int:
@@ -185,6 +207,7 @@ def build_shard(
             memory = profiled_kv_cache_bytes(setup, model, platform, device, backends)
         else:
             memory = platform.default_kv_cache_bytes()
+        make_graph = decode_graphs_of(setup, model, tp)
         kv_cache = build_kv_cache(
             model,
             setup.components,
@@ -198,11 +221,23 @@ def build_shard(
             agree=channel.agree_on_min if channel is not None else None,
             backends=backends,
             batch_invariant=config.batch_invariant,
+            spare_blocks=1 if make_graph is not None else 0,  # where the graphs' padding rows write
         )
     kv_blocks = None
     if tp.rank != 0 and config.kv_tier is not None:  # rank 0 holds the tier; this rank gives and takes its heads
         kv_blocks = CanonicalBlocks(kv_cache, tier_spec(kv_cache, setup.salt, setup.dtype), tp)
     runner = ModelRunner(model, kv_cache, device, channel=channel)
+    if make_graph is not None:
+        runner.graphs = DecodeGraphs(
+            model,
+            kv_cache,
+            device,
+            graph_batch_sizes(config.max_num_seqs, config.cuda_graph_max_bs),
+            max_model_len=setup.max_model_len,
+            block_size=config.block_size,
+            make_graph=make_graph,
+        )
+        runner.graphs.capture(progress=progress)
     executor = None
     if async_execution:  # under OpenMP the intra-op thread count is per calling thread: keep this one's
         executor = ThreadPoolExecutor(

@@ -112,6 +112,13 @@ class Platform(ABC):
     def reset_peak_memory(self) -> None:
         """Start :meth:`memory_stats`' peak afresh (a no-op where it answers None)."""
 
+    def device_graphs(self):
+        """A factory of device graphs (``engine.runtime.graphs.DeviceGraph``: ``capture(fn)``
+        records ``fn``'s kernels and returns its output, ``replay()`` reruns them into it), with
+        which the engine captures its decode steps at start-up; None (the default) where the
+        platform has none, and every step runs eagerly."""
+        return None
+
     def default_kv_cache_bytes(self) -> int:
         """KV-cache size when the user sets none: half of the free memory by default."""
         return self.memory_info().free_bytes // 2

@@ -165,11 +165,12 @@ def build_kv_cache(
     agree: Callable[[int], int] | None = None,
     backends: list[tuple[AttentionSpec, list[int], type]] | None = None,
     batch_invariant: bool = False,
+    spare_blocks: int = 0,
 ) -> KVCache:
     """The paged KV cache of ``model``: one group per distinct layer spec with the attention
     backend selected for it (``backends``, from :func:`select_backends`, when already chosen),
     as many blocks as ``memory_bytes`` holds (no more than ``max_num_seqs`` sequences of
-    ``max_model_len`` can use)."""
+    ``max_model_len`` can use), and ``spare_blocks`` more that no request is given."""
     dtype = getattr(torch, dtype_name)
     specs = model.kv_cache_specs()
     if backends is None:
@@ -224,4 +225,5 @@ def build_kv_cache(
         ops,
         allocate=platform.allocate_kv_cache,
         num_state_slots=num_state_slots,
+        spare_blocks=spare_blocks,
     )

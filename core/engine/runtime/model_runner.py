@@ -61,6 +61,8 @@ class ModelRunner:
         # a thread of their own while the forward runs
         self.structured_output = None
         self._mask_thread: ThreadPoolExecutor | None = None
+        # captured decode forwards (engine.runtime.graphs), replayed for the decode-only steps that fit
+        self.graphs = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         """input_ids [T], positions [T] and the step's attention metadata."""
@@ -188,13 +190,15 @@ class ModelRunner:
         arrays = self.prepare_arrays(batch)
         if self.channel is not None:
             self.channel.send(("forward", arrays))
-        input_ids, positions, common = self.to_device(arrays)
-        ctx = self.kv_cache.forward_context(common)
+        replay = self.graphs is not None and self.graphs.fits(arrays) is not None
+        if not replay:
+            input_ids, positions, common = self.to_device(arrays)
+            ctx = self.kv_cache.forward_context(common)
         sampling = batch.sample_indices
         masks = self._start_masks(batch)
         forward_start = self._clock()
         timings.prepare = forward_start - start
-        hidden = self.model(input_ids, positions, ctx)
+        hidden = self.graphs.run(arrays) if replay else self.model(input_ids, positions, ctx)
         sample_start = self._clock()
         timings.forward, timings.forward_tokens = sample_start - forward_start, len(arrays["input_ids"])
         self._masks = masks.result() if masks is not None else None

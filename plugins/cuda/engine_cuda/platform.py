@@ -108,6 +108,13 @@ class CudaPlatform(Platform):
 
         torch.cuda.reset_peak_memory_stats(self.device())
 
+    def device_graphs(self):
+        """CUDA graphs (``engine_cuda.graphs``), the decode steps' captures sharing one pool."""
+        from engine_cuda.graphs import CudaGraphs
+
+        self.require_available()
+        return CudaGraphs()
+
     def seed_everything(self, seed: int) -> None:
         """Seed Python, NumPy and torch, and the generators of every visible GPU."""
         import torch

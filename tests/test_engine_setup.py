@@ -69,6 +69,11 @@ MISTAKES = {
         "does not run on platform 'cpu'",
     ),
     "unknown attention backend": ({"attention_backend": "flash"}, ComponentError, "flash"),
+    "an fp8 KV cache no backend here keeps": (
+        {"kv_cache_dtype": "fp8"},
+        SelectionError,
+        r"KV-cache dtype fp8\): cpu_paged: KV-cache dtype fp8 not supported",
+    ),
     "attention backend refusing the model": (
         {"attention_backend": "cpu_mla"},
         SelectionError,

@@ -151,3 +151,81 @@ def test_the_kernel_reads_latent_entries(block_size, num_heads, latent_size, rop
         )
         torch.testing.assert_close(out[start : start + new], expected, atol=1e-3, rtol=0)
         start += new
+
+
+def e4m3(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """``x`` as an FP8 cache with per-tensor ``factor`` holds it: x / factor rounded to e4m3."""
+    return (x / factor).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.02, 0.5)])
+def test_an_fp8_cache_is_read_as_its_entries_times_the_factors(k_scale, v_scale):
+    """paged_attention on float8_e4m3fn caches equals naive attention over the dequantized
+    entries (entries times the factors), and stays within FP8's rounding of the unquantized
+    keys and values."""
+    from engine.kernels.paged_attention import paged_attention
+    from engine.testing.oracles import naive_attention
+
+    generator = torch.Generator().manual_seed(21)
+    lengths = [(9, 1), (5, 7), (0, 13)]
+    k_cache, v_cache, tables, token_seq, token_pos, keys, values = paged_case(lengths, 4, 2, 16, generator)
+    q = torch.randn(token_seq.numel(), 4, 16, generator=generator)
+    k8, v8 = e4m3(k_cache, k_scale), e4m3(v_cache, v_scale)
+    out = paged_attention(
+        q, k8, v8, 16, tables, token_seq, token_pos, 0.25, None, block_n=8, k_scale=k_scale, v_scale=v_scale
+    )
+    start = 0
+    for i, (context, new) in enumerate(lengths):
+        k_back = e4m3(keys[i], k_scale).float() * k_scale
+        v_back = e4m3(values[i], v_scale).float() * v_scale
+        expected = naive_attention(q[start : start + new], k_back, v_back, context, 0.25, None)
+        torch.testing.assert_close(out[start : start + new], expected, atol=1e-4, rtol=0)
+        unquantized = naive_attention(q[start : start + new], keys[i], values[i], context, 0.25, None)
+        torch.testing.assert_close(out[start : start + new], unquantized, atol=0.15, rtol=0)
+        start += new
+
+
+def test_triton_paged_keeps_an_fp8_cache_when_asked():
+    """--kv-cache-dtype fp8: the backend's cache is float8_e4m3fn, a forward writes the new
+    keys and values divided by the factors and rounded, and attends over them."""
+    from engine.interfaces.attention import MHA, AttentionSpec, CommonAttentionMetadata
+    from engine.testing.oracles import naive_attention
+
+    spec = AttentionSpec(kind=MHA, num_heads=4, num_kv_heads=2, head_size=16, scale=0.25)
+    backend = on_the_cpu(TritonPagedAttention)(spec, 4, torch.float32, torch.device("cpu"))
+    assert backend.cache_dtype(torch.float32) == torch.float32
+    backend.kv_cache_dtype, backend.k_scale, backend.v_scale = "fp8", 0.05, 0.25
+    assert backend.cache_dtype(torch.float32) == torch.float8_e4m3fn
+    cache = torch.zeros(backend.kv_cache_shape(4), dtype=backend.cache_dtype(torch.float32))
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(6, h, 16, generator=generator) for h in (4, 2, 2))
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 6]),
+        query_lens=torch.tensor([6]),
+        context_lens=torch.tensor([0]),
+        seq_lens=torch.tensor([6]),
+        block_tables=torch.tensor([[2, 0]]),
+        slot_mapping=torch.tensor([8, 9, 10, 11, 0, 1]),
+        max_query_len=6,
+        max_seq_len=6,
+        block_size=4,
+    )
+    out = backend.forward(q, k, v, cache, backend.build_metadata(common))
+    stored_k = cache[0].view(-1, 2, 16)[common.slot_mapping]
+    assert torch.equal(stored_k.float(), e4m3(k, 0.05).float())
+    assert torch.equal(cache[1].view(-1, 2, 16)[common.slot_mapping].float(), e4m3(v, 0.25).float())
+    expected = naive_attention(q, e4m3(k, 0.05).float() * 0.05, e4m3(v, 0.25).float() * 0.25, 0, 0.25, None)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=0)
+
+
+def test_backends_without_an_fp8_cache_are_refused_with_the_reason():
+    from engine.interfaces.attention import MHA, AttentionSpec
+    from engine.kernels.paged_attention import TritonMlaAttention
+
+    spec = AttentionSpec(kind=MHA, num_heads=4, num_kv_heads=2, head_size=16, scale=0.25)
+    assert (
+        TritonPagedAttention.validate(spec, platform="cuda", dtype="bfloat16", block_size=16, kv_cache_dtype="fp8")
+        == []
+    )
+    reasons = TritonMlaAttention.validate(spec, platform="cuda", dtype="bfloat16", block_size=16, kv_cache_dtype="fp8")
+    assert "KV-cache dtype fp8 not supported" in reasons

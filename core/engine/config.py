@@ -71,6 +71,12 @@ class EngineConfig(BaseModel):
         "the runtime, other processes) and the activation peak of a profiled forward at max_num_batched_tokens. "
         "Not used where kv_cache_memory or kv_cache_memory_fraction is set, nor on cpu.",
     )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="KV-cache entries: auto (the compute dtype) or fp8 (float8_e4m3fn, per-tensor scales of "
+        "1.0: half the bytes of bf16, so twice the tokens in the same memory); fp8 needs an attention backend "
+        "that declares it (triton_paged on cuda, rocm, xpu).",
+    )
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before.")
     kv_tier: str | None = Field(
         None,

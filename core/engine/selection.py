@@ -87,12 +87,15 @@ def select_attention_backend(
     block_size: int,
     requested: str | None = None,
     batch_invariant: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> type[AttentionBackend]:
     """The requested backend if it validates, else the platform's first usable preference
     (with ``batch_invariant``, only backends that declare a batch-invariant mode)."""
 
     def reasons_against(cls: type[AttentionBackend]) -> list[str]:
-        reasons = cls.validate(spec, platform=platform.name, dtype=dtype, block_size=block_size)
+        reasons = cls.validate(
+            spec, platform=platform.name, dtype=dtype, block_size=block_size, kv_cache_dtype=kv_cache_dtype
+        )
         if batch_invariant and not cls.capabilities.batch_invariant:
             reasons.append("no batch-invariant mode (--batch-invariant)")
         return reasons
@@ -117,5 +120,6 @@ def select_attention_backend(
     detail = "; ".join(rejected) if rejected else "the platform lists no backend for it"
     raise SelectionError(
         f"No attention backend for attention kind {spec.kind!r} on platform {platform.name!r} "
-        f"(dtype {dtype}, head size {spec.head_size}, block size {block_size}): {detail}."
+        f"(dtype {dtype}, head size {spec.head_size}, block size {block_size}"
+        f"{'' if kv_cache_dtype == 'auto' else f', KV-cache dtype {kv_cache_dtype}'}): {detail}."
     )

@@ -43,6 +43,11 @@ def plan_caches(setup: EngineSetup, model: Model, rank: int) -> CachePlan:
             f"not supported); run it without --speculative-method."
         )
     tier = None
+    if setup.kv_tier_cls is not None and config.kv_cache_dtype != "auto":
+        raise SelectionError(
+            f"KV tiers carry blocks in the compute dtype; --kv-cache-dtype {config.kv_cache_dtype} caches are not "
+            f"offloaded yet. Run without --kv-tier, or with --kv-cache-dtype auto."
+        )
     if setup.kv_tier_cls is not None:
         keys_only = sorted({spec.kind for spec in specs if not spec.has_values})
         if keys_only:

@@ -130,6 +130,7 @@ def profiled_kv_cache_bytes(setup: EngineSetup, model: Model, platform, device, 
             max_num_seqs=num_seqs,
             backends=backends,
             batch_invariant=config.batch_invariant,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
 
     peak = measure_activation_peak(
@@ -178,6 +179,7 @@ def build_shard(
             config.block_size,
             config.attention_backend,
             config.batch_invariant,
+            config.kv_cache_dtype,
         )
         if config.batch_invariant:
             refuse_batch_variant_layers(model)
@@ -222,6 +224,7 @@ def build_shard(
             backends=backends,
             batch_invariant=config.batch_invariant,
             spare_blocks=1 if make_graph is not None else 0,  # where the graphs' padding rows write
+            kv_cache_dtype=config.kv_cache_dtype,
         )
     kv_blocks = None
     if tp.rank != 0 and config.kv_tier is not None:  # rank 0 holds the tier; this rank gives and takes its heads

@@ -29,6 +29,7 @@ from engine.interfaces.attention import (
 
 GPU_PLATFORMS = frozenset({"cuda", "rocm", "xpu"})
 GPU_DTYPES = frozenset({"float32", "bfloat16", "float16"})
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 @triton.jit
@@ -41,6 +42,8 @@ def _paged_attention(
     token_seq,
     token_pos,
     scale,
+    k_scale,
+    v_scale,
     window,
     group,
     block_size,
@@ -80,20 +83,26 @@ def _paged_attention(
         valid = n <= pos
         block = tl.load(block_tables + seq * stride_bt + n // block_size, mask=valid, other=0)
         offset = n % block_size
-        keys = tl.load(
-            k_cache + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-            mask=valid[:, None] & (d[None, :] < dk),
-            other=0.0,
-        ).to(tl.float32)
+        keys = (
+            tl.load(
+                k_cache + block[:, None] * stride_kb + offset[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+                mask=valid[:, None] & (d[None, :] < dk),
+                other=0.0,
+            ).to(tl.float32)
+            * k_scale
+        )
         scores = tl.where(valid, tl.sum(keys * query[None, :], axis=1), float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=0))
         weights = tl.exp(scores - new_max)
         correction = tl.exp(running_max - new_max)
-        values = tl.load(
-            v_cache + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + dvr[None, :],
-            mask=valid[:, None] & (dvr[None, :] < dv),
-            other=0.0,
-        ).to(tl.float32)
+        values = (
+            tl.load(
+                v_cache + block[:, None] * stride_vb + offset[:, None] * stride_vs + kv_head * stride_vh + dvr[None, :],
+                mask=valid[:, None] & (dvr[None, :] < dv),
+                other=0.0,
+            ).to(tl.float32)
+            * v_scale
+        )
         acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
         total = total * correction + tl.sum(weights, axis=0)
         running_max = new_max
@@ -111,8 +120,12 @@ def paged_attention(
     scale: float,
     window: int | None,
     block_n: int = 64,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's paged keys and values.
+    """Causal attention of each new token over its sequence's paged keys and values (cache
+    entries, of any dtype, read as float32 times ``k_scale`` / ``v_scale``: an FP8 cache's
+    per-tensor factors).
 
     q: [T, H, D]; k_cache / v_cache: [blocks, block_size, Hkv, D] views (values' first
     ``value_size`` dims are read); block_tables [B, max_blocks]; token_seq / token_pos [T]: each
@@ -131,6 +144,8 @@ def paged_attention(
         token_seq,
         token_pos,
         scale,
+        k_scale,
+        v_scale,
         window or 0,
         num_heads // num_kv_heads,
         k_cache.shape[1],
@@ -171,11 +186,24 @@ class TritonPagedAttention(AttentionBackend):
 
     name = "triton_paged"
     capabilities = AttentionCapabilities(
-        kinds=frozenset({MHA, SLIDING_WINDOW}), platforms=GPU_PLATFORMS, dtypes=GPU_DTYPES
+        kinds=frozenset({MHA, SLIDING_WINDOW}),
+        platforms=GPU_PLATFORMS,
+        dtypes=GPU_DTYPES,
+        kv_cache_dtypes=frozenset({"auto", "fp8"}),
     )
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (2, num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_size)
+
+    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float8_e4m3fn if self.kv_cache_dtype == "fp8" else dtype
+
+    def _stored(self, values: torch.Tensor, factor: float, cache: torch.Tensor) -> torch.Tensor:
+        """New keys or values as the cache holds them: divided by the cache's factor and
+        rounded to e4m3 (clamped to its range) in an FP8 cache, as they are otherwise."""
+        if cache.dtype != torch.float8_e4m3fn:
+            return values
+        return (values.float() / factor).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
         return build_metadata(common)
@@ -189,8 +217,12 @@ class TritonPagedAttention(AttentionBackend):
         metadata: TritonAttentionMetadata,
     ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
-        for index, new in ((0, k), (1, v)):
-            kv_cache[index].view(-1, spec.num_kv_heads, spec.head_size).index_copy_(0, common.slot_mapping, new)
+        fp8 = kv_cache.dtype == torch.float8_e4m3fn
+        for index, new, factor in ((0, k, self.k_scale), (1, v, self.v_scale)):
+            target, stored = kv_cache[index], self._stored(new, factor, kv_cache)
+            if fp8:  # index_copy_ has no float8 kernels: the same bytes through uint8 views
+                target, stored = target.view(torch.uint8), stored.view(torch.uint8)
+            target.view(-1, spec.num_kv_heads, spec.head_size).index_copy_(0, common.slot_mapping, stored)
         out = paged_attention(
             q,
             kv_cache[0],
@@ -201,6 +233,8 @@ class TritonPagedAttention(AttentionBackend):
             metadata.token_pos,
             spec.scale,
             spec.sliding_window,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )
         return out.to(q.dtype)
 

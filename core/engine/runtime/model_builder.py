@@ -123,6 +123,7 @@ def select_backends(
     block_size: int,
     attention_backend: str | None = None,
     batch_invariant: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> list[tuple[AttentionSpec, list[int], type]]:
     """Each group of layers with equal specs and the backend class that serves it: a requested
     backend for the groups of the kinds it declares (a model may mix kinds: sparse MLA and its
@@ -145,6 +146,7 @@ def select_backends(
                 block_size=block_size,
                 requested=attention_backend if spec.kind in requested_kinds else None,
                 batch_invariant=batch_invariant,
+                kv_cache_dtype=kv_cache_dtype,
             )
         selected.append((spec, layers, backend_cls))
     return selected
@@ -166,6 +168,7 @@ def build_kv_cache(
     backends: list[tuple[AttentionSpec, list[int], type]] | None = None,
     batch_invariant: bool = False,
     spare_blocks: int = 0,
+    kv_cache_dtype: str = "auto",
 ) -> KVCache:
     """The paged KV cache of ``model``: one group per distinct layer spec with the attention
     backend selected for it (``backends``, from :func:`select_backends`, when already chosen),
@@ -175,16 +178,24 @@ def build_kv_cache(
     specs = model.kv_cache_specs()
     if backends is None:
         backends = select_backends(
-            specs, components, platform, dtype_name, block_size, attention_backend, batch_invariant
+            specs, components, platform, dtype_name, block_size, attention_backend, batch_invariant, kv_cache_dtype
         )
     groups = []
     for spec, layers, backend_cls in backends:
         backend = backend_cls(spec, block_size, dtype, device)
         if batch_invariant and spec.kind != TOKEN_STATE:  # stored values: nothing is reduced
             backend.batch_invariant = True
+        if spec.kind != TOKEN_STATE:
+            backend.kv_cache_dtype = kv_cache_dtype
         groups.append(KVCacheGroup(spec, backend, layers))
         logger.info("attention kind %s: backend %s for %d layers", spec.kind, backend_cls.name, len(layers))
-    element_size = torch.empty(0, dtype=dtype).element_size()
+    # bytes of a cache element: the paged groups' cache dtype (fp8 caches take one byte)
+    paged = [
+        group.backend.cache_dtype(dtype)
+        for group in groups
+        if not group.spec.is_recurrent and group.spec.kind != TOKEN_STATE
+    ]
+    element_size = torch.empty(0, dtype=paged[0] if paged else dtype).element_size()
     # recurrent layers hold one state per running request, taken from the memory first
     num_state_slots = max_num_seqs if any(spec.is_recurrent for spec in specs) else 0
     state_bytes = sum(

@@ -61,6 +61,13 @@ class AttentionBackend(ABC):
     # the same whatever else is in the batch and however its prompt was cut into chunks (one
     # kernel for every row, keys reduced in an order fixed by their positions alone).
     batch_invariant: bool = False
+    # Set by the engine (``--kv-cache-dtype``) before the cache is allocated, to one of the
+    # backend's ``capabilities.kv_cache_dtypes``: "auto" keeps the compute dtype, "fp8" asks
+    # for float8_e4m3fn entries (``cache_dtype`` answers it), read back times ``k_scale`` /
+    # ``v_scale`` (per-tensor factors, 1.0 unless set).
+    kv_cache_dtype: str = "auto"
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     def __init__(self, spec: AttentionSpec, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         """Raises ``ValueError`` when :meth:`spec_reasons` finds ``spec`` unservable."""

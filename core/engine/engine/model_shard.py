@@ -4,6 +4,7 @@ tensor-parallel rank runs one (``engine.engine.workers``). Built by :func:`build
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -110,28 +111,16 @@ def decode_graphs_of(setup: EngineSetup, model: Model, tp: TensorParallel):
     return make_graph
 
 
-def profiled_kv_cache_bytes(setup: EngineSetup, model: Model, platform, device, backends) -> int:
+def profiled_kv_cache_bytes(setup: EngineSetup, model: Model, platform, cache_of: Callable[..., KVCache]) -> int:
     """The KV cache's bytes by ``--gpu-memory-utilization``: the share of the device less what
-    is in use now (the weights loaded) and a profiled forward's activation peak."""
+    is in use now (the weights loaded) and a profiled forward's activation peak.
+    ``cache_of(memory, max_model_len=, max_num_seqs=)`` builds a KV cache as the engine's."""
     config = setup.config
     info = platform.memory_info()
 
     def profile_cache(max_model_len: int, num_seqs: int) -> KVCache:
         # the free memory as the budget: the cache is capped at what num_seqs sequences can use
-        return build_kv_cache(
-            model,
-            setup.components,
-            platform,
-            setup.dtype_name,
-            device,
-            config.block_size,
-            info.free_bytes,
-            max_model_len=max_model_len,
-            max_num_seqs=num_seqs,
-            backends=backends,
-            batch_invariant=config.batch_invariant,
-            kv_cache_dtype=config.kv_cache_dtype,
-        )
+        return cache_of(info.free_bytes, max_model_len=max_model_len, max_num_seqs=num_seqs)
 
     peak = measure_activation_peak(
         model,
@@ -201,30 +190,33 @@ def build_shard(
                 setup.raw_config["quantization_config"]["quant_method"],
                 setup.dtype_name,
             )
-        if config.kv_cache_memory is not None:
-            memory = int(config.kv_cache_memory * 2**30)
-        elif config.kv_cache_memory_fraction is not None:
-            memory = int(platform.memory_info().free_bytes * config.kv_cache_memory_fraction)
-        elif platform.memory_stats() is not None:
-            memory = profiled_kv_cache_bytes(setup, model, platform, device, backends)
-        else:
-            memory = platform.default_kv_cache_bytes()
-        make_graph = decode_graphs_of(setup, model, tp)
-        kv_cache = build_kv_cache(
+        cache_of = functools.partial(
+            build_kv_cache,
             model,
             setup.components,
             platform,
             setup.dtype_name,
             device,
             config.block_size,
+            backends=backends,
+            batch_invariant=config.batch_invariant,
+            kv_cache_dtype=config.kv_cache_dtype,
+        )
+        if config.kv_cache_memory is not None:
+            memory = int(config.kv_cache_memory * 2**30)
+        elif config.kv_cache_memory_fraction is not None:
+            memory = int(platform.memory_info().free_bytes * config.kv_cache_memory_fraction)
+        elif platform.memory_stats() is not None:
+            memory = profiled_kv_cache_bytes(setup, model, platform, cache_of)
+        else:
+            memory = platform.default_kv_cache_bytes()
+        make_graph = decode_graphs_of(setup, model, tp)
+        kv_cache = cache_of(
             memory,
             max_model_len=setup.max_model_len,
             max_num_seqs=config.max_num_seqs,
             agree=channel.agree_on_min if channel is not None else None,
-            backends=backends,
-            batch_invariant=config.batch_invariant,
             spare_blocks=1 if make_graph is not None else 0,  # where the graphs' padding rows write
-            kv_cache_dtype=config.kv_cache_dtype,
         )
     kv_blocks = None
     if tp.rank != 0 and config.kv_tier is not None:  # rank 0 holds the tier; this rank gives and takes its heads

@@ -1,8 +1,11 @@
-"""Run the engine's Triton kernels natively on a CUDA or ROCm GPU against their torch
-references, and print each one's error and time; then the engine on the GPU with CUDA graphs
-and async scheduling on and off (identical greedy outputs, and the batch-1 step each way).
+"""The GPU acceptance run: the engine's Triton kernels natively on a CUDA or ROCm GPU against
+their torch references (error and time); the decode-attention kernel's HBM bandwidth at 1k,
+8k and 32k context against the device's measured copy bandwidth; the engine on the GPU with
+CUDA graphs and async scheduling on and off (identical greedy outputs, the batch-1 step each
+way); and ``engine bench latency`` / ``throughput`` with HF transformers on the same GPU.
+Prints each figure and writes them all to one JSON file.
 
-    python scripts/gpu_check.py            # needs torch with CUDA or HIP and triton
+    python scripts/gpu_check.py [--json gpu_check.json] [--no-bench]   # needs torch with CUDA or HIP and triton
 
 The same kernels are tested on the CPU under the Triton interpreter by the test suite; this
 script checks them compiled, at shapes closer to real models, and says how fast they are.
@@ -10,10 +13,15 @@ script checks them compiled, at shapes closer to real models, and says how fast 
 
 from __future__ import annotations
 
+import argparse
+import json
+import subprocess
 import sys
 import time
 
 import torch
+
+RESULTS: dict = {"kernels": {}}
 
 
 def timed(fn, repeat: int = 20) -> tuple[object, float]:
@@ -33,6 +41,7 @@ def report(name: str, got: torch.Tensor, expected: torch.Tensor, ms: float, ref_
     error = (got.float() - expected.float()).abs().max().item()
     ok = error <= 1e-2 * max(1.0, expected.float().abs().max().item())
     print(f"{name:38s} max err {error:9.2e}  triton {ms:8.3f} ms  torch {ref_ms:8.3f} ms  {'ok' if ok else 'FAIL'}")
+    RESULTS["kernels"][name] = {"ok": ok, "max_error": error, "triton_ms": ms, "torch_ms": ref_ms}
     return ok
 
 
@@ -161,6 +170,11 @@ def check_decode_graphs(device) -> bool:
             steps[name] = sorted(times[2:])[len(times[2:]) // 2]
             del llm, engine
     same = all(o == outputs["eager"] for o in outputs.values())
+    RESULTS["decode_graphs"] = {
+        "identical_outputs": same,
+        "batch1_step_ms": steps,
+        "eager_over_graphs": steps["eager"] / steps["graphs"],
+    }
     print(
         "decode graphs: outputs "
         + ("identical" if same else "DIFFER")
@@ -171,7 +185,68 @@ def check_decode_graphs(device) -> bool:
     return same
 
 
+def copy_bandwidth(device) -> float:
+    """GB/s of a 1 GiB device-to-device copy (bytes read plus bytes written)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    _, ms = timed(lambda: dst.copy_(src), repeat=10)
+    return 2 * src.numel() / (ms / 1000) / 1e9
+
+
+def attention_read(device, context: int, num_seqs: int) -> tuple[float, int]:
+    """(ms, KV bytes read) of one decode step of ``num_seqs`` sequences at ``context`` keys
+    (bf16, GQA 32/8, head size 128, blocks of 16 scattered over the cache)."""
+    from engine.kernels.paged_attention import paged_attention
+
+    heads, kv_heads, head_size, block_size = 32, 8, 128, 16
+    blocks = num_seqs * context // block_size
+    k_cache = torch.randn(blocks, block_size, kv_heads, head_size, device=device, dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(blocks, device=device).view(num_seqs, -1)
+    q = torch.randn(num_seqs, heads, head_size, device=device, dtype=torch.bfloat16)
+    token_seq = torch.arange(num_seqs, device=device)
+    token_pos = torch.full((num_seqs,), context - 1, device=device)
+    _, ms = timed(
+        lambda: paged_attention(q, k_cache, v_cache, head_size, tables, token_seq, token_pos, head_size**-0.5, None),
+        repeat=10,
+    )
+    return ms, 2 * k_cache.numel() * k_cache.element_size()
+
+
+def check_attention_bandwidth(device) -> bool:
+    """The decode kernel's KV read rate at 1k, 8k and 32k context, as a share of the copy
+    bandwidth (the issue asks for 70% at 32k; the figure is recorded, not judged here)."""
+    copy = copy_bandwidth(device)
+    figures = {}
+    for context, num_seqs in ((1024, 64), (8192, 16), (32768, 4)):
+        ms, read = attention_read(device, context, num_seqs)
+        rate = read / (ms / 1000) / 1e9
+        figures[f"{context // 1024}k"] = {"seqs": num_seqs, "ms": ms, "GB/s": rate, "of_copy": rate / copy}
+        print(
+            f"decode attention at {context // 1024}k x {num_seqs}: {ms:.3f} ms, {rate:.0f} GB/s, {rate / copy:.0%} of copy"
+        )
+    RESULTS["attention_bandwidth"] = {"copy_GB/s": copy, **figures}
+    return True
+
+
+def run_bench(workload: str) -> bool:
+    """``engine bench WORKLOAD --peers hf --json`` (the engine on the GPU; HF on the same one)."""
+    command = [sys.executable, "-m", "engine", "bench", workload, "--peers", "hf", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        print(f"engine bench {workload} failed:\n{done.stderr[-3000:]}")
+        RESULTS[f"bench_{workload}"] = {"error": done.stderr[-3000:]}
+        return False
+    RESULTS[f"bench_{workload}"] = json.loads(done.stdout)
+    print(f"engine bench {workload}: recorded")
+    return True
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default="gpu_check.json", help="Where the figures are written.")
+    parser.add_argument("--no-bench", action="store_true", help="Skip the engine bench runs.")
+    args = parser.parse_args()
     if not torch.cuda.is_available():
         print(
             "no CUDA or ROCm GPU visible: this script runs the kernels natively (the test suite checks them "
@@ -181,9 +256,24 @@ def main() -> int:
     device = torch.device("cuda", 0)
     runtime = f"HIP {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {runtime}")
+    RESULTS["device"] = {
+        "name": torch.cuda.get_device_name(0),
+        "capability": list(torch.cuda.get_device_capability(0)),
+        "torch": torch.__version__,
+        "runtime": runtime,
+    }
+    started = time.perf_counter()
+    checks = (check_paged_attention, check_kda, check_moe, check_fp8_gemm, check_attention_bandwidth)
     with torch.inference_mode():
-        results = [check(device) for check in (check_paged_attention, check_kda, check_moe, check_fp8_gemm)]
+        results = [check(device) for check in checks]
     results.append(check_decode_graphs(device))
+    if not args.no_bench:
+        results += [run_bench("latency"), run_bench("throughput")]
+    RESULTS["passed"] = all(results)
+    RESULTS["seconds"] = time.perf_counter() - started
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(RESULTS, f, indent=1)
+    print(f"{'passed' if all(results) else 'FAILED'} in {RESULTS['seconds']:.0f} s; figures in {args.json}")
     return 0 if all(results) else 1
 
 

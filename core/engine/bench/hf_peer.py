@@ -38,6 +38,7 @@ def _token_clock() -> Any:
             self._seen_prompt = False
 
         def put(self, value: torch.Tensor) -> None:
+            value.cpu()  # on a GPU: the step's tokens exist once they can be read
             if self._seen_prompt:
                 self.times.append(time.perf_counter())
             self._seen_prompt = True
@@ -50,11 +51,12 @@ def _token_clock() -> Any:
 
 class HFPeer:
     """``AutoModelForCausalLM.from_pretrained(path, dtype=...)`` (``LlamaForCausalLM`` for
-    Llama checkpoints), greedy ``generate``."""
+    Llama checkpoints), greedy ``generate`` on ``device`` (the engine's, so that a GPU engine
+    is compared with HF on the same GPU)."""
 
     name = "hf"
 
-    def __init__(self, model_path: str | Path, dtype: str) -> None:
+    def __init__(self, model_path: str | Path, dtype: str, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -62,6 +64,8 @@ class HFPeer:
         hf_logging.disable_progress_bar()
         try:
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+            self.device = torch.device(device)
+            self.model.to(self.device)
         finally:
             if bar_was_enabled:
                 hf_logging.enable_progress_bar()
@@ -75,6 +79,7 @@ class HFPeer:
             "class": type(self.model).__name__,
             "transformers": transformers.__version__,
             "attn_implementation": getattr(self.model.config, "_attn_implementation", None),
+            "device": str(self.device),
         }
 
     def weight_bytes(self) -> int:
@@ -85,8 +90,13 @@ class HFPeer:
     ) -> torch.Tensor:
         with torch.inference_mode():
             out = self.model.generate(
-                input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False, **kwargs
+                input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                **kwargs,
             )
+            out = out.cpu()  # done when the tokens are back (a GPU's work is asynchronous)
         generated = out.shape[1] - input_ids.shape[1]
         if generated != max_new_tokens:
             raise RuntimeError(f"HF generate produced {generated} new tokens, asked for exactly {max_new_tokens}.")

@@ -77,6 +77,7 @@ class Session:
             self.vocab_size = int(json.load(f)["vocab_size"])
         self.warmup = warmup_request(self.vocab_size)
         self.repeat_walls: dict[str, list[str]] = {}
+        self.device = "cpu"  # the engine's device, where the hf peer runs too
         # the subprocess peers' Pythons are probed now, so that a missing install fails before the engine runs
         self.process_peers: dict[str, ProcessPeer] = {
             name: process_peer(name, options.peer_python, self.model_path, options.dtype, torch.get_num_threads())
@@ -157,6 +158,7 @@ class Session:
         o = self.options
         runner = EngineRunner(str(self.model_path), dtype=o.dtype, **{"plugins": None, **o.engine_settings, **settings})
         d = runner.describe()
+        self.device = str(runner.engine.platform.device())
         quantized = f", quantization {d['quantization']}" if d["quantization"] else ""
         if d["speculative"]:
             quantized += f", speculative {d['speculative']} (up to {runner.config.num_speculative_tokens} drafts)"
@@ -172,10 +174,11 @@ class Session:
     def hf(self) -> HFPeer | None:
         if HF not in self.options.peers:
             return None
-        peer = HFPeer(self.model_path, self.options.dtype)
+        peer = HFPeer(self.model_path, self.options.dtype, device=self.device)
         d = peer.describe()
         self.report.setup["hf"] = (
             f"transformers {d['transformers']} {d['class']} ({d['attn_implementation']} attention), generate, greedy"
+            f"{'' if d['device'] == 'cpu' else ', on ' + d['device']}"
         )
         peer.warm_up(self.warmup)
         return peer

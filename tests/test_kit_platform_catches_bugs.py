@@ -20,7 +20,7 @@ from engine.interfaces.platform import Availability
 from engine_cpu.attention import CpuPagedAttention
 from engine_cpu.platform import CpuPlatform
 
-NAMES = ("good_cpu", "silent", "bad_dtype", "ghost_pref", "dirty_cache")
+NAMES = ("good_cpu", "silent", "bad_dtype", "ghost_pref", "dirty_cache", "frozen_stats")
 
 
 class Backend(CpuPagedAttention):
@@ -59,9 +59,18 @@ class DirtyCache(Good):
         return torch.ones(shape, dtype=dtype)
 
 
+class FrozenStats(Good):
+    # claims allocator counters that never move
+
+    name = "frozen_stats"
+
+    def memory_stats(self):
+        return (1 << 20, 1 << 20)
+
+
 @engine.hookimpl
 def register_platforms(register):
-    for cls in (Good, SilentProbe, ClaimsHalfButBreaksIt, PrefersAGhost, DirtyCache):
+    for cls in (Good, SilentProbe, ClaimsHalfButBreaksIt, PrefersAGhost, DirtyCache, FrozenStats):
         register(cls)
 
 
@@ -92,6 +101,10 @@ class TestGhostPref(PlatformTests):
 class TestDirtyCache(PlatformTests):
     plugin = "broken_platforms"
     platform_name = "dirty_cache"
+
+class TestFrozenStats(PlatformTests):
+    plugin = "broken_platforms"
+    platform_name = "frozen_stats"
 """
 
 # broken variant -> the kit check that must fail for it
@@ -100,6 +113,7 @@ CAUGHT_BY = {
     "TestBadDtype": "test_declared_dtypes_work",
     "TestGhostPref": "test_backend_preferences_resolve_to_registered_backends",
     "TestDirtyCache": "test_kv_cache_allocation",
+    "TestFrozenStats": "test_memory_stats_count_what_is_allocated",
 }
 
 

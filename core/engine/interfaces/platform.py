@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, ClassVar, Mapping
 
 if TYPE_CHECKING:
@@ -166,3 +167,58 @@ class Platform(ABC):
 
     def synchronize(self) -> None:
         """Wait for queued device work to finish (a no-op on synchronous devices)."""
+
+
+class TorchCudaPlatform(Platform):
+    """The device side of a platform driven through ``torch.cuda`` (CUDA and ROCm builds of
+    torch both expose their GPUs there): availability probed once per instance, and the
+    device, its memory (``mem_get_info``, the caching allocator's counters), seeding and
+    synchronisation. Every method that needs the device first raises ``RuntimeError`` with the
+    availability reason on a platform that is not available."""
+
+    @cached_property
+    def availability(self) -> Availability:
+        return type(self).is_available()
+
+    def require_available(self) -> None:
+        """Raise ``RuntimeError`` with the reason when no device of this platform can be used."""
+        availability = self.availability
+        if not availability:
+            raise RuntimeError(f"Platform {self.name!r} is not available: {availability.reason}")
+
+    def device(self, index: int = 0) -> torch.device:
+        import torch
+
+        self.require_available()
+        return torch.device(self.device_type, index)
+
+    def memory_info(self) -> MemoryInfo:
+        import torch
+
+        free_bytes, total_bytes = torch.cuda.mem_get_info(self.device())
+        return MemoryInfo(free_bytes=int(free_bytes), total_bytes=int(total_bytes))
+
+    def memory_stats(self) -> tuple[int, int]:
+        """The caching allocator's live bytes on the device and their peak since the last reset."""
+        import torch
+
+        device = self.device()
+        return int(torch.cuda.memory_allocated(device)), int(torch.cuda.max_memory_allocated(device))
+
+    def reset_peak_memory(self) -> None:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(self.device())
+
+    def seed_everything(self, seed: int) -> None:
+        """Seed Python, NumPy and torch, and the generators of every visible GPU."""
+        import torch
+
+        self.require_available()
+        super().seed_everything(seed)
+        torch.cuda.manual_seed_all(seed)
+
+    def synchronize(self) -> None:
+        import torch
+
+        torch.cuda.synchronize(self.device())

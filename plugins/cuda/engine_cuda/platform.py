@@ -6,12 +6,12 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from engine.interfaces.attention import LINEAR, MHA, MLA, SLIDING_WINDOW
-from engine.interfaces.platform import Availability, MemoryInfo, Platform
+from engine.interfaces.platform import Availability, TorchCudaPlatform
 from engine_cuda.capability import CudaCapability
 from engine_cuda.detect import device_capability, probe_availability
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 ALL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -30,7 +30,7 @@ class ByDevice:
         return getattr(instance.capability, self.field)
 
 
-class CudaPlatform(Platform):
+class CudaPlatform(TorchCudaPlatform):
     """NVIDIA GPUs through a CUDA build of torch.
 
     Available when torch is a CUDA build (not ROCm) and ``torch.cuda.is_available()`` with
@@ -64,17 +64,7 @@ class CudaPlatform(Platform):
     def is_available(cls) -> Availability:
         return probe_availability()
 
-    # device state, probed once per instance
-
-    @cached_property
-    def availability(self) -> Availability:
-        return type(self).is_available()
-
-    def require_available(self) -> None:
-        """Raise ``RuntimeError`` with the reason when no NVIDIA GPU can be used."""
-        availability = self.availability
-        if not availability:
-            raise RuntimeError(f"Platform {self.name!r} is not available: {availability.reason}")
+    # device state, probed once per instance (availability: TorchCudaPlatform)
 
     @cached_property
     def capability(self) -> CudaCapability:
@@ -82,31 +72,7 @@ class CudaPlatform(Platform):
         self.require_available()
         return device_capability(0)
 
-    # device
-
-    def device(self, index: int = 0) -> torch.device:
-        import torch
-
-        self.require_available()
-        return torch.device(self.device_type, index)
-
-    def memory_info(self) -> MemoryInfo:
-        import torch
-
-        free_bytes, total_bytes = torch.cuda.mem_get_info(self.device())
-        return MemoryInfo(free_bytes=int(free_bytes), total_bytes=int(total_bytes))
-
-    def memory_stats(self) -> tuple[int, int]:
-        """The caching allocator's live bytes on the device and their peak since the last reset."""
-        import torch
-
-        device = self.device()
-        return int(torch.cuda.memory_allocated(device)), int(torch.cuda.max_memory_allocated(device))
-
-    def reset_peak_memory(self) -> None:
-        import torch
-
-        torch.cuda.reset_peak_memory_stats(self.device())
+    # device (memory, seeding, synchronisation: TorchCudaPlatform)
 
     def device_graphs(self):
         """CUDA graphs (``engine_cuda.graphs``), the decode steps' captures sharing one pool."""
@@ -114,16 +80,3 @@ class CudaPlatform(Platform):
 
         self.require_available()
         return CudaGraphs()
-
-    def seed_everything(self, seed: int) -> None:
-        """Seed Python, NumPy and torch, and the generators of every visible GPU."""
-        import torch
-
-        self.require_available()
-        super().seed_everything(seed)
-        torch.cuda.manual_seed_all(seed)
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize(self.device())

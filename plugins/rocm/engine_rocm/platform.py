@@ -7,12 +7,12 @@ from functools import cached_property
 from typing import TYPE_CHECKING
 
 from engine.interfaces.attention import LINEAR, MHA, MLA, SLIDING_WINDOW
-from engine.interfaces.platform import Availability, MemoryInfo, Platform
+from engine.interfaces.platform import Availability, TorchCudaPlatform
 from engine_rocm.arch import ArchCapabilities, arch_capabilities, fp8_capable_archs, is_fp8_method
 from engine_rocm.detect import aiter_importable, device_arch, probe_availability
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
 
 class DeviceFp8Dtype:
@@ -26,7 +26,7 @@ class DeviceFp8Dtype:
         return instance.arch.fp8_dtype
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(TorchCudaPlatform):
     """AMD Instinct and Radeon GPUs through a ROCm build of torch.
 
     Available when ``torch.version.hip`` is set and ``torch.cuda.device_count() > 0``;
@@ -63,17 +63,7 @@ class RocmPlatform(Platform):
     def is_available(cls) -> Availability:
         return probe_availability()
 
-    # device state, probed once per instance
-
-    @cached_property
-    def availability(self) -> Availability:
-        return type(self).is_available()
-
-    def require_available(self) -> None:
-        """Raise ``RuntimeError`` with the reason when no AMD GPU can be used."""
-        availability = self.availability
-        if not availability:
-            raise RuntimeError(f"Platform {self.name!r} is not available: {availability.reason}")
+    # device state, probed once per instance (availability: TorchCudaPlatform)
 
     @cached_property
     def arch(self) -> ArchCapabilities:
@@ -102,42 +92,3 @@ class RocmPlatform(Platform):
                 f"{self.arch.arch} ({self.arch.family}). Serve an unquantized checkpoint or one "
                 f"quantized without FP8."
             )
-
-    # device
-
-    def device(self, index: int = 0) -> torch.device:
-        import torch
-
-        self.require_available()
-        return torch.device(self.device_type, index)
-
-    def memory_info(self) -> MemoryInfo:
-        import torch
-
-        free_bytes, total_bytes = torch.cuda.mem_get_info(self.device())
-        return MemoryInfo(free_bytes=int(free_bytes), total_bytes=int(total_bytes))
-
-    def memory_stats(self) -> tuple[int, int]:
-        """The caching allocator's live bytes on the device and their peak since the last reset."""
-        import torch
-
-        device = self.device()
-        return int(torch.cuda.memory_allocated(device)), int(torch.cuda.max_memory_allocated(device))
-
-    def reset_peak_memory(self) -> None:
-        import torch
-
-        torch.cuda.reset_peak_memory_stats(self.device())
-
-    def seed_everything(self, seed: int) -> None:
-        """Seed Python, NumPy and torch, and the generators of every visible GPU."""
-        import torch
-
-        self.require_available()
-        super().seed_everything(seed)
-        torch.cuda.manual_seed_all(seed)
-
-    def synchronize(self) -> None:
-        import torch
-
-        torch.cuda.synchronize(self.device())

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.interfaces.model import Model
@@ -69,33 +68,23 @@ def profile_sequences(num_tokens: int, max_model_len: int) -> list[int]:
 
 
 def profile_arrays(lengths: list[int], block_size: int, recurrent: bool) -> dict:
-    """The runner's host arrays (``ModelRunner.prepare_arrays``' format) of a step that
-    prefills sequences of ``lengths`` from position 0, in consecutive blocks from block 0."""
-    num_seqs = len(lengths)
-    query_lens = np.asarray(lengths, dtype=np.int64)
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=query_start_loc[1:])
-    blocks = [-(-n // block_size) for n in lengths]
-    first = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)
-    width = max(blocks)
-    block_tables = first[:, None] + np.arange(width, dtype=np.int64)[None, :]
-    block_tables = np.where(np.arange(width)[None, :] < np.asarray(blocks)[:, None], block_tables, 0)
-    seq_idx = np.repeat(np.arange(num_seqs), query_lens)
-    positions = np.arange(int(query_lens.sum()), dtype=np.int64) - query_start_loc[seq_idx]
-    slot_mapping = block_tables[seq_idx, positions // block_size] * block_size + positions % block_size
-    return {
-        "input_ids": np.zeros(len(positions), dtype=np.int64),
-        "positions": positions,
-        "query_start_loc": query_start_loc,
-        "query_lens": query_lens,
-        "context_lens": np.zeros(num_seqs, dtype=np.int64),
-        "seq_lens": query_lens.copy(),
-        "block_tables": block_tables.astype(np.int64),
-        "slot_mapping": slot_mapping.astype(np.int64),
-        "max_query_len": int(query_lens.max()),
-        "max_seq_len": int(query_lens.max()),
-        "state_slots": np.arange(num_seqs, dtype=np.int64) if recurrent else None,
-    }
+    """The runner's host arrays of a step that prefills sequences of ``lengths`` (token 0) from
+    position 0, in consecutive blocks from block 0."""
+    from engine.runtime.model_runner import step_arrays
+
+    tables, first = [], 0
+    for n in lengths:
+        blocks = -(-n // block_size)
+        tables.append(list(range(first, first + blocks)))
+        first += blocks
+    return step_arrays(
+        [0] * sum(lengths),
+        lengths,
+        [0] * len(lengths),
+        tables,
+        block_size,
+        list(range(len(lengths))) if recurrent else None,
+    )
 
 
 def measure_activation_peak(

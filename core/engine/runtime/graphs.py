@@ -154,17 +154,15 @@ class DecodeGraphs:
             return None
         if arrays["block_tables"].shape[1] > self.max_blocks:
             return None
-        if len(arrays["input_ids"]) != len(arrays["query_lens"]):  # drafts
+        if len(arrays["input_ids"]) != len(arrays["query_lens"]):  # a sequence without a token this step
             return None
         size = padded_size(len(arrays["input_ids"]), self.sizes)
         return size if size in self.graphs else None
 
-    def run(self, arrays: dict) -> torch.Tensor | None:
-        """The hidden states of a decode-only step from its graph ([num_seqs, hidden], a view
-        of the graph's output, valid until the next replay), or None to run it eagerly."""
-        size = self.fits(arrays)
-        if size is None:
-            return None
+    def run(self, arrays: dict, size: int) -> torch.Tensor:
+        """The hidden states of a decode-only step from the graph of ``size`` (what
+        :meth:`fits` answered for it): [num_seqs, hidden], a view of the graph's output that
+        the next replay overwrites."""
         self._fill(arrays, size)
         self.graphs[size].replay()
         self.replays += 1

@@ -25,6 +25,58 @@ def select_rows(hidden: torch.Tensor, rows: slice | list[int]) -> torch.Tensor:
     return hidden[rows] if isinstance(rows, slice) else hidden[torch.tensor(rows, device=hidden.device)]
 
 
+def step_arrays(
+    input_ids: list[int],
+    num_new: list[int],
+    context: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    state_slots: list[int] | None = None,
+) -> dict:
+    """A step as the flat host arrays :meth:`ModelRunner.to_device` turns into tensors: each
+    sequence's ``num_new`` tokens (``input_ids``, concatenated) at positions from its
+    ``context`` on, written to the slots its block table (``tables``) gives them."""
+    num_seqs = len(num_new)
+    width = max(map(len, tables))
+    block_table = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
+    bs = block_size
+    if all(n == 1 for n in num_new):
+        # one token a sequence, at position context: a few Python lines cost less than the
+        # dozen numpy calls of the general case, which make up most of a batch-1 step's inputs
+        positions = np.asarray(context, dtype=np.int64)
+        query_lens = np.ones(num_seqs, dtype=np.int64)
+        context_lens = np.asarray(context, dtype=np.int64)
+        seq_lens = context_lens + 1
+        query_start_loc = np.arange(num_seqs + 1, dtype=np.int64)
+        slot_mapping = np.asarray([t[p // bs] * bs + p % bs for t, p in zip(tables, context)], dtype=np.int64)
+        max_query_len, max_seq_len = 1, max(context) + 1
+    else:
+        # index arithmetic in numpy: a dozen tiny torch ops cost more than the work at batch 1
+        query_lens = np.asarray(num_new, dtype=np.int64)
+        context_lens = np.asarray(context, dtype=np.int64)
+        seq_lens = context_lens + query_lens
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        # token t belongs to sequence seq_idx[t], at position context + (t - query start)
+        seq_idx = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(len(input_ids)) - query_start_loc[seq_idx] + context_lens[seq_idx]
+        slot_mapping = block_table[seq_idx, positions // bs] * bs + positions % bs
+        max_query_len, max_seq_len = max(num_new), int(seq_lens.max())
+    return {
+        "input_ids": np.asarray(input_ids, dtype=np.int64),
+        "positions": positions,
+        "query_start_loc": query_start_loc,
+        "query_lens": query_lens,
+        "context_lens": context_lens,
+        "seq_lens": seq_lens,
+        "block_tables": block_table,
+        "slot_mapping": slot_mapping,
+        "max_query_len": max_query_len,
+        "max_seq_len": max_seq_len,
+        "state_slots": np.asarray(state_slots, dtype=np.int64) if state_slots is not None else None,
+    }
+
+
 class ModelRunner:
     """With a ``channel`` (tensor parallelism, rank 0) every step's arrays and every logits
     computation are broadcast first, so that the other ranks run the same collectives.
@@ -71,7 +123,6 @@ class ModelRunner:
     def prepare_arrays(self, batch: ScheduledBatch) -> dict:
         """The step as flat host arrays (what :meth:`to_device` turns into tensors)."""
         requests, num_new = batch.requests, batch.num_tokens
-        num_seqs = len(requests)
         if batch.context_lens is None:  # a batch made outside the scheduler (a proposer's)
             batch.snapshot()
         input_ids: list[int] = []
@@ -83,48 +134,8 @@ class ModelRunner:
                 ids = ids[:-1] + [self.last_tokens[request.request_id]]
             input_ids.extend(ids)
             input_ids.extend(batch.drafts.get(i, ()))
-        tables = batch.block_tables
-        width = max(map(len, tables))
-        block_table = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
-        bs = self.block_size
-        if all(n == 1 for n in num_new):
-            # one token a sequence, at position context: a few Python lines cost less than the
-            # dozen numpy calls of the general case, which make up most of a batch-1 step's inputs
-            positions = np.asarray(context, dtype=np.int64)
-            query_lens = np.ones(num_seqs, dtype=np.int64)
-            context_lens = np.asarray(context, dtype=np.int64)
-            seq_lens = context_lens + 1
-            query_start_loc = np.arange(num_seqs + 1, dtype=np.int64)
-            slot_mapping = np.asarray([t[p // bs] * bs + p % bs for t, p in zip(tables, context)], dtype=np.int64)
-            max_query_len, max_seq_len = 1, max(context) + 1
-        else:
-            # index arithmetic in numpy: a dozen tiny torch ops cost more than the work at batch 1
-            query_lens = np.asarray(num_new, dtype=np.int64)
-            context_lens = np.asarray(context, dtype=np.int64)
-            seq_lens = context_lens + query_lens
-            query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-            np.cumsum(query_lens, out=query_start_loc[1:])
-            # token t belongs to sequence seq_idx[t], at position context + (t - query start)
-            seq_idx = np.repeat(np.arange(num_seqs), query_lens)
-            positions = np.arange(len(input_ids)) - query_start_loc[seq_idx] + context_lens[seq_idx]
-            slot_mapping = block_table[seq_idx, positions // bs] * bs + positions % bs
-            max_query_len, max_seq_len = max(num_new), int(seq_lens.max())
-
-        return {
-            "input_ids": np.asarray(input_ids, dtype=np.int64),
-            "positions": positions,
-            "query_start_loc": query_start_loc,
-            "query_lens": query_lens,
-            "context_lens": context_lens,
-            "seq_lens": seq_lens,
-            "block_tables": block_table,
-            "slot_mapping": slot_mapping,
-            "max_query_len": max_query_len,
-            "max_seq_len": max_seq_len,
-            "state_slots": (
-                np.asarray(batch.state_slots, dtype=np.int64) if batch.state_slots[0] is not None else None
-            ),
-        }
+        state_slots = batch.state_slots if batch.state_slots[0] is not None else None
+        return step_arrays(input_ids, num_new, context, batch.block_tables, self.block_size, state_slots)
 
     def to_device(self, arrays: dict) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         device = self.device
@@ -190,15 +201,18 @@ class ModelRunner:
         arrays = self.prepare_arrays(batch)
         if self.channel is not None:
             self.channel.send(("forward", arrays))
-        replay = self.graphs is not None and self.graphs.fits(arrays) is not None
-        if not replay:
+        graph_size = self.graphs.fits(arrays) if self.graphs is not None else None
+        if graph_size is None:
             input_ids, positions, common = self.to_device(arrays)
             ctx = self.kv_cache.forward_context(common)
         sampling = batch.sample_indices
         masks = self._start_masks(batch)
         forward_start = self._clock()
         timings.prepare = forward_start - start
-        hidden = self.graphs.run(arrays) if replay else self.model(input_ids, positions, ctx)
+        if graph_size is not None:
+            hidden = self.graphs.run(arrays, graph_size)
+        else:
+            hidden = self.model(input_ids, positions, ctx)
         sample_start = self._clock()
         timings.forward, timings.forward_tokens = sample_start - forward_start, len(arrays["input_ids"])
         self._masks = masks.result() if masks is not None else None

@@ -150,3 +150,67 @@ def test_compressed_tensors_mxfp4_pairs_weight_packed_with_uint8_scales():
     )
     assert set(out) == {"e.w1.weight", "norm.weight"} and torch.equal(out["e.w1.weight"], expected)
     assert out["norm.weight"] is plain
+
+
+FLOAT_CHANNEL = {
+    "quant_method": "compressed-tensors",
+    "config_groups": {
+        "group_0": {"format": "float-quantized", "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+    },
+}
+
+
+def test_compressed_tensors_fp8_per_channel_per_tensor_and_per_group_drop_input_scales():
+    """``X.weight`` (e4m3) with ``X.weight_scale``: [out, 1] per channel, one value per tensor,
+    [out, in / group] per group; ``X.input_scale`` is left out."""
+    gen = torch.Generator().manual_seed(5)
+    q = (torch.randn(4, 64, generator=gen) * 50).to(torch.float8_e4m3fn)
+    channel = torch.rand(4, 1, generator=gen) + 0.1
+    tensor = torch.tensor([0.25])
+    group = torch.rand(4, 2, generator=gen) + 0.1
+    stream = [
+        ("l.a.weight", q),
+        ("l.a.weight_scale", channel),
+        ("l.a.input_scale", torch.tensor([0.5])),
+        ("l.b.weight_scale", tensor),
+        ("l.b.weight", q),
+        ("l.norm.weight", torch.ones(4)),
+    ]
+    dequantizer = CheckpointDequantizer(FLOAT_CHANNEL, torch.float32)
+    out = dict(dequantize_stream(iter(stream), dequantizer))
+    assert set(out) == {"l.a.weight", "l.b.weight", "l.norm.weight"} and dequantizer.dropped == 1
+    values = q.float()
+    expected_a = torch.tensor([[float(values[r, c]) * float(channel[r, 0]) for c in range(64)] for r in range(4)])
+    assert torch.equal(out["l.a.weight"], expected_a) and torch.equal(out["l.b.weight"], values * 0.25)
+    grouped = {
+        **FLOAT_CHANNEL,
+        "config_groups": {"g": {"format": "float-quantized", "weights": {"strategy": "group", "group_size": 32}}},
+    }
+    dense = CheckpointDequantizer(grouped, torch.float32).dequantize("l.c.weight", q, group)
+    assert torch.equal(dense, torch.tensor(reference_fp8(q, group, (1, 32)).tolist()))
+    # AutoFP8's per-tensor fp8: no weight_block_size, one ``weight_scale`` value
+    per_tensor = dict(
+        dequantize_stream(
+            iter([("w.weight", q), ("w.weight_scale", tensor)]),
+            CheckpointDequantizer({"quant_method": "fp8"}, torch.float32),
+        )
+    )
+    assert torch.equal(per_tensor["w.weight"], values * 0.25)
+
+
+def test_kept_quantized_weights_carry_their_scale_and_dense_places_refuse_fp8_without_one():
+    from engine.layers.quantized_checkpoint import dense_tensor, quantized_checkpoint
+
+    quantized, scales = fp8_block_quantize(torch.randn(8, 8), (4, 8))
+    dequantizer = CheckpointDequantizer(FP8, torch.float32, keep_quantized=True)
+    ((name, kept),) = list(dequantize_stream(iter([("x.a.scale", scales), ("x.a.weight", quantized)]), dequantizer))
+    info = quantized_checkpoint(kept)
+    assert name == "x.a.weight" and kept is quantized and dequantizer.kept == 1 and dequantizer.dequantized == 0
+    assert (info.weight_name, info.scale_name) == ("weight", "weight_scale_inv") and info.scale is scales
+    assert dense_tensor("x.a.weight", kept, torch.float8_e4m3fn) is kept  # an FP8 place takes it as it is
+    torch.testing.assert_close(
+        dense_tensor("x.a.weight", kept, torch.float32), reference_fp8(quantized, scales, (4, 8)), rtol=0, atol=0
+    )
+    assert dequantizer.dequantized == 1
+    with pytest.raises(ValueError, match="x.b.weight is torch.float8_e4m3fn with no scale"):
+        dense_tensor("x.b.weight", quantized.clone(), torch.bfloat16)

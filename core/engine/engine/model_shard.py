@@ -185,11 +185,18 @@ def build_shard(
         )
         if setup.dequantizer is not None:
             logger.info(
-                "dequantized %d %s weights to %s while loading",
+                "dequantized %d %s weights to %s while loading%s",
                 setup.dequantizer.dequantized,
                 setup.raw_config["quantization_config"]["quant_method"],
                 setup.dtype_name,
+                f"; {setup.dequantizer.kept} kept quantized for {setup.quantizer.name}" if setup.quantizer else "",
             )
+            if setup.dequantizer.dropped:
+                logger.info(
+                    "left out %d static activation scales (input_scale): activations are quantized as "
+                    "the kernels run, or not at all for dense weights",
+                    setup.dequantizer.dropped,
+                )
         cache_of = functools.partial(
             build_kv_cache,
             model,

@@ -28,7 +28,7 @@ from engine.selection import resolve_dtype, select_platform
 logger = logging.getLogger("engine")
 
 # quantization methods whose plugin is ours to name in an error, by quant_method
-QUANTIZER_DISTRIBUTIONS = {"bitsandbytes": "engine-bitsandbytes", "mxfp8": "engine-xpu"}
+QUANTIZER_DISTRIBUTIONS = {"bitsandbytes": "engine-bitsandbytes", "mxfp8": "engine-xpu", "fp8": "engine-cuda"}
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,8 @@ class EngineSetup:
     max_model_len: int
     vocab_size: int
     quantizer: Quantizer | None
-    dequantizer: CheckpointDequantizer | None  # a checkpoint dequantized at load
+    # a checkpoint dequantized at load (all of it, or with keep_quantized what the quantizer's layers do not take)
+    dequantizer: CheckpointDequantizer | None
     proposer_cls: type | None
     kv_tier_cls: type | None
     structured_output_cls: type | None = None  # None: no backend installed (constraints are refused)
@@ -123,8 +124,10 @@ def resolve_quantizer(
     platform: Platform,
     dtype_name: str,
 ) -> tuple[Quantizer | None, CheckpointDequantizer | None]:
-    """The checkpoint's own quantization method, else ``--quantization``'s, else none; or,
-    for a checkpoint format without kernels here, the dequantizer that makes it dense."""
+    """The checkpoint's own quantization method, else ``--quantization``'s, else none; for a
+    format the engine can dequantize, the dequantizer too: alone where no quantizer for it
+    runs here (the weights become dense), keeping the weights the quantizer's layers take
+    quantized where one does."""
     checkpoint_config = raw_config.get("quantization_config")
     if checkpoint_config is not None:
         method = checkpoint_config.get("quant_method") if isinstance(checkpoint_config, dict) else None
@@ -142,15 +145,26 @@ def resolve_quantizer(
                 "--quantization-config applies to on-the-fly quantization; this checkpoint's "
                 "quantization_config in config.json is used as it is."
             )
-        if dequantizable(checkpoint_config) and method not in components.quantizers.names():
-            # no kernels for this format here: the weights become dense in the compute dtype
+        if dequantizable(checkpoint_config):
+            unusable = kernel_quantizer_unusable(components, checkpoint_config, platform, dtype_name)
+            if unusable is not None:  # no kernels for this format here: the weights become dense
+                logger.info(
+                    "the checkpoint is quantized with %r and %s: its weights are dequantized to %s at load",
+                    method,
+                    unusable,
+                    dtype_name,
+                )
+                return None, CheckpointDequantizer(checkpoint_config, getattr(torch, dtype_name))
+            quantizer_cls = components.quantizers.get(method)
             logger.info(
-                "the checkpoint is quantized with %r and no quantizer of that name is registered: "
-                "its weights are dequantized to %s at load",
+                "the checkpoint is quantized with %r: the linear layers %s takes keep their quantized "
+                "weights, every other quantized tensor is dequantized to %s at load",
                 method,
+                quantizer_cls.name,
                 dtype_name,
             )
-            return None, CheckpointDequantizer(checkpoint_config, getattr(torch, dtype_name))
+            quantizer = quantizer_cls.from_config(dict(checkpoint_config), prequantized=True)
+            return quantizer, CheckpointDequantizer(checkpoint_config, getattr(torch, dtype_name), keep_quantized=True)
         try:
             quantizer_cls = components.quantizers.get(method)
         except ComponentError:
@@ -187,6 +201,30 @@ def resolve_quantizer(
             f"not {dtype_name}; pass --dtype with one of those."
         )
     return quantizer_cls.from_config(dict(settings), prequantized=prequantized), None
+
+
+def kernel_quantizer_unusable(
+    components: Any, checkpoint_config: dict, platform: Platform, dtype_name: str
+) -> str | None:
+    """Why the quantizer registered for a format the engine can also dequantize cannot serve
+    this checkpoint here (so that it is dequantized instead), or None when it can."""
+    method = checkpoint_config["quant_method"]
+    if method not in components.quantizers.names():
+        return "no quantizer of that name is registered"
+    quantizer_cls = components.quantizers.get(method)
+    declined = quantizer_cls.declines(checkpoint_config)
+    if declined is not None:
+        return f"quantizer {method!r} does not take it ({declined})"
+    supported = quantizer_cls.supported_platforms
+    if supported is not None and platform.name not in supported:
+        return f"quantizer {method!r} runs on {', '.join(sorted(supported))}, not {platform.name}"
+    if dtype_name not in quantizer_cls.activation_dtypes:
+        return f"quantizer {method!r} does not compute in {dtype_name}"
+    try:
+        platform.check_quantization(method)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def resolve_proposer(config: EngineConfig, components: Any) -> type | None:

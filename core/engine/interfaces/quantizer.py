@@ -19,8 +19,9 @@ class LinearMethod(ABC):
 
     1. :meth:`create_weights` registers what the layer holds before loading.
     2. The model's loader calls :meth:`load_weight` with each checkpoint tensor of
-       the layer: every name in :meth:`checkpoint_tensors` for every shard (and any
-       optional tensor the method accepts).
+       the layer (this rank's part of it, :meth:`local_part`): every name in
+       :meth:`checkpoint_tensors` for every shard (and any optional tensor the method
+       accepts).
     3. :meth:`process_weights_after_loading` runs once all of them arrived
        (quantize, repack, fuse shards).
     4. :meth:`process_model_after_loading` runs once with every layer given this method,
@@ -52,6 +53,14 @@ class LinearMethod(ABC):
                 f"{', '.join(self.checkpoint_tensors(layer))} for each output shard."
             )
         layer.load_shard(name, shard, tensor)
+
+    def local_part(self, layer: torch.nn.Module, name: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This tensor-parallel rank's part of the checkpoint tensor ``name`` of ``shard``, which
+        :meth:`load_weight` then takes. Default: the layer's cut (its rows of a column-parallel
+        layer, its input columns of a row-parallel one; the tensor itself on one rank). A
+        method whose tensors are not laid out as the weight is (block scales) cuts them
+        itself."""
+        return layer.local_part(name, shard, tensor)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Repack loaded weights (a no-op by default)."""
@@ -97,6 +106,14 @@ class Quantizer(ABC):
         quantization of an unquantized checkpoint (``--quantization``), where the
         config is ``--quantization-config`` (``{}`` when not given).
         """
+
+    @classmethod
+    def declines(cls, quantization_config: dict[str, Any]) -> str | None:
+        """Why this method does not serve a prequantized checkpoint of this
+        ``quantization_config`` (a format of its ``quant_method`` it has no kernels for), or
+        None (the default) when it does. A checkpoint it declines in a format the engine can
+        dequantize (``engine.model_loader.dequant``) is dequantized at load instead."""
+        return None
 
     @abstractmethod
     def get_linear_method(self, layer_name: str) -> LinearMethod | None:

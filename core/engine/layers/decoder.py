@@ -25,6 +25,7 @@ from engine.layers.linear import (
     VocabEmbedding,
     route_linear_tensor,
 )
+from engine.layers.quantized_checkpoint import dense_tensor
 
 if TYPE_CHECKING:
     from engine.interfaces.forward_context import ForwardContext
@@ -153,6 +154,7 @@ def load_tensor(
 def load_parameter(param: nn.Parameter, name: str, tensor: torch.Tensor) -> set[str]:
     """Copy a checkpoint tensor into a parameter, or hand it to the parameter's own
     ``load_checkpoint(name, tensor)`` (a tensor-parallel part takes its rows of it)."""
+    tensor = dense_tensor(name, tensor, param.dtype)
     loader = getattr(param, "load_checkpoint", None)
     if loader is not None:
         loader(name, tensor)

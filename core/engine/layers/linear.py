@@ -10,6 +10,7 @@ from torch import nn
 from engine.distributed.parallel_state import SINGLE as SINGLE_RANK
 from engine.distributed.parallel_state import TensorParallel, resolve_tp
 from engine.interfaces.quantizer import LinearMethod, Quantizer
+from engine.layers.quantized_checkpoint import dense_tensor, quantized_checkpoint
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -90,6 +91,7 @@ class MergedLinear(nn.Module):
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` into shard ``shard`` of the ``weight`` or ``bias`` parameter."""
         param = getattr(self, param_name)
+        tensor = dense_tensor(f"{param_name}[{shard}]", tensor, param.dtype)
         target = param.data[self._rows(shard)]
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(
@@ -103,9 +105,20 @@ class MergedLinear(nn.Module):
         arrived."""
         if not 0 <= shard < len(self.output_sizes):
             raise IndexError(f"Shard {shard} out of range for a layer of {len(self.output_sizes)} shard(s).")
-        self.method.load_weight(self, name, shard, self.local_part(name, shard, tensor))
-        self._received.add((name, shard))
+        kept = quantized_checkpoint(tensor)
+        if kept is not None:  # a quantized weight passed on with its scale (engine.model_loader.dequant)
+            wanted = self.method.checkpoint_tensors(self)
+            if kept.weight_name in wanted and kept.scale_name in wanted:
+                self._load(kept.weight_name, shard, tensor)
+                self._load(kept.scale_name, shard, kept.scale)
+                return not self.missing_tensors()
+            tensor = kept.dense(tensor)  # a method that takes dense weights
+        self._load(name, shard, tensor)
         return not self.missing_tensors()
+
+    def _load(self, name: str, shard: int, tensor: torch.Tensor) -> None:
+        self.method.load_weight(self, name, shard, self.method.local_part(self, name, shard, tensor))
+        self._received.add((name, shard))
 
     def missing_tensors(self) -> list[str]:
         """Checkpoint tensors not loaded yet, as ``name[shard]``."""

@@ -20,6 +20,7 @@ from torch import nn
 from engine.distributed.parallel_state import TensorParallel, resolve_tp
 from engine.layers.decoder import GATE_UP_PARAMS, GatedMLP, load_tensor
 from engine.layers.linear import linear_layers
+from engine.layers.quantized_checkpoint import dense_tensor
 
 if TYPE_CHECKING:
     from engine.interfaces.forward_context import ForwardContext
@@ -129,6 +130,7 @@ class Experts(nn.Module):
     def load(self, expert: int, proj: str, tensor: torch.Tensor) -> bool:
         """One expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` weight; True once all are in."""
         i = self.intermediate_size
+        tensor = dense_tensor(f"experts.{expert}.{proj}", tensor, self.w13.dtype)
         tensor = self._local(tensor, 1 if proj == "down_proj" else 0)
         target = {
             "gate_proj": self.w13.data[expert, :i],
@@ -146,6 +148,7 @@ class Experts(nn.Module):
     def load_fused(self, proj: str, tensor: torch.Tensor) -> bool:
         """transformers' stacked layout: ``gate_up_proj`` [E, 2I, hidden], ``down_proj`` [E, hidden, I]."""
         target = self.w13 if proj == "gate_up_proj" else self.w2
+        tensor = dense_tensor(f"experts.{proj}", tensor, target.dtype)
         if self.tp.is_parallel and proj == "gate_up_proj" and tensor.dim() == 3:
             gate, up = tensor.chunk(2, dim=1)
             tensor = torch.cat([self._local(gate, 1), self._local(up, 1)], dim=1)

@@ -7,7 +7,8 @@ DeepSeek publishes its models in FP8 (``quantization_config.quant_method: "fp8"`
   (transformers' name) or ``X.scale`` (the reference checkpoints'), float32 or
   ``float8_e8m0fnu``, one factor per block of ``weight_block_size`` (default 128 × 128)
   of the weight's last two dims (a scalar: one for the whole tensor); the weight is the
-  elements times their block's factor;
+  elements times their block's factor; per-tensor FP8 checkpoints (AutoFP8's, no
+  ``weight_block_size``) name the factor ``X.weight_scale`` (one value, or [out, 1]);
 - DeepSeek-V4's routed experts may be FP4 (``expert_dtype: "fp4"``): ``X.weight`` is int8
   (or uint8) holding two e2m1 values per byte, the element of even index in the low
   nibble, and ``X.scale`` one power-of-two factor (``float8_e8m0fnu``) per 32 elements of
@@ -24,6 +25,20 @@ files either comes, and yields the dense weight in the model's dtype under ``X.w
 every other tensor passes through. A quantized weight whose scale never comes is an
 error; a ``.scale`` tensor with no quantized weight of its prefix is an ordinary
 parameter (a hyper-connection's ``scale``) and passes through at the end.
+
+compressed-tensors checkpoints in FP8 (format ``float-quantized``, as the FP8 checkpoints of
+Llama, Qwen and Mistral models ship) hold ``X.weight`` (``float8_e4m3fn``) and
+``X.weight_scale`` (float32): one factor per output channel ([out, 1]), one for the whole
+tensor ([1] or a scalar), one per ``block_structure`` block or one per ``group_size``
+elements of a row. Their ``X.input_scale`` (a static activation scale) is dropped: dense
+weights multiply unquantized activations, and FP8 kernels quantize activations as they run.
+
+**Kept quantized.** When a quantization method with kernels for the format serves the
+model's linear layers (engine-cuda's ``fp8`` on a GPU), ``keep_quantized=True``: each
+quantized weight goes on as it is, under ``X.weight``, carrying its scale
+(:mod:`engine.layers.quantized_checkpoint`); a linear layer whose method loads that scale
+takes the pair, and every other destination (MoE experts, a layer the method declined)
+makes it dense with ``dense_tensor``, so a model's own loader need not know either way.
 """
 
 from __future__ import annotations
@@ -32,10 +47,14 @@ from typing import Any, Iterator
 
 import torch
 
+from engine.layers.quantized_checkpoint import FP8_TYPES, QUANTIZED_ATTR, QuantizedCheckpoint
+
 MXFP4_FORMAT = "mxfp4-pack-quantized"
-FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FLOAT_FORMAT = "float-quantized"
+COMPRESSED_FORMATS = frozenset({MXFP4_FORMAT, FLOAT_FORMAT})
+DROPPED_SUFFIXES = (".input_scale",)  # compressed-tensors' static activation scales
 PACKED_FP4_TYPES = (torch.int8, torch.uint8)
-SCALE_SUFFIXES = (".weight_scale_inv", ".scale")
+SCALE_SUFFIXES = (".weight_scale_inv", ".scale", ".weight_scale")
 # e2m1 code (sign bit 3, exponent bits 2-1, mantissa bit 0) -> value
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_GROUP = 32
@@ -46,43 +65,94 @@ def dequantizable(config: dict[str, Any]) -> bool:
     method = config.get("quant_method")
     if method == "fp8":
         return True
-    return method == "compressed-tensors" and _compressed_tensors_formats(config) == {MXFP4_FORMAT}
+    return method == "compressed-tensors" and _compressed_tensors_formats(config) <= COMPRESSED_FORMATS
+
+
+def _compressed_tensors_groups(config: dict[str, Any]) -> list[dict[str, Any]]:
+    return [group for group in (config.get("config_groups") or {}).values() if isinstance(group, dict)]
 
 
 def _compressed_tensors_formats(config: dict[str, Any]) -> set[str]:
-    groups = (config.get("config_groups") or {}).values()
-    formats = {group.get("format") for group in groups if isinstance(group, dict) and group.get("format")}
+    formats = {group.get("format") for group in _compressed_tensors_groups(config) if group.get("format")}
     return formats or {config.get("format")}
+
+
+def _float_weight_layout(config: dict[str, Any]) -> tuple[tuple[int, int] | None, int | None]:
+    """compressed-tensors FP8 weights' ``(block_structure, group_size)`` (either None)."""
+    block, group = None, None
+    for entry in _compressed_tensors_groups(config):
+        weights = entry.get("weights") or {}
+        if weights.get("block_structure"):
+            block = tuple(int(b) for b in weights["block_structure"])
+        if weights.get("group_size"):
+            group = int(weights["group_size"])
+    return block, group
 
 
 class CheckpointDequantizer:
     """The settings of one checkpoint's ``quantization_config`` (``fp8``, or compressed-tensors
     in MXFP4)."""
 
-    def __init__(self, config: dict[str, Any], dtype: torch.dtype) -> None:
+    def __init__(self, config: dict[str, Any], dtype: torch.dtype, *, keep_quantized: bool = False) -> None:
         method = config.get("quant_method")
         if not dequantizable(config):
             raise ValueError(
                 f"quant_method {method!r} (format {config.get('format')!r}) cannot be dequantized at "
-                f"load (supported: fp8, compressed-tensors in {MXFP4_FORMAT})."
+                f"load (supported: fp8, compressed-tensors in {', '.join(sorted(COMPRESSED_FORMATS))})."
             )
         self.dtype = dtype
-        self.dequantized = 0
+        self.keep_quantized = keep_quantized
+        self.dequantized = 0  # weights made dense
+        self.kept = 0  # weights passed on quantized, with their scales
+        self.dropped = 0  # static activation scales left out
         self.compressed_tensors = method == "compressed-tensors"
-        # (quantized weight's suffix, its scales' suffixes)
-        self.weight_suffix, self.scale_suffixes = (
-            (".weight_packed", (".weight_scale",)) if self.compressed_tensors else (".weight", SCALE_SUFFIXES)
-        )
+        # (quantized weight's suffix, the dtypes it comes in, its scales' suffixes)
+        self.pairs: tuple[tuple[str, tuple[torch.dtype, ...], tuple[str, ...]], ...]
         if self.compressed_tensors:
+            self.pairs = (
+                (".weight_packed", PACKED_FP4_TYPES, (".weight_scale",)),
+                (".weight", FP8_TYPES, (".weight_scale",)),
+            )
             self.block = (1, MXFP4_GROUP)
+            self.float_block, self.float_group = _float_weight_layout(config)
             return
+        self.pairs = ((".weight", FP8_TYPES + PACKED_FP4_TYPES, SCALE_SUFFIXES),)
         fmt = config.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise ValueError(f"fp8 checkpoints in fmt {fmt!r} are not supported (supported: e4m3).")
-        block = config.get("weight_block_size") or (128, 128)
-        if len(block) != 2 or min(block) < 1:
+        block = config.get("weight_block_size")
+        if block is not None and (len(block) != 2 or min(block) < 1):
             raise ValueError(f"weight_block_size must be two positive sizes, got {block!r}.")
-        self.block = (int(block[0]), int(block[1]))
+        # without a block size: a factor per tensor or per output channel (``weight_scale``)
+        self.block = (int(block[0]), int(block[1])) if block is not None else None
+        self.float_block, self.float_group = None, None
+
+    @property
+    def scale_suffixes(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(suffix for _, _, suffixes in self.pairs for suffix in suffixes))
+
+    def scale_name(self, scale_suffix: str) -> str:
+        """The name a layer loads a scale under: DeepSeek's ``.scale`` is transformers'
+        ``weight_scale_inv``."""
+        return "weight_scale_inv" if scale_suffix == ".scale" else scale_suffix[1:]
+
+    def fp8_block(self, name: str, shape: torch.Size, scale: torch.Tensor) -> tuple[int, int]:
+        """The block one scale covers of an FP8 weight of ``shape``."""
+        if not self.compressed_tensors and self.block is not None:
+            return self.block
+        rows, cols = shape[-2], shape[-1]
+        if tuple(scale.shape[-2:]) == (rows, 1):
+            return (1, cols)  # per output channel
+        if self.float_block is not None:
+            return self.float_block
+        if self.float_group is not None:
+            return (1, self.float_group)
+        if not self.compressed_tensors:
+            return (128, 128)  # DeepSeek's blocks, when a config leaves weight_block_size out
+        raise ValueError(
+            f"{name}: FP8 weight {tuple(shape)} with scales {tuple(scale.shape)}: neither per channel, per "
+            f"tensor, nor a block_structure / group_size the quantization_config names."
+        )
 
     def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The dense weight of ``name`` in the model's dtype."""
@@ -90,21 +160,9 @@ class CheckpointDequantizer:
             values = weight.float()
             if scale.dim() == 0 or tuple(scale.shape) == (1,):  # one factor for the whole tensor
                 return (values * scale.float().reshape(())).to(self.dtype)
-            return (values * self._expand(name, scale.float(), values.shape)).to(self.dtype)
+            block = self.fp8_block(name, values.shape, scale)
+            return (values * expand_block_scales(name, scale.float(), values.shape, block)).to(self.dtype)
         return self._dequantize_fp4(name, weight, scale)
-
-    def _expand(self, name: str, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """One factor per block of the last two dims -> one per element."""
-        rows, cols = shape[-2], shape[-1]
-        block_rows, block_cols = self.block
-        expected = (*shape[:-2], -(-rows // block_rows), -(-cols // block_cols))
-        if tuple(scale.shape) != expected:
-            raise ValueError(
-                f"{name}: a weight of shape {tuple(shape)} in blocks of {self.block} needs scales of "
-                f"shape {expected}, the checkpoint has {tuple(scale.shape)}."
-            )
-        expanded = scale.repeat_interleave(block_rows, dim=-2)[..., :rows, :]
-        return expanded.repeat_interleave(block_cols, dim=-1)[..., :cols]
 
     def _dequantize_fp4(self, name: str, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         codes = packed.view(torch.uint8)
@@ -124,42 +182,77 @@ class CheckpointDequantizer:
         return (values * factors).to(self.dtype)
 
 
+def expand_block_scales(
+    name: str, scale: torch.Tensor, shape: torch.Size | tuple[int, ...], block: tuple[int, int]
+) -> torch.Tensor:
+    """One factor per ``block`` of the last two dims (the last block of each dim may be cut
+    short) -> one per element of ``shape``; the wrong number of blocks is a ValueError."""
+    rows, cols = shape[-2], shape[-1]
+    block_rows, block_cols = block
+    expected = (*shape[:-2], -(-rows // block_rows), -(-cols // block_cols))
+    if tuple(scale.shape) != expected:
+        raise ValueError(
+            f"{name}: a weight of shape {tuple(shape)} in blocks of {block} needs scales of "
+            f"shape {expected}, the checkpoint has {tuple(scale.shape)}."
+        )
+    expanded = scale.repeat_interleave(block_rows, dim=-2)[..., :rows, :]
+    return expanded.repeat_interleave(block_cols, dim=-1)[..., :cols]
+
+
 def dequantize_stream(
     weights: Iterator[tuple[str, torch.Tensor]], dequantizer: CheckpointDequantizer
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``weights`` with every quantized weight and its scale replaced by the dense weight."""
-    waiting_weights: dict[str, tuple[str, torch.Tensor]] = {}  # prefix -> (name, quantized weight)
+    """``weights`` with every quantized weight and its scale replaced by the dense weight (by the
+    quantized weight carrying its scale, with ``keep_quantized``), static activation scales
+    left out."""
+    waiting_weights: dict[str, tuple[str, str, torch.Tensor]] = {}  # prefix -> (weight suffix, name, weight)
     waiting_scales: dict[str, tuple[str, torch.Tensor]] = {}  # prefix -> (name, scale)
-    weight_suffix = dequantizer.weight_suffix
+    scale_suffixes = dequantizer.scale_suffixes
+
+    def paired(prefix: str, weight_suffix: str, weight_name: str, weight: torch.Tensor, scale_name: str, scale):
+        if not dequantizer.keep_quantized:
+            dequantizer.dequantized += 1
+            return prefix + ".weight", dequantizer.dequantize(weight_name, weight, scale)
+        suffix = next(s for s in scale_suffixes if scale_name.endswith(s))
+        setattr(
+            weight,
+            QUANTIZED_ATTR,
+            QuantizedCheckpoint(weight_name, weight_suffix[1:], dequantizer.scale_name(suffix), scale, dequantizer),
+        )
+        dequantizer.kept += 1
+        return prefix + ".weight", weight
+
     for name, tensor in weights:
-        scale_suffix = next((s for s in dequantizer.scale_suffixes if name.endswith(s)), None)
+        if name.endswith(DROPPED_SUFFIXES):
+            dequantizer.dropped += 1
+            continue
+        scale_suffix = next((s for s in scale_suffixes if name.endswith(s)), None)
         if scale_suffix is not None:
             prefix = name[: -len(scale_suffix)]
             if prefix in waiting_weights:
-                weight_name, weight = waiting_weights.pop(prefix)
-                dequantizer.dequantized += 1
-                yield prefix + ".weight", dequantizer.dequantize(weight_name, weight, tensor)
+                weight_suffix, weight_name, weight = waiting_weights.pop(prefix)
+                yield paired(prefix, weight_suffix, weight_name, weight, name, tensor)
             else:
                 waiting_scales[prefix] = (name, tensor)
             continue
-        if name.endswith(weight_suffix) and tensor.dtype in FP8_TYPES + PACKED_FP4_TYPES:
-            prefix = name[: -len(weight_suffix)]
+        pair = next((p for p in dequantizer.pairs if name.endswith(p[0]) and tensor.dtype in p[1]), None)
+        if pair is not None:
+            prefix = name[: -len(pair[0])]
             if prefix in waiting_scales:
-                _, scale = waiting_scales.pop(prefix)
-                dequantizer.dequantized += 1
-                yield prefix + ".weight", dequantizer.dequantize(name, tensor, scale)
+                scale_name, scale = waiting_scales.pop(prefix)
+                yield paired(prefix, pair[0], name, tensor, scale_name, scale)
             else:
-                waiting_weights[prefix] = (name, tensor)
+                waiting_weights[prefix] = (pair[0], name, tensor)
             continue
         yield name, tensor
     if waiting_weights:
-        names = sorted(name for name, _ in waiting_weights.values())
+        names = sorted(name for _, name, _ in waiting_weights.values())
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         raise ValueError(
             f"These quantized weights have no scale in the checkpoint "
-            f"({' or '.join('X' + s for s in dequantizer.scale_suffixes)}): {shown}."
+            f"({' or '.join('X' + s for s in scale_suffixes)}): {shown}."
         )
     for name, tensor in waiting_scales.values():  # not a quantization scale: an ordinary tensor
-        if name.endswith(".weight_scale_inv"):
-            raise ValueError(f"{name} has no quantized weight {name.removesuffix('_scale_inv')} beside it.")
+        if name.endswith((".weight_scale_inv", ".weight_scale")):
+            raise ValueError(f"{name} has no quantized weight beside it.")
         yield name, tensor

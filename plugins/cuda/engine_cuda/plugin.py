@@ -6,3 +6,9 @@ import engine
 @engine.hookimpl
 def register_platforms(register):
     register("cuda", "engine_cuda.platform:CudaPlatform")
+
+
+@engine.hookimpl
+def register_quantizers(register):
+    register("fp8", "engine_cuda.fp8:Fp8Quantizer")
+    register("compressed-tensors", "engine_cuda.fp8:CompressedTensorsFp8Quantizer")

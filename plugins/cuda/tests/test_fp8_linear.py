@@ -1,0 +1,316 @@
+"""FP8 checkpoints as FP8 linear layers (engine_cuda.fp8): the layer's layout against the
+checkpoint's scales element by element, fused shards whose rows are not a multiple of the
+block, tensor-parallel cuts, the Triton GEMM path under the interpreter, and whole checkpoints
+(DeepSeek-V3 block-scaled, compressed-tensors per channel) loaded with the linear layers kept
+in FP8 and the experts dequantized, against transformers on the dense weights."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined: run them on the CPU
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.distributed.parallel_state import TensorParallel
+from engine.layers.linear import ColumnParallelLinear, MergedLinear, RowParallelLinear  # noqa: E402
+from engine_cuda.fp8 import (  # noqa: E402
+    CompressedTensorsFp8Quantizer,
+    Fp8LinearMethod,
+    Fp8Quantizer,
+    quantize_fp8_blocks,
+)
+
+
+def element_reference(q: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Each e4m3 value times the factor of the block holding it, one at a time."""
+    out = torch.empty(q.shape)
+    for r, c in itertools.product(range(q.shape[0]), range(q.shape[1])):
+        out[r, c] = float(q[r, c].float()) * float(scales[r // block[0], c // block[1]])
+    return out
+
+
+def checkpoint_shards(sizes, k, block, seed):
+    """Per shard (e4m3 weight, its block scales, the dense weight they stand for)."""
+    gen = torch.Generator().manual_seed(seed)
+    shards = []
+    for rows in sizes:
+        q, s = quantize_fp8_blocks(torch.randn(rows, k, generator=gen) / k**0.5, block)
+        shards.append((q, s, element_reference(q, s, block)))
+    return shards
+
+
+def fp8_layer(sizes, k, block, bias=False, **kwargs) -> MergedLinear:
+    layer = MergedLinear(k, list(sizes), bias, torch.float32)
+    layer.set_method(Fp8LinearMethod(block, "weight_scale_inv", prequantized=True, **kwargs))
+    return layer
+
+
+def test_fused_shards_of_uneven_rows_hold_one_factor_per_row_and_compute_the_dequantized_product():
+    block = (16, 16)
+    sizes, k = (40, 24, 24), 48  # q / k / v: 40 rows is not a multiple of the 16-row block
+    shards = checkpoint_shards(sizes, k, block, seed=0)
+    layer = fp8_layer(sizes, k, block, bias=True)
+    biases = [torch.randn(n) for n in sizes]
+    for index, (q, s, _) in enumerate(shards):
+        assert not layer.load_checkpoint_tensor("weight", index, q)
+        layer.load_checkpoint_tensor("weight_scale_inv", index, s)
+        done = layer.load_checkpoint_tensor("bias", index, biases[index])
+    assert done and layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (88, 3)
+    layer.method.process_weights_after_loading(layer)
+    assert layer.fp8_kernel == "reference"  # on the CPU
+    x = torch.randn(5, k)
+    dense = torch.cat([d for _, _, d in shards])
+    expected = x @ dense.t() + torch.cat(biases)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    # what an FP8-less GPU does: the weight dequantized once
+    dense_layer = fp8_layer(sizes, k, block, kernel="dense")
+    for index, (q, s, _) in enumerate(shards):
+        dense_layer.load_checkpoint_tensor("weight", index, q)
+        dense_layer.load_checkpoint_tensor("weight_scale_inv", index, s)
+    dense_layer.method.process_weights_after_loading(dense_layer)
+    assert dense_layer.weight.dtype == torch.float32 and not hasattr(dense_layer, "weight_scale")
+    torch.testing.assert_close(dense_layer.weight, dense, rtol=0, atol=0)
+
+
+def test_per_channel_and_per_tensor_scales_and_the_errors_that_name_shapes():
+    gen = torch.Generator().manual_seed(1)
+    k = 32
+    weights = [torch.randn(8, k, generator=gen), torch.randn(6, k, generator=gen)]
+    per_channel = [w.abs().amax(dim=1, keepdim=True) / 448 for w in weights[:1]]
+    per_tensor = [weights[1].abs().max().reshape(1) / 448]
+    layer = MergedLinear(k, [8, 6], False, torch.float32)
+    layer.set_method(Fp8LinearMethod(None, "weight_scale", prequantized=True))
+    dense = []
+    for index, (w, s) in enumerate(zip(weights, per_channel + per_tensor)):
+        q = (w / s.reshape(-1, 1)).to(torch.float8_e4m3fn)
+        layer.load_checkpoint_tensor("weight", index, q)
+        layer.load_checkpoint_tensor("weight_scale", index, s)
+        dense.append(q.float() * s.reshape(-1, 1))
+    layer.method.process_weights_after_loading(layer)
+    x = torch.randn(3, k, generator=gen)
+    torch.testing.assert_close(layer(x), x @ torch.cat(dense).t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"\[6, 1\] or one value"):
+        layer.load_checkpoint_tensor("weight_scale", 1, torch.ones(3))
+    blocked = fp8_layer((8,), k, (4, 16))
+    with pytest.raises(ValueError, match=r"has \(2, 2\) scales, the checkpoint \(1, 2\)"):
+        blocked.load_checkpoint_tensor("weight_scale_inv", 0, torch.ones(1, 2))
+    with pytest.raises(ValueError, match="not float8_e4m3fn.*modules_to_not_convert"):
+        blocked.load_checkpoint_tensor("weight", 0, torch.randn(8, k))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_tensor_parallel_ranks_cut_the_per_row_scales_where_they_cut_the_weight(rank):
+    block, k = (16, 32), 64
+    tp = TensorParallel(rank=rank, size=2)
+    sizes = (48, 40)
+    shards = checkpoint_shards(sizes, k, block, seed=2)
+    column = ColumnParallelLinear(k, list(sizes), False, torch.float32, tp=tp)
+    column.set_method(Fp8LinearMethod(block, "weight_scale_inv", prequantized=True))
+    for index, (q, s, _) in enumerate(shards):
+        column.load_checkpoint_tensor("weight", index, q)
+        column.load_checkpoint_tensor("weight_scale_inv", index, s)
+    column.method.process_weights_after_loading(column)
+    x = torch.randn(4, k)
+    mine = torch.cat([d.chunk(2)[rank] for _, _, d in shards])  # this rank's rows of each shard
+    torch.testing.assert_close(column(x), x @ mine.t(), rtol=1e-5, atol=1e-5)
+
+    ((q, s, dense),) = checkpoint_shards((24,), k, block, seed=3)
+    row = RowParallelLinear(k, 24, False, torch.float32, tp=tp)
+    row.set_method(Fp8LinearMethod(block, "weight_scale_inv", prequantized=True))
+    row.load_checkpoint_tensor("weight", 0, q)
+    row.load_checkpoint_tensor("weight_scale_inv", 0, s)
+    row.method.process_weights_after_loading(row)
+    cols = slice(rank * 32, (rank + 1) * 32)  # each rank's inputs: one 32-column scale block
+    partial = row.method.apply(row, x[:, cols])
+    torch.testing.assert_close(partial, x[:, cols] @ dense[:, cols].t(), rtol=1e-5, atol=1e-5)
+
+    cut = RowParallelLinear(k, 24, False, torch.float32, tp=tp)
+    cut.set_method(Fp8LinearMethod((16, 40), "weight_scale_inv", prequantized=True))  # blocks [0, 40), [40, 64)
+    with pytest.raises(ValueError, match="cannot be split across 2 tensor-parallel ranks.*40-column scale blocks"):
+        cut.load_checkpoint_tensor("weight_scale_inv", 0, torch.ones(2, 2))
+
+
+@pytest.mark.parametrize("quantize_activations", [False, True], ids=["w8a16", "w8a8"])
+def test_the_triton_kernel_path_under_the_interpreter_matches_its_reference(quantize_activations):
+    pytest.importorskip("triton")
+    from engine_cuda.fp8_gemm import quantize_fp8_groups
+
+    block, sizes, k = (16, 32), (40, 24), 64
+    shards = checkpoint_shards(sizes, k, block, seed=4)
+    layer = fp8_layer(sizes, k, block, kernel="triton", quantize_activations=quantize_activations)
+    for index, (q, s, _) in enumerate(shards):
+        layer.load_checkpoint_tensor("weight", index, q)
+        layer.load_checkpoint_tensor("weight_scale_inv", index, s)
+    layer.method.process_weights_after_loading(layer)
+    x = torch.randn(5, k)
+    dense = torch.cat([d for _, _, d in shards])
+    if quantize_activations:  # the activations as the kernel sees them: e4m3 per row and 32 columns
+        xq, xs = quantize_fp8_groups(x, 32)
+        x_seen = xq.float() * xs.repeat_interleave(32, dim=1)
+    else:
+        x_seen = x
+    torch.testing.assert_close(layer(x), x_seen @ dense.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_quantizers_read_their_configs_and_skip_what_checkpoints_leave_dense():
+    blocks = Fp8Quantizer.from_config({"quant_method": "fp8", "weight_block_size": [128, 128]}, prequantized=True)
+    assert blocks.get_linear_method("model.layers.0.self_attn.q_a_proj").scale_name == "weight_scale_inv"
+    assert blocks.get_linear_method("lm_head") is None and blocks.get_linear_method("model.layers.3.mlp.gate") is None
+    per_tensor = Fp8Quantizer.from_config({"quant_method": "fp8", "activation_scheme": "static"}, prequantized=True)
+    method = per_tensor.get_linear_method("model.layers.0.mlp.down_proj")
+    assert method.block is None and method.scale_name == "weight_scale"
+    skip = Fp8Quantizer.from_config({"quant_method": "fp8", "modules_to_not_convert": ["mlp"]}, prequantized=True)
+    assert skip.get_linear_method("model.layers.0.mlp.gate_up_proj") is None
+    with pytest.raises(ValueError, match="fmt 'e5m2'"):
+        Fp8Quantizer.from_config({"fmt": "e5m2"}, prequantized=True)
+
+    groups = {
+        "group_0": {"format": "float-quantized", "weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+    }
+    config = {
+        "quant_method": "compressed-tensors",
+        "config_groups": groups,
+        "ignore": ["lm_head", "re:.*\\.mlp\\.down_proj$"],
+    }
+    assert CompressedTensorsFp8Quantizer.declines(config) is None
+    ct = CompressedTensorsFp8Quantizer.from_config(config, prequantized=True)
+    assert ct.get_linear_method("model.layers.0.mlp.down_proj") is None
+    assert ct.get_linear_method("model.layers.0.self_attn.qkv_proj").block is None
+    mxfp4 = {"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "mxfp4-pack-quantized"}}}
+    assert "mxfp4-pack-quantized" in CompressedTensorsFp8Quantizer.declines(mxfp4)
+    with pytest.raises(ValueError, match="--quantization fp8"):
+        CompressedTensorsFp8Quantizer.from_config(config, prequantized=False)
+
+
+# whole checkpoints
+
+
+def quantize_deepseek_checkpoint(path, reference_path, block):
+    """The tiny DeepSeek-V3 checkpoint at ``path`` with every projection (experts' too) in
+    block-scaled FP8; transformers' model on the dense weights they stand for."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    shutil.copytree(path, reference_path)
+    out, dense = {}, dict(tensors)
+    for name, tensor in tensors.items():
+        if name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
+            q, s = quantize_fp8_blocks(tensor, block)
+            out[name], out[name.removesuffix(".weight") + ".weight_scale_inv"] = q, s
+            dense[name] = (
+                q.float()
+                * s.repeat_interleave(block[0], 0)[: q.shape[0]].repeat_interleave(block[1], 1)[:, : q.shape[1]]
+            )
+        else:
+            out[name] = tensor
+    save_file(out, str(path / "model.safetensors"))
+    save_file(dense, str(reference_path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (path / "config.json").write_text(json.dumps(config))
+    return getattr(transformers, config["architectures"][0]).from_pretrained(reference_path, dtype=torch.float32).eval()
+
+
+def test_deepseek_fp8_checkpoint_keeps_fp8_linear_layers_and_dense_experts(tmp_path, monkeypatch):
+    """The cuda quantizer serving the CPU here (its layers compute the dequantized product):
+    attention and shared-expert projections stay e4m3, routed experts are dequantized, and
+    the logits are transformers' on the dense weights."""
+    from engine import LLM
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    path = tmp_path / "fp8"
+    make_tiny_checkpoint("DeepseekV3ForCausalLM", path)
+    hf_model = quantize_deepseek_checkpoint(path, tmp_path / "dense", (16, 16))
+    monkeypatch.setattr(Fp8Quantizer, "supported_platforms", frozenset({"cuda", "cpu"}))
+    llm = LLM(str(path), plugins=["cpu", "deepseek_v4", "cuda"], dtype="float32", kv_cache_memory=0.05, progress=False)
+    setup = llm.engine.setup
+    assert setup.quantizer.name == "fp8" and setup.dequantizer.keep_quantized
+    assert setup.dequantizer.kept > 0 and setup.dequantizer.dequantized > 0  # experts made dense
+    model = llm.engine.model
+    fp8_layers = [m for m in model.modules() if isinstance(m, MergedLinear) and isinstance(m.method, Fp8LinearMethod)]
+    assert fp8_layers and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8_layers)
+    rng = random.Random(0)
+    batch = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 19)]
+    for prompt, logits in zip(batch, llm.prompt_logits(batch)):
+        with torch.no_grad():
+            reference = hf_model(torch.tensor([prompt])).logits[0]
+        assert (logits - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item())
+
+
+def test_on_the_cpu_platform_an_fp8_checkpoint_is_dequantized_even_with_engine_cuda_installed(tmp_path):
+    from engine import LLM
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    path = tmp_path / "fp8"
+    make_tiny_checkpoint("DeepseekV3ForCausalLM", path)
+    quantize_deepseek_checkpoint(path, tmp_path / "dense", (16, 16))
+    llm = LLM(str(path), plugins=["cpu", "deepseek_v4", "cuda"], dtype="float32", kv_cache_memory=0.05, progress=False)
+    setup = llm.engine.setup
+    assert setup.quantizer is None and not setup.dequantizer.keep_quantized and setup.dequantizer.kept == 0
+
+
+def quantize_llama_per_channel(path, reference_path):
+    """The tiny Llama checkpoint at ``path`` as compressed-tensors ``float-quantized``: every
+    projection e4m3 with a factor per output channel and a static ``input_scale``."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    shutil.copytree(path, reference_path)
+    out, dense = {}, dict(tensors)
+    for name, tensor in tensors.items():
+        if name.endswith("proj.weight"):
+            scale = tensor.abs().amax(dim=1, keepdim=True) / 448
+            q = (tensor / scale).to(torch.float8_e4m3fn)
+            prefix = name.removesuffix(".weight")
+            out[name], out[prefix + ".weight_scale"], out[prefix + ".input_scale"] = q, scale, torch.tensor([0.01])
+            dense[name] = q.float() * scale
+        else:
+            out[name] = tensor
+    save_file(out, str(path / "model.safetensors"))
+    save_file(dense, str(reference_path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"group_0": {"format": "float-quantized", "targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head"],
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return transformers.LlamaForCausalLM.from_pretrained(reference_path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["dequantized", "fp8-layers"])
+def test_compressed_tensors_fp8_llama_matches_transformers(tmp_path, monkeypatch, kept):
+    from engine import LLM
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    path = tmp_path / "fp8"
+    make_tiny_checkpoint("LlamaForCausalLM", path)
+    hf_model = quantize_llama_per_channel(path, tmp_path / "dense")
+    if kept:
+        monkeypatch.setattr(CompressedTensorsFp8Quantizer, "supported_platforms", frozenset({"cuda", "cpu"}))
+    llm = LLM(str(path), plugins=["cpu", "llama", "cuda"], dtype="float32", kv_cache_memory=0.05, progress=False)
+    dequantizer = llm.engine.setup.dequantizer
+    assert dequantizer.dropped > 0 and (dequantizer.kept > 0) == kept
+    layers = [
+        m for m in llm.engine.model.modules() if isinstance(m, MergedLinear) and isinstance(m.method, Fp8LinearMethod)
+    ]
+    assert bool(layers) == kept
+    rng = random.Random(1)
+    batch = [[rng.randrange(3, 250) for _ in range(n)] for n in (4, 17)]
+    for prompt, logits in zip(batch, llm.prompt_logits(batch)):
+        with torch.no_grad():
+            reference = hf_model(torch.tensor([prompt])).logits[0]
+        assert (logits - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item())

@@ -1,11 +1,15 @@
 """The GPU acceptance run: the engine's Triton kernels natively on a CUDA or ROCm GPU against
 their torch references (error and time); the decode-attention kernel's HBM bandwidth at 1k,
-8k and 32k context against the device's measured copy bandwidth; the engine on the GPU with
+8k and 32k context against the device's measured copy bandwidth; the engine's prompt logits
+against transformers' on the same GPU for the tiny Llama, DeepSeek-V3/V4 and Kimi-Linear
+checkpoints and DeepSeek-V3 in FP8 (FP8 linear layers), and llama58m's greedy tokens
+against transformers' ``generate``; the engine on the GPU with
 CUDA graphs and async scheduling on and off (identical greedy outputs, the batch-1 step each
 way); and ``engine bench latency`` / ``throughput`` with HF transformers on the same GPU.
 Prints each figure and writes them all to one JSON file.
 
     python scripts/gpu_check.py [--json gpu_check.json] [--no-bench]   # needs torch with CUDA or HIP and triton
+    python scripts/gpu_check.py --models-on-cpu                        # the model checks alone, on the CPU
 
 The same kernels are tested on the CPU under the Triton interpreter by the test suite; this
 script checks them compiled, at shapes closer to real models, and says how fast they are.
@@ -182,6 +186,125 @@ def check_decode_graphs(device) -> bool:
     return same
 
 
+MODEL_PLUGINS = {
+    "LlamaForCausalLM": "llama",
+    "DeepseekV3ForCausalLM": "deepseek_v4",
+    "DeepseekV4ForCausalLM": "deepseek_v4",
+    "KimiLinearForCausalLM": "kimi_k3",
+}
+PROMPTS = [[(11 * i + 5 * j) % 300 + 3 for j in range(4 + 9 * i)] for i in range(4)]
+
+
+def logits_error(llm, hf_model, device) -> float:
+    """The largest |engine − transformers| prompt logit over PROMPTS, relative to the largest logit."""
+    worst = 0.0
+    for prompt, logits in zip(PROMPTS, llm.prompt_logits(PROMPTS)):
+        reference = hf_model(torch.tensor([prompt], device=device)).logits[0].float()
+        error = (logits.to(device).float() - reference).abs().max().item()
+        worst = max(worst, error / max(1.0, reference.abs().max().item()))
+    return worst
+
+
+def fp8_checkpoint(path, dense_path) -> None:
+    """Rewrite the tiny DeepSeek-V3 checkpoint at ``path`` in DeepSeek's FP8 (e4m3, 16 x 16 block
+    scales on every projection, experts' too) and save the weights they stand for at ``dense_path``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine_cuda.fp8 import quantize_fp8_blocks
+
+    block = (16, 16)
+    tensors = load_file(str(path / "model.safetensors"))
+    shutil.copytree(path, dense_path)
+    out, dense = {}, dict(tensors)
+    for name, tensor in tensors.items():
+        if name.endswith(("proj.weight", "proj_with_mqa.weight")):
+            q, scales = quantize_fp8_blocks(tensor, block)
+            out[name], out[name.removesuffix(".weight") + ".weight_scale_inv"] = q, scales
+            factors = scales.repeat_interleave(16, 0)[: q.shape[0]].repeat_interleave(16, 1)[:, : q.shape[1]]
+            dense[name] = q.float() * factors
+        else:
+            out[name] = tensor
+    save_file(out, str(path / "model.safetensors"))
+    save_file(dense, str(dense_path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def check_models(device, platform: str) -> bool:
+    """(b): the engine against transformers on the same device: prompt logits of the tiny Llama,
+    DeepSeek-V3, DeepSeek-V4 and Kimi-Linear checkpoints (fp32), of DeepSeek-V3 in FP8 (its
+    linear layers FP8 on the device, against transformers on the dense weights), and greedy
+    tokens of llama58m (fp32)."""
+    import tempfile
+    from pathlib import Path
+
+    import transformers
+
+    from engine import LLM, SamplingParams
+    from engine.model_loader.checkpoint import resolve_model_path
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    results, ok = {}, True
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    settings = {"dtype": "float32", "kv_cache_memory": 0.05, "progress": False}
+    for architecture, plugin in MODEL_PLUGINS.items():
+        try:
+            hf_model = make_tiny_checkpoint(architecture, work / architecture).to(device)
+            llm = LLM(str(work / architecture), plugins=[platform, plugin], **settings)
+            error = logits_error(llm, hf_model, device)
+            results[architecture] = {"max_relative_logit_error": error, "ok": error <= 2e-3}
+            del llm
+        except Exception as failure:  # noqa: BLE001 - one model's failure is recorded, the rest still run
+            results[architecture] = {"error": repr(failure)[-2000:], "ok": False}
+        ok &= results[architecture]["ok"]
+        print(f"{architecture:32s} vs transformers: {results[architecture]}")
+    try:
+        make_tiny_checkpoint("DeepseekV3ForCausalLM", work / "fp8")
+        fp8_checkpoint(work / "fp8", work / "fp8_dense")
+        hf_model = transformers.DeepseekV3ForCausalLM.from_pretrained(work / "fp8_dense", dtype=torch.float32).to(
+            device
+        )
+        llm = LLM(str(work / "fp8"), plugins=[platform, "deepseek_v4", "cuda"], **settings)
+        quantizer = llm.engine.setup.quantizer
+        error = logits_error(llm, hf_model, device)
+        kept = llm.engine.setup.dequantizer.kept
+        # W8A8: the activations in e4m3 too (about 3% relative per layer on random weights)
+        results["DeepseekV3 FP8"] = {
+            "quantizer": quantizer.name if quantizer else None,
+            "kept_fp8": kept,
+            "max_relative_logit_error": error,
+            "ok": error <= 0.1 and (platform == "cpu" or (quantizer is not None and kept > 0)),
+        }
+        del llm
+    except Exception as failure:  # noqa: BLE001
+        results["DeepseekV3 FP8"] = {"error": repr(failure)[-2000:], "ok": False}
+    ok &= results["DeepseekV3 FP8"]["ok"]
+    print(f"{'DeepseekV3 FP8':32s} vs transformers (dense): {results['DeepseekV3 FP8']}")
+    try:
+        path = resolve_model_path("llama58m")
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        llm = LLM("llama58m", plugins=[platform, "llama"], dtype="float32", progress=False)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        ours = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        theirs = []
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt], device=device)
+            out = hf_model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+            theirs.append(out[0, len(prompt) :].tolist())
+        same = [a == b for a, b in zip(ours, theirs)]
+        results["llama58m greedy"] = {"identical": same, "ok": all(same)}
+        del llm
+    except Exception as failure:  # noqa: BLE001
+        results["llama58m greedy"] = {"error": repr(failure)[-2000:], "ok": False}
+    ok &= results["llama58m greedy"]["ok"]
+    print(f"{'llama58m greedy':32s} vs transformers generate: {results['llama58m greedy']}")
+    RESULTS["models"] = results
+    return ok
+
+
 def copy_bandwidth(device) -> float:
     """GB/s of a 1 GiB device-to-device copy (bytes read plus bytes written)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -243,7 +366,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default="gpu_check.json", help="Where the figures are written.")
     parser.add_argument("--no-bench", action="store_true", help="Skip the engine bench runs.")
+    parser.add_argument(
+        "--models-on-cpu",
+        action="store_true",
+        help="Run only the model checks, on the CPU platform (a rehearsal of check (b) on a machine without a GPU).",
+    )
     args = parser.parse_args()
+    if args.models_on_cpu:
+        with torch.inference_mode():
+            passed = check_models(torch.device("cpu"), "cpu")
+        print("passed" if passed else "FAILED")
+        return 0 if passed else 1
     if not torch.cuda.is_available():
         print(
             "no CUDA or ROCm GPU visible: this script runs the kernels natively (the test suite checks them "
@@ -263,6 +396,9 @@ def main() -> int:
     checks = (check_paged_attention, check_kda, check_moe, check_fp8_gemm, check_attention_bandwidth)
     with torch.inference_mode():
         results = [check(device) for check in checks]
+    platform = "rocm" if torch.version.hip else "cuda"
+    with torch.inference_mode():
+        results.append(check_models(device, platform))
     results.append(check_decode_graphs(device))
     if not args.no_bench:
         results += [run_bench("latency"), run_bench("throughput")]

@@ -305,6 +305,33 @@ def check_models(device, platform: str) -> bool:
     return ok
 
 
+def check_library_backends(device) -> bool:
+    """FlashInfer's and flash-attn's backends, where those libraries are installed: llama58m's
+    greedy tokens (bf16) with each against triton_paged's, recorded (bf16 rounding may flip a
+    near tie, so a difference is reported, not failed)."""
+    from engine import LLM, SamplingParams
+    from engine_cuda.attention_libraries import FLASH_ATTN, FLASHINFER, usable
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    results = {}
+    names = [name for library, name in ((FLASHINFER, "flashinfer"), (FLASH_ATTN, "flash_attn")) if usable(library)]
+    if not names:
+        print("FlashInfer / flash-attn: neither installed; skipped")
+        RESULTS["library_backends"] = {}
+        return True
+    outputs = {}
+    for name in ["triton_paged", *names]:
+        llm = LLM("llama58m", plugins=["cuda", "llama"], dtype="bfloat16", progress=False, attention_backend=name)
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        del llm
+    for name in names:
+        same = sum(a == b for a, b in zip(outputs[name], outputs["triton_paged"]))
+        results[name] = {"prompts_identical_to_triton_paged": f"{same}/{len(PROMPTS)}"}
+        print(f"{name}: greedy tokens identical to triton_paged for {same}/{len(PROMPTS)} prompts")
+    RESULTS["library_backends"] = results
+    return True
+
+
 def copy_bandwidth(device) -> float:
     """GB/s of a 1 GiB device-to-device copy (bytes read plus bytes written)."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -399,6 +426,8 @@ def main() -> int:
     platform = "rocm" if torch.version.hip else "cuda"
     with torch.inference_mode():
         results.append(check_models(device, platform))
+        if platform == "cuda":
+            results.append(check_library_backends(device))
     results.append(check_decode_graphs(device))
     if not args.no_bench:
         results += [run_bench("latency"), run_bench("throughput")]

@@ -122,3 +122,23 @@ def test_speculative_decoding_runs_eagerly(graphs_on_cpu, checkpoint, caplog):
         llm = make_llm(checkpoint, speculative_method="ngram", num_speculative_tokens=2)
     assert llm.engine.shard.runner.graphs is None
     assert any("decode steps run eagerly: speculative decoding" in m for m in caplog.messages)
+
+
+def test_an_attention_backend_that_cannot_be_captured_runs_decode_eagerly(
+    graphs_on_cpu, checkpoint, monkeypatch, caplog
+):
+    """A backend whose capabilities say its metadata needs the host (FlashInfer's plan, a
+    gather sized on the host) turns the graphs off, and the log names it."""
+    import dataclasses
+    import logging
+
+    from engine.plugins.manager import get_plugin_manager
+
+    backend = get_plugin_manager(["cpu"]).components().attention_backends.get("cpu_paged")
+    monkeypatch.setattr(backend, "capabilities", dataclasses.replace(backend.capabilities, graph_capturable=False))
+    with caplog.at_level(logging.INFO, logger="engine"):
+        llm = make_llm(checkpoint)
+    assert llm.engine.shard.runner.graphs is None and not FakeGraph.captured
+    assert any(
+        "decode steps run eagerly: attention backend cpu_paged builds its step metadata" in m for m in caplog.messages
+    )

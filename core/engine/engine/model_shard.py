@@ -90,13 +90,15 @@ def local_device_index(platform, tp: TensorParallel) -> int:
     return int(os.environ.get("LOCAL_RANK", tp.rank))
 
 
-def decode_graphs_of(setup: EngineSetup, model: Model, tp: TensorParallel):
+def decode_graphs_of(setup: EngineSetup, model: Model, tp: TensorParallel, backends=()):
     """The platform's device-graph factory when decode steps are to be captured, else None
-    (the platform has none, ``--enforce-eager``, or a case graphs do not cover yet: logged)."""
+    (the platform has none, ``--enforce-eager``, an attention backend of ``backends`` (``(spec,
+    layers, class)``) that cannot be captured, or a case graphs do not cover yet: logged)."""
     make_graph = setup.platform.device_graphs()
     if make_graph is None:
         return None
     reason = None
+    uncapturable = sorted({cls.name for _, _, cls in backends if not cls.capabilities.graph_capturable})
     if setup.config.enforce_eager:
         reason = "--enforce-eager"
     elif tp.is_parallel:
@@ -105,6 +107,11 @@ def decode_graphs_of(setup: EngineSetup, model: Model, tp: TensorParallel):
         reason = "speculative decoding (its proposers read hidden states the graphs do not keep)"
     elif any(spec.is_recurrent for spec in model.kv_cache_specs()):
         reason = "recurrent attention layers (their padding rows would need a state of their own)"
+    elif uncapturable:
+        reason = (
+            f"attention backend {', '.join(uncapturable)} builds its step metadata on the host (choose "
+            f"--attention-backend triton_paged to capture decode graphs)"
+        )
     if reason is not None:
         logger.info("decode steps run eagerly: %s", reason)
         return None
@@ -217,7 +224,7 @@ def build_shard(
             memory = profiled_kv_cache_bytes(setup, model, platform, cache_of)
         else:
             memory = platform.default_kv_cache_bytes()
-        make_graph = decode_graphs_of(setup, model, tp)
+        make_graph = decode_graphs_of(setup, model, tp, backends or ())
         kv_cache = cache_of(
             memory,
             max_model_len=setup.max_model_len,

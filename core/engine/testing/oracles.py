@@ -171,3 +171,133 @@ def equal_mass_bins(tokens: list[int], probabilities: torch.Tensor, bins: int) -
     for token in tokens:
         counts[group[token]] += 1
     return counts, mass
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    **unused,
+):
+    """flash-attn's ``flash_attn_varlen_func`` (and AITER's, which has its interface) as
+    documented, one sequence at a time: ``q`` [total_q, H, D] and ``k`` / ``v`` [total_k, Hkv,
+    D] packed by ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32), query head ``h`` reading KV head
+    ``h // (H / Hkv)``, a causal mask aligned to the bottom right (query row ``i`` of a
+    sequence with ``Lq`` queries and ``Lk`` keys sees keys up to ``Lk - Lq + i``), and
+    ``window_size = (left, right)`` keys either side of that (-1: unbounded). Asserts the
+    argument types and sizes the library requires."""
+    assert dropout_p == 0.0 and not unused
+    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+    assert k.shape[0] == v.shape[0] == int(cu_seqlens_k[-1]) and q.shape[0] == int(cu_seqlens_q[-1])
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
+    group = q.shape[1] // k.shape[1]
+    for i in range(cu_seqlens_q.shape[0] - 1):
+        qs, qe, ks, ke = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
+        assert qe - qs <= max_seqlen_q and ke - ks <= max_seqlen_k
+        qi = q[qs:qe].float().transpose(0, 1)  # [H, Lq, D]
+        ki = k[ks:ke].float().repeat_interleave(group, 1).transpose(0, 1)
+        vi = v[ks:ke].float().repeat_interleave(group, 1).transpose(0, 1)
+        scores = scale * qi @ ki.transpose(1, 2)  # [H, Lq, Lk]
+        row = torch.arange(qe - qs)[:, None] + (ke - ks) - (qe - qs)  # the key index the row aligns to
+        key = torch.arange(ke - ks)[None, :]
+        allowed = torch.ones_like(scores[0], dtype=torch.bool)
+        if causal or window_size[1] >= 0:
+            allowed &= key <= row + (0 if causal else window_size[1])
+        if window_size[0] >= 0:
+            allowed &= key >= row - window_size[0]
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+        out[qs:qe] = (weights @ vi).transpose(0, 1).to(q.dtype)
+    return out
+
+
+class FlashInferPrefillWrapper:
+    """FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` (NHD layout) as documented, in
+    plain torch: ``plan`` takes the CSR page table (``qo_indptr`` [B + 1], ``paged_kv_indptr``
+    [B + 1], ``paged_kv_indices``, ``paged_kv_last_page_len`` [B], all int32) and the heads,
+    and ``run(q, (k_pages, v_pages))`` attends each sequence's queries to the keys of its pages
+    in order (every page full but the last, which holds ``last_page_len``), causal aligned to
+    the bottom right, keys at most ``window_left`` before the query's position (-1:
+    unbounded). Asserts what the library requires of its arguments."""
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD") -> None:
+        assert workspace.dtype == torch.uint8 and kv_layout == "NHD"
+        self.planned: dict | None = None
+        self.plans = 0
+
+    def plan(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        page_size,
+        *,
+        causal=False,
+        sm_scale=None,
+        window_left=-1,
+        q_data_type=torch.float16,
+        kv_data_type=None,
+        **unused,
+    ) -> None:
+        assert not unused, unused
+        for t in (qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len):
+            assert t.dtype == torch.int32
+        batch = qo_indptr.shape[0] - 1
+        assert paged_kv_indptr.shape[0] == batch + 1 and paged_kv_last_page_len.shape[0] == batch
+        assert int(paged_kv_indptr[-1]) == paged_kv_indices.shape[0]
+        assert bool(((paged_kv_last_page_len >= 1) & (paged_kv_last_page_len <= page_size)).all())
+        assert num_qo_heads % num_kv_heads == 0
+        self.plans += 1
+        self.planned = dict(
+            qo_indptr=qo_indptr.tolist(),
+            kv_indptr=paged_kv_indptr.tolist(),
+            kv_indices=paged_kv_indices.tolist(),
+            last=paged_kv_last_page_len.tolist(),
+            heads=(num_qo_heads, num_kv_heads, head_dim_qk),
+            page_size=page_size,
+            causal=causal,
+            scale=head_dim_qk**-0.5 if sm_scale is None else sm_scale,
+            window_left=window_left,
+            dtype=q_data_type,
+        )
+
+    def run(self, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
+        plan = self.planned
+        assert plan is not None, "run before plan"
+        k_pages, v_pages = paged_kv_cache
+        num_qo_heads, num_kv_heads, head_dim = plan["heads"]
+        assert q.shape[1:] == (num_qo_heads, head_dim) and q.dtype == plan["dtype"]
+        assert k_pages.shape[1:] == (plan["page_size"], num_kv_heads, head_dim) == v_pages.shape[1:]
+        group = num_qo_heads // num_kv_heads
+        out = torch.zeros_like(q)
+        for i in range(len(plan["qo_indptr"]) - 1):
+            qs, qe = plan["qo_indptr"][i], plan["qo_indptr"][i + 1]
+            pages = plan["kv_indices"][plan["kv_indptr"][i] : plan["kv_indptr"][i + 1]]
+            keys = torch.cat([k_pages[p] for p in pages])[: (len(pages) - 1) * plan["page_size"] + plan["last"][i]]
+            values = torch.cat([v_pages[p] for p in pages])[: keys.shape[0]]
+            qi = q[qs:qe].float().transpose(0, 1)
+            ki = keys.float().repeat_interleave(group, 1).transpose(0, 1)
+            vi = values.float().repeat_interleave(group, 1).transpose(0, 1)
+            scores = plan["scale"] * qi @ ki.transpose(1, 2)
+            row = torch.arange(qe - qs)[:, None] + keys.shape[0] - (qe - qs)
+            key = torch.arange(keys.shape[0])[None, :]
+            allowed = torch.ones_like(scores[0], dtype=torch.bool)
+            if plan["causal"]:
+                allowed &= key <= row
+            if plan["window_left"] >= 0:
+                allowed &= key >= row - plan["window_left"]
+            weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+            out[qs:qe] = (weights @ vi).transpose(0, 1).to(q.dtype)
+        return out

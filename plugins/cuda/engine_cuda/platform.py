@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.interfaces.attention import LINEAR, MHA, MLA, SLIDING_WINDOW
 from engine.interfaces.platform import Availability, TorchCudaPlatform
+from engine_cuda.attention_libraries import FLASH_ATTN, FLASHINFER, Library, usable
 from engine_cuda.capability import CudaCapability
 from engine_cuda.detect import device_capability, probe_availability
 
@@ -38,6 +39,9 @@ class CudaPlatform(TorchCudaPlatform):
     or ``-1`` hides every device, and the reason names it; otherwise the reason is the CUDA
     runtime's own (no driver, a driver older than torch's CUDA).
 
+    Attention: FlashInfer's and flash-attn's backends first where those libraries import and
+    are recent enough (``engine_cuda.attention_libraries``), then the engine's Triton backends.
+
     Device-dependent answers are read from device 0 on first use and kept per instance
     (``capability``, see ``engine_cuda.capability``): ``supported_dtypes`` (bfloat16 from
     compute capability 8.0), ``default_dtype`` (bfloat16 there, float16 before) and
@@ -59,10 +63,23 @@ class CudaPlatform(TorchCudaPlatform):
         MLA: ("triton_mla",),
         LINEAR: ("triton_kda",),
     }
+    # the optional libraries' backends, first where they import and are recent enough
+    # (engine_cuda.attention_libraries), FlashInfer before flash-attn: it reads the paged cache
+    # in place, flash-attn's varlen call reads a gathered copy
+    library_attention_backends: dict[str, tuple[tuple[Library, str], ...]] = {
+        MHA: ((FLASHINFER, "flashinfer"), (FLASH_ATTN, "flash_attn")),
+        SLIDING_WINDOW: ((FLASHINFER, "flashinfer"), (FLASH_ATTN, "flash_attn")),
+    }
 
     @classmethod
     def is_available(cls) -> Availability:
         return probe_availability()
+
+    def attention_backend_preferences(self, kind: str) -> tuple[str, ...]:
+        """FlashInfer's and flash-attn's backends for ``kind`` where those libraries are usable,
+        then the engine's Triton backend. Needs no device."""
+        libraries = tuple(name for library, name in self.library_attention_backends.get(kind, ()) if usable(library))
+        return (*libraries, *super().attention_backend_preferences(kind))
 
     # device state, probed once per instance (availability: TorchCudaPlatform)
 

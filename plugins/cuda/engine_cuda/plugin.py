@@ -9,6 +9,12 @@ def register_platforms(register):
 
 
 @engine.hookimpl
+def register_attention_backends(register):
+    register("flashinfer", "engine_cuda.flashinfer_attention:FlashInferPagedAttention")
+    register("flash_attn", "engine_cuda.flash_attention:FlashAttnPagedAttention")
+
+
+@engine.hookimpl
 def register_quantizers(register):
     register("fp8", "engine_cuda.fp8:Fp8Quantizer")
     register("compressed-tensors", "engine_cuda.fp8:CompressedTensorsFp8Quantizer")

@@ -1,7 +1,7 @@
 """engine-rocm's ``aiter_mha`` backend through the attention kit, with ``aiter`` replaced by
-a plain torch implementation of ``flash_attn_varlen_func`` as AITER documents it (packed
-varlen batch, GQA by head groups, causal mask aligned to the bottom right, ``window_size``
-left/right in keys). What runs for real is the backend: cache writes, the gather of each
+a plain torch implementation of ``flash_attn_varlen_func`` as AITER documents it
+(``engine.testing.oracles.flash_attn_varlen_func``: packed varlen batch, GQA by head groups,
+causal mask aligned to the bottom right, ``window_size`` left/right in keys). What runs for real is the backend: cache writes, the gather of each
 sequence's keys through its block table, and the arguments it hands to AITER."""
 
 from __future__ import annotations
@@ -16,47 +16,8 @@ import torch
 from engine.interfaces.attention import MHA, AttentionSpec
 from engine.plugins.manager import get_plugin_manager
 from engine.testing.kit import AttentionBackendTests
+from engine.testing.oracles import flash_attn_varlen_func
 from engine_rocm.aiter_attention import AiterPagedAttention
-
-
-def flash_attn_varlen_func(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p=0.0,
-    softmax_scale=None,
-    causal=False,
-    window_size=(-1, -1),
-    **unused,
-):
-    """flash-attn's varlen forward, one sequence at a time."""
-    assert dropout_p == 0.0 and not unused
-    assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
-    assert k.shape[0] == v.shape[0] == int(cu_seqlens_k[-1]) and q.shape[0] == int(cu_seqlens_q[-1])
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=q.dtype)
-    group = q.shape[1] // k.shape[1]
-    for i in range(cu_seqlens_q.shape[0] - 1):
-        qs, qe, ks, ke = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(cu_seqlens_k[i]), int(cu_seqlens_k[i + 1])
-        assert qe - qs <= max_seqlen_q and ke - ks <= max_seqlen_k
-        qi = q[qs:qe].float().transpose(0, 1)  # [H, Lq, D]
-        ki = k[ks:ke].float().repeat_interleave(group, 1).transpose(0, 1)
-        vi = v[ks:ke].float().repeat_interleave(group, 1).transpose(0, 1)
-        scores = scale * qi @ ki.transpose(1, 2)  # [H, Lq, Lk]
-        row = torch.arange(qe - qs)[:, None] + (ke - ks) - (qe - qs)  # the key index the row aligns to
-        key = torch.arange(ke - ks)[None, :]
-        allowed = torch.ones_like(scores[0], dtype=torch.bool)
-        if causal or window_size[1] >= 0:
-            allowed &= key <= row + (0 if causal else window_size[1])
-        if window_size[0] >= 0:
-            allowed &= key >= row - window_size[0]
-        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
-        out[qs:qe] = (weights @ vi).transpose(0, 1).to(q.dtype)
-    return out
 
 
 @pytest.fixture

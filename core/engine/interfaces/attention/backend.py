@@ -29,6 +29,9 @@ class AttentionCapabilities:
     block_sizes: frozenset[int] | None = None
     # whether the backend has a batch-invariant mode (see AttentionBackend.batch_invariant)
     batch_invariant: bool = False
+    # whether a decode step's build_metadata and forward can be captured in a device graph
+    # (no host synchronisation: engine.runtime.graphs); decode steps run eagerly otherwise
+    graph_capturable: bool = True
 
 
 class AttentionBackend(ABC):

@@ -414,12 +414,16 @@ def test_two_torchrun_launches_on_loopback_act_as_two_nodes(checkpoints):
     assert [o["token_ids"] for o in json.loads(results[0][0])] == greedy(path, plugin, 1)
 
 
+@pytest.mark.parametrize("case", ["llama-gqa", "deepseek-v3"])
 @pytest.mark.parametrize("store_tp, load_tp", [(2, 1), (1, 2)])
-def test_kv_tier_blocks_stored_under_one_rank_count_restore_under_the_other(checkpoints, tmp_path, store_tp, load_tp):
+def test_kv_tier_blocks_stored_under_one_rank_count_restore_under_the_other(
+    checkpoints, tmp_path, store_tp, load_tp, case
+):
     """The disk tier keeps blocks in the canonical layout (every KV head): what two ranks stored
-    (each its head of the GQA layers) one rank loads, and the other way round, with the
-    outputs of an engine without a tier."""
-    path, plugin = checkpoints["llama-gqa"]
+    (each its head of the GQA layers; DeepSeek-V3's latent entries, which every rank holds
+    whole) one rank loads, and the other way round, with the outputs of an engine without a
+    tier."""
+    path, plugin = checkpoints[case]
     prompts = [list(range(3, 3 + 40)), list(range(50, 50 + 33))]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

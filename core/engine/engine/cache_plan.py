@@ -48,13 +48,13 @@ def plan_caches(setup: EngineSetup, model: Model, rank: int) -> CachePlan:
             f"KV tiers carry blocks in the compute dtype; --kv-cache-dtype {config.kv_cache_dtype} caches are not "
             f"offloaded yet. Run without --kv-tier, or with --kv-cache-dtype auto."
         )
+    if setup.kv_tier_cls is not None and recurrent_kinds:
+        raise SelectionError(
+            f"KV tiers hold prefix-cache blocks, and {setup.architecture}'s {', '.join(recurrent_kinds)} layers keep "
+            f"one recurrent state per request, which blocks cannot restore yet (prefix caching is off for it). "
+            f"Run it without --kv-tier."
+        )
     if setup.kv_tier_cls is not None:
-        keys_only = sorted({spec.kind for spec in specs if not spec.has_values})
-        if keys_only:
-            raise SelectionError(
-                f"KV tiers hold K/V blocks of MHA/GQA layers; {setup.architecture} has {', '.join(keys_only)} "
-                f"layers, whose caches (latent entries, indexer keys) they do not carry yet. Run it without --kv-tier."
-            )
         if rank == 0:  # the other ranks give and take their heads of rank 0's blocks
             spec = tier_spec_of(specs, config.block_size, setup.salt, setup.dtype)
             tier = setup.kv_tier_cls(spec, config.kv_tier_config)

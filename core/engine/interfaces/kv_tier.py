@@ -29,17 +29,24 @@ class KVTierSpec:
     stored under one digest must never be served under another (a persistent tier
     keeps them apart, e.g. one directory per digest). ``block_numel`` elements of
     ``dtype`` (a torch dtype name such as ``"bfloat16"``) make one block;
-    ``layer_shapes`` lists each layer's ``(block_size, num_kv_heads, head_size)``.
+    ``layer_shapes`` lists each layer's ``(block_size, num_kv_heads, head_size)``: its keys,
+    then its values, except for the layers listed in ``keys_only`` (by index), which cache
+    one tensor a token: MLA's latent entries, a sparse-attention indexer's keys.
     """
 
     digest: str
     dtype: str
     block_size: int
     layer_shapes: tuple[tuple[int, int, int], ...]
+    keys_only: tuple[int, ...] = ()
+
+    def tensors(self, layer: int) -> int:
+        """How many tensors layer ``layer`` caches per token: 1 (keys only) or 2 (keys, values)."""
+        return 1 if layer in self.keys_only else 2
 
     @property
     def block_numel(self) -> int:
-        return sum(2 * bs * heads * size for bs, heads, size in self.layer_shapes)
+        return sum(self.tensors(i) * bs * heads * size for i, (bs, heads, size) in enumerate(self.layer_shapes))
 
     @property
     def element_size(self) -> int:

@@ -39,10 +39,17 @@ def tier_spec(kv_cache: KVCache, salt: bytes, dtype: torch.dtype) -> KVTierSpec:
 
 def tier_spec_of(specs: list[AttentionSpec], block_size: int, salt: bytes, dtype: torch.dtype) -> KVTierSpec:
     """:func:`tier_spec` from the model's per-layer specs (before its cache exists)."""
+    recurrent = sorted({spec.kind for spec in specs if spec.is_recurrent})
+    if recurrent:
+        raise ValueError(
+            f"KV tiers hold per-token cache blocks; {', '.join(recurrent)} layers keep one state per request."
+        )
     shapes = [(block_size, spec.total_kv_heads or spec.num_kv_heads, spec.head_size) for spec in specs]
+    keys_only = tuple(i for i, spec in enumerate(specs) if not spec.has_values)
     dtype_name = str(dtype).removeprefix("torch.")
-    digest = hashlib.blake2b(repr((salt, dtype_name, tuple(shapes), "canonical-v1")).encode(), digest_size=16)
-    return KVTierSpec(digest.hexdigest(), dtype_name, block_size, tuple(shapes))
+    layout = (salt, dtype_name, tuple(shapes), "canonical-v1") + ((("keys_only", keys_only),) if keys_only else ())
+    digest = hashlib.blake2b(repr(layout).encode(), digest_size=16)
+    return KVTierSpec(digest.hexdigest(), dtype_name, block_size, tuple(shapes), keys_only)
 
 
 @dataclass
@@ -55,9 +62,11 @@ class ConnectorStats:
 
 class CanonicalBlocks:
     """This rank's cache blocks to and from the canonical layout: per layer, K then V as
-    [block_size, all KV heads, head_size]. Under tensor parallelism a rank holds some of the
-    heads (:meth:`TensorParallel.kv_heads`); rank 0 gathers every rank's heads into canonical
-    rows, and every rank takes its heads out of canonical rows rank 0 sends."""
+    [block_size, all KV heads, head_size] (K alone for a keys-only layer: MLA's latent
+    entries, an indexer's keys). Under tensor parallelism a rank holds some of the heads
+    (:meth:`TensorParallel.kv_heads`; a latent cache's one head on every rank); rank 0
+    gathers every rank's heads into canonical rows, and every rank takes its heads out of
+    canonical rows rank 0 sends."""
 
     def __init__(self, kv_cache: KVCache, spec: KVTierSpec, tp: TensorParallel = SINGLE) -> None:
         self.kv_cache, self.spec, self.tp = kv_cache, spec, tp
@@ -76,9 +85,9 @@ class CanonicalBlocks:
     def local(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), n] on the CPU: this rank's heads of each block, layer by layer K then V."""
         slots, parts = self._slots(blocks), []
-        for cache, backend in zip(self.kv_cache.layer_caches, self.kv_cache.layer_backends):
+        for layer, (cache, backend) in enumerate(zip(self.kv_cache.layer_caches, self.kv_cache.layer_backends)):
             k, v = backend.gather_kv(cache, slots.to(cache.device))
-            parts += [k.reshape(len(blocks), -1).cpu(), v.reshape(len(blocks), -1).cpu()]
+            parts += [t.reshape(len(blocks), -1).cpu() for t in (k, v)[: self.spec.tensors(layer)]]
         return torch.cat(parts, dim=1).to(self.dtype)
 
     def assemble(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -86,9 +95,9 @@ class CanonicalBlocks:
         n = parts[0].shape[0]
         out = torch.empty(n, self.spec.block_numel, dtype=self.dtype)
         offset, local_offset = 0, 0
-        for (bs, heads, size), placement in zip(self.spec.layer_shapes, self.placements):
+        for layer, ((bs, heads, size), placement) in enumerate(zip(self.spec.layer_shapes, self.placements)):
             local_numel = bs * placement[0][1] * size
-            for _ in range(2):  # keys, then values
+            for _ in range(self.spec.tensors(layer)):  # keys, then values
                 canonical = out[:, offset : offset + bs * heads * size].view(n, bs, heads, size)
                 for (first, count), part in zip(placement, parts):
                     local = part[:, local_offset : local_offset + local_numel].view(n, bs, count, size)
@@ -100,17 +109,19 @@ class CanonicalBlocks:
     def write(self, blocks: list[int], rows: torch.Tensor) -> None:
         """Write this rank's heads of canonical ``rows`` into ``blocks`` of its cache."""
         slots, offset = self._slots(blocks), 0
-        for cache, backend, (bs, heads, size), placement in zip(
-            self.kv_cache.layer_caches, self.kv_cache.layer_backends, self.spec.layer_shapes, self.placements
+        for layer, (cache, backend, (bs, heads, size), placement) in enumerate(
+            zip(self.kv_cache.layer_caches, self.kv_cache.layer_backends, self.spec.layer_shapes, self.placements)
         ):
             first, count = placement[self.tp.rank]
             numel = bs * heads * size
-            k, v = (
-                rows[:, o : o + numel].reshape(-1, heads, size)[:, first : first + count].to(cache.device)
-                for o in (offset, offset + numel)
-            )
-            backend.scatter_kv(cache, slots.to(cache.device), k.contiguous(), v.contiguous())
-            offset += 2 * numel
+            tensors = [
+                rows[:, o : o + numel].reshape(-1, heads, size)[:, first : first + count].to(cache.device).contiguous()
+                for o in range(offset, offset + self.spec.tensors(layer) * numel, numel)
+            ]
+            if len(tensors) == 1:  # keys only: an empty value tensor, as gather_kv gives
+                tensors.append(tensors[0].new_empty(tensors[0].shape[0], 0, size))
+            backend.scatter_kv(cache, slots.to(cache.device), *tensors)
+            offset += self.spec.tensors(layer) * numel
 
 
 class KVTierConnector:

@@ -87,8 +87,8 @@ class CpuMlaAttention(AttentionBackend):
 
     def gather_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The entries held in cache ``slots`` as keys [n, 1, head_size], and an empty value
-        tensor [n, 0, head_size]: MLA caches no separate values. (The engine refuses KV tiers
-        for latent caches, so no tier calls this yet.)"""
+        tensor [n, 0, head_size]: MLA caches no separate values (KV tiers carry the entries
+        alone)."""
         entries = kv_cache.view(-1, 1, self.spec.head_size)[slots]
         return entries, entries.new_empty(entries.shape[0], 0, self.spec.head_size)
 

@@ -17,14 +17,16 @@ import pytest
 
 from engine.testing.kit.base import KitTests, capability_skip
 
-# two layers of [block_size 4, 2 kv heads, head size 8], K and V: 256 elements a block
-LAYER_SHAPES = ((4, 2, 8), (4, 2, 8))
+# two layers of [block_size 4, 2 kv heads, head size 8], K and V, and a keys-only layer (an MLA
+# latent cache) of [4, 1, 16]: 320 elements a block
+LAYER_SHAPES = ((4, 2, 8), (4, 2, 8), (4, 1, 16))
+KEYS_ONLY = (2,)
 
 
 def make_spec(dtype: str = "bfloat16", digest: str = "0123456789abcdef" * 2) -> Any:
     from engine.interfaces.kv_tier import KVTierSpec
 
-    return KVTierSpec(digest, dtype, 4, LAYER_SHAPES)
+    return KVTierSpec(digest, dtype, 4, LAYER_SHAPES, KEYS_ONLY)
 
 
 def random_block(spec: Any, seed: int) -> Any:

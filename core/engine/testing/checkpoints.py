@@ -119,6 +119,29 @@ TINY_CONFIGS["DeepseekV4ForCausalLM"] = dict(
     },
 )
 
+# Qwen3.5: gated DeltaNet layers (two key heads serving four value heads) around a gated
+# attention layer with partial RoPE
+TINY_CONFIGS["Qwen3_5ForCausalLM"] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    vocab_size=320,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 # Kimi Linear: three KDA layers around one MLA layer (no positional encoding), a dense first layer
 TINY_CONFIGS["KimiLinearForCausalLM"] = dict(
     hidden_size=64,
@@ -153,6 +176,7 @@ _CONFIG_CLASSES = {
     "MistralForCausalLM": "MistralConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
+    "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
 }
 
 

@@ -1,0 +1,1 @@
+"""engine-qwen: Qwen's hybrid models (gated DeltaNet + gated attention) for engine."""

@@ -1,0 +1,8 @@
+"""Hook implementations of engine-qwen. Imports nothing heavy."""
+
+import engine
+
+
+@engine.hookimpl
+def register_models(register):
+    register("Qwen3_5ForCausalLM", "engine_qwen.qwen3_5:Qwen3_5ForCausalLM")

@@ -1,0 +1,28 @@
+"""engine-qwen's models through the conformance kit's ModelTests (transformers on the same
+random weights)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from engine.testing.kit import ModelTests
+
+
+class TestQwen3_5Kit(ModelTests):
+    """Qwen3.5: three gated DeltaNet layers (two key heads for four value heads) around a gated
+    attention layer with partial RoPE."""
+
+    plugin = "qwen"
+    architecture = "Qwen3_5ForCausalLM"
+
+
+class TestQwen3_5EqualHeadsKit(ModelTests):
+    """As many key heads as value heads, a convolution of 3, and two attention layers."""
+
+    plugin = "qwen"
+    architecture = "Qwen3_5ForCausalLM"
+    config_overrides: ClassVar[dict[str, Any]] = {
+        "linear_num_key_heads": 4,
+        "linear_conv_kernel_dim": 3,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    }

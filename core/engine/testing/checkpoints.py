@@ -142,6 +142,15 @@ TINY_CONFIGS["Qwen3_5ForCausalLM"] = dict(
     eos_token_id=2,
 )
 
+# Qwen3.5-MoE: the same layers, every MLP eight routed experts (two a token) and a shared one
+TINY_CONFIGS["Qwen3_5MoeForCausalLM"] = dict(
+    {k: v for k, v in TINY_CONFIGS["Qwen3_5ForCausalLM"].items() if k != "intermediate_size"},
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
+
 # Kimi Linear: three KDA layers around one MLA layer (no positional encoding), a dense first layer
 TINY_CONFIGS["KimiLinearForCausalLM"] = dict(
     hidden_size=64,
@@ -177,6 +186,7 @@ _CONFIG_CLASSES = {
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
     "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
+    "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
 }
 
 

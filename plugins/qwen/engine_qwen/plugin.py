@@ -6,3 +6,4 @@ import engine
 @engine.hookimpl
 def register_models(register):
     register("Qwen3_5ForCausalLM", "engine_qwen.qwen3_5:Qwen3_5ForCausalLM")
+    register("Qwen3_5MoeForCausalLM", "engine_qwen.qwen3_5:Qwen3_5MoeForCausalLM")

@@ -23,6 +23,9 @@ every few (``layer_types``), SwiGLU MLPs.
 - **Norms** are zero-centred (``x̂ · (1 + w)`` in float32) everywhere but the DeltaNet's output
   norm.
 
+``Qwen3_5MoeForCausalLM`` replaces every MLP with routed experts (softmax top-k, renormalised,
+in float32) and one shared expert scaled by ``σ(shared_expert_gate(x))``.
+
 Checkpoints of ``Qwen3_5ForCausalLM`` name the text model ``model.*``; the multimodal
 ``Qwen3_5ForConditionalGeneration`` is not served yet.
 """
@@ -40,8 +43,9 @@ from engine.interfaces.attention import LINEAR, MHA, AttentionSpec
 from engine.interfaces.forward_context import ForwardContext
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.attention import Attention
-from engine.layers.decoder import GATE_UP_PARAMS, GatedMLP, load_tensor, require_silu
-from engine.layers.linear import Linear, MergedLinear, VocabEmbedding, gather_logits, linear_layers
+from engine.layers.decoder import GATE_UP_PARAMS, GatedMLP, require_silu
+from engine.layers.linear import Linear, MergedLinear, VocabEmbedding, gather_logits
+from engine.layers.moe import Experts, load_named_tensors
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
 
@@ -99,7 +103,7 @@ class Dims:
             )
         return cls(
             hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
+            intermediate_size=config.get("intermediate_size", 0),  # the MoE model has none
             vocab_size=config.vocab_size,
             num_heads=num_heads,
             num_kv_heads=config.get("num_key_value_heads", num_heads),
@@ -223,11 +227,43 @@ class GatedAttention(nn.Module):
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
 
 
+class SoftmaxRouter(nn.Module):
+    """Softmax over the experts in float32, the top ``k`` renormalised, rounded to the model's
+    dtype (transformers' Qwen3.5-MoE router)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, k: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        top, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.k, dim=-1)
+        return chosen, (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype).float()
+
+
+class SparseMoE(nn.Module):
+    """Routed experts plus one shared expert scaled by ``σ(shared_expert_gate(x))``."""
+
+    def __init__(self, config: HFConfig, hidden_size: int, dtype: torch.dtype, tp) -> None:
+        super().__init__()
+        experts = config.num_experts
+        self.gate = SoftmaxRouter(experts, hidden_size, config.num_experts_per_tok, dtype)
+        self.experts = Experts(experts, config.moe_intermediate_size, hidden_size, dtype, tp=tp)
+        self.shared_expert = GatedMLP(hidden_size, config.shared_expert_intermediate_size, False, dtype, tp=tp)
+        self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        expert_ids, weights = self.gate(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ctx)
+        return self.experts(x, expert_ids, weights, ctx) + shared
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, mixer: nn.Module, d: Dims, dtype: torch.dtype, tp) -> None:
+    def __init__(self, mixer: nn.Module, mlp: nn.Module, d: Dims, dtype: torch.dtype) -> None:
         super().__init__()
         self.mixer = mixer
-        self.mlp = GatedMLP(d.hidden_size, d.intermediate_size, False, dtype, tp=tp)
+        self.mlp = mlp
         self.input_layernorm = ZeroCenteredRMSNorm(d.hidden_size, d.eps, dtype)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(d.hidden_size, d.eps, dtype)
 
@@ -263,7 +299,7 @@ class Qwen3_5ForCausalLM(Model):
                     if kind == "full_attention"
                     else GatedDeltaNet(d, self.delta_spec, i, dtype)
                 )
-                layers.append(DecoderLayer(mixer, d, dtype, tp))
+                layers.append(DecoderLayer(mixer, self.make_mlp(config, d, dtype, tp), d, dtype))
             self.model = nn.Module()
             self.model.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype, tp=tp)
             self.model.layers = nn.ModuleList(layers)
@@ -273,6 +309,9 @@ class Qwen3_5ForCausalLM(Model):
             self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config: HFConfig, d: Dims, dtype: torch.dtype, tp) -> nn.Module:
+        return GatedMLP(d.hidden_size, d.intermediate_size, False, dtype, tp=tp)
 
     def kv_cache_specs(self) -> list[AttentionSpec]:
         return [self.attention_spec if t == "full_attention" else self.delta_spec for t in self.dims.layer_types]
@@ -288,13 +327,20 @@ class Qwen3_5ForCausalLM(Model):
         return gather_logits(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params, linears = dict(self.named_parameters()), linear_layers(self)
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if name.startswith("mtp."):
-                continue  # the multi-token-prediction layer: not a proposer here yet
-            if name.startswith("lm_head.") and self.tie_word_embeddings:
-                continue
-            name = name.replace(".linear_attn.", ".mixer.").replace(".self_attn.", ".mixer.")
-            loaded |= load_tensor(self, params, linears, name, tensor, STACKED)
-        return loaded
+        def renamed():
+            for name, tensor in weights:
+                if name.startswith("mtp."):
+                    continue  # the multi-token-prediction layer: not a proposer here yet
+                if name.startswith("lm_head.") and self.tie_word_embeddings:
+                    continue
+                yield name.replace(".linear_attn.", ".mixer.").replace(".self_attn.", ".mixer."), tensor
+
+        return load_named_tensors(self, renamed(), STACKED)
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE: every layer's MLP is routed experts (softmax top-k, renormalised) and a
+    gated shared expert."""
+
+    def make_mlp(self, config: HFConfig, d: Dims, dtype: torch.dtype, tp) -> nn.Module:
+        return SparseMoE(config, d.hidden_size, dtype, tp)

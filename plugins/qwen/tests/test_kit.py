@@ -26,3 +26,11 @@ class TestQwen3_5EqualHeadsKit(ModelTests):
         "linear_conv_kernel_dim": 3,
         "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
     }
+
+
+class TestQwen3_5MoeKit(ModelTests):
+    """Qwen3.5-MoE: the same layers, every MLP routed experts (softmax top-2 of 8) and a gated
+    shared expert."""
+
+    plugin = "qwen"
+    architecture = "Qwen3_5MoeForCausalLM"

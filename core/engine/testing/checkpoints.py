@@ -151,6 +151,14 @@ TINY_CONFIGS["Qwen3_5MoeForCausalLM"] = dict(
     shared_expert_intermediate_size=48,
 )
 
+# Qwen3-Next: the MoE layers, a dense first MLP, top-k weights renormalised
+TINY_CONFIGS["Qwen3NextForCausalLM"] = dict(
+    TINY_CONFIGS["Qwen3_5MoeForCausalLM"],
+    intermediate_size=96,
+    mlp_only_layers=[0],
+    norm_topk_prob=True,
+)
+
 # Kimi Linear: three KDA layers around one MLA layer (no positional encoding), a dense first layer
 TINY_CONFIGS["KimiLinearForCausalLM"] = dict(
     hidden_size=64,
@@ -187,6 +195,7 @@ _CONFIG_CLASSES = {
     "Qwen3ForCausalLM": "Qwen3Config",
     "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
+    "Qwen3NextForCausalLM": "Qwen3NextConfig",
 }
 
 

@@ -7,3 +7,4 @@ import engine
 def register_models(register):
     register("Qwen3_5ForCausalLM", "engine_qwen.qwen3_5:Qwen3_5ForCausalLM")
     register("Qwen3_5MoeForCausalLM", "engine_qwen.qwen3_5:Qwen3_5MoeForCausalLM")
+    register("Qwen3NextForCausalLM", "engine_qwen.qwen3_5:Qwen3NextForCausalLM")

@@ -26,6 +26,10 @@ every few (``layer_types``), SwiGLU MLPs.
 ``Qwen3_5MoeForCausalLM`` replaces every MLP with routed experts (softmax top-k, renormalised,
 in float32) and one shared expert scaled by ``σ(shared_expert_gate(x))``.
 
+``Qwen3NextForCausalLM`` (Qwen3-Next) is Qwen3.5-MoE with experts on the layers
+``decoder_sparse_step`` / ``mlp_only_layers`` choose and its DeltaNet projections fused per key
+head in the checkpoint (regrouped at load).
+
 Checkpoints of ``Qwen3_5ForCausalLM`` name the text model ``model.*``; the multimodal
 ``Qwen3_5ForConditionalGeneration`` is not served yet.
 """
@@ -231,15 +235,17 @@ class SoftmaxRouter(nn.Module):
     """Softmax over the experts in float32, the top ``k`` renormalised, rounded to the model's
     dtype (transformers' Qwen3.5-MoE router)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, k: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, k: int, normalize: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
-        self.k = k
+        self.k, self.normalize = k, normalize
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
         top, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.k, dim=-1)
-        return chosen, (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype).float()
+        if self.normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return chosen, top.to(logits.dtype).float()
 
 
 class SparseMoE(nn.Module):
@@ -248,7 +254,8 @@ class SparseMoE(nn.Module):
     def __init__(self, config: HFConfig, hidden_size: int, dtype: torch.dtype, tp) -> None:
         super().__init__()
         experts = config.num_experts
-        self.gate = SoftmaxRouter(experts, hidden_size, config.num_experts_per_tok, dtype)
+        normalize = bool(config.get("norm_topk_prob", True))
+        self.gate = SoftmaxRouter(experts, hidden_size, config.num_experts_per_tok, normalize, dtype)
         self.experts = Experts(experts, config.moe_intermediate_size, hidden_size, dtype, tp=tp)
         self.shared_expert = GatedMLP(hidden_size, config.shared_expert_intermediate_size, False, dtype, tp=tp)
         self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
@@ -299,7 +306,7 @@ class Qwen3_5ForCausalLM(Model):
                     if kind == "full_attention"
                     else GatedDeltaNet(d, self.delta_spec, i, dtype)
                 )
-                layers.append(DecoderLayer(mixer, self.make_mlp(config, d, dtype, tp), d, dtype))
+                layers.append(DecoderLayer(mixer, self.make_mlp(config, d, i, dtype, tp), d, dtype))
             self.model = nn.Module()
             self.model.embed_tokens = VocabEmbedding(d.vocab_size, d.hidden_size, dtype, tp=tp)
             self.model.layers = nn.ModuleList(layers)
@@ -310,7 +317,7 @@ class Qwen3_5ForCausalLM(Model):
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
-    def make_mlp(self, config: HFConfig, d: Dims, dtype: torch.dtype, tp) -> nn.Module:
+    def make_mlp(self, config: HFConfig, d: Dims, index: int, dtype: torch.dtype, tp) -> nn.Module:
         return GatedMLP(d.hidden_size, d.intermediate_size, False, dtype, tp=tp)
 
     def kv_cache_specs(self) -> list[AttentionSpec]:
@@ -342,5 +349,47 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3.5-MoE: every layer's MLP is routed experts (softmax top-k, renormalised) and a
     gated shared expert."""
 
-    def make_mlp(self, config: HFConfig, d: Dims, dtype: torch.dtype, tp) -> nn.Module:
+    def make_mlp(self, config: HFConfig, d: Dims, index: int, dtype: torch.dtype, tp) -> nn.Module:
         return SparseMoE(config, d.hidden_size, dtype, tp)
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next: Qwen3.5-MoE's layers, with routed experts where ``decoder_sparse_step`` says
+    and not in ``mlp_only_layers`` (dense MLPs elsewhere), top-k weights renormalised only
+    with ``norm_topk_prob``, and the DeltaNet's input projections fused per key head:
+    ``in_proj_qkvz`` holds, for each key head, its q, k, then the v and z of the value heads it
+    serves, ``in_proj_ba`` their b then a. Loading regroups them into Qwen3.5's
+    ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``."""
+
+    tool_parser = "hermes"  # Qwen3-Next-Instruct writes <tool_call> JSON
+
+    def make_mlp(self, config: HFConfig, d: Dims, index: int, dtype: torch.dtype, tp) -> nn.Module:
+        sparse = (
+            index not in (config.get("mlp_only_layers") or ())
+            and config.get("num_experts", 0) > 0
+            and (index + 1) % int(config.get("decoder_sparse_step", 1)) == 0
+        )
+        return SparseMoE(config, d.hidden_size, dtype, tp) if sparse else super().make_mlp(config, d, index, dtype, tp)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        d = self.dims
+        repeat = d.value_heads // d.key_heads
+
+        def regrouped():
+            for name, tensor in weights:
+                if name.endswith(".linear_attn.in_proj_qkvz.weight"):
+                    prefix = name.removesuffix("in_proj_qkvz.weight")
+                    per_head = tensor.reshape(d.key_heads, 2 * d.key_dim + 2 * repeat * d.value_dim, -1)
+                    q, k, v, z = per_head.split([d.key_dim, d.key_dim, repeat * d.value_dim, repeat * d.value_dim], 1)
+                    flat = [part.reshape(-1, tensor.shape[-1]) for part in (q, k, v)]
+                    yield prefix + "in_proj_qkv.weight", torch.cat(flat)
+                    yield prefix + "in_proj_z.weight", z.reshape(-1, tensor.shape[-1])
+                elif name.endswith(".linear_attn.in_proj_ba.weight"):
+                    prefix = name.removesuffix("in_proj_ba.weight")
+                    b, a = tensor.reshape(d.key_heads, 2 * repeat, -1).split([repeat, repeat], 1)
+                    yield prefix + "in_proj_b.weight", b.reshape(-1, tensor.shape[-1])
+                    yield prefix + "in_proj_a.weight", a.reshape(-1, tensor.shape[-1])
+                else:
+                    yield name, tensor
+
+        return super().load_weights(regrouped())

@@ -34,3 +34,24 @@ class TestQwen3_5MoeKit(ModelTests):
 
     plugin = "qwen"
     architecture = "Qwen3_5MoeForCausalLM"
+
+
+class TestQwen3NextKit(ModelTests):
+    """Qwen3-Next: its DeltaNet projections fused per key head in the checkpoint, a dense first
+    MLP, routed experts after."""
+
+    plugin = "qwen"
+    architecture = "Qwen3NextForCausalLM"
+
+
+class TestQwen3NextUnnormalisedKit(ModelTests):
+    """Without norm_topk_prob, experts every second layer, as many key heads as value heads."""
+
+    plugin = "qwen"
+    architecture = "Qwen3NextForCausalLM"
+    config_overrides: ClassVar[dict[str, Any]] = {
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [],
+        "linear_num_key_heads": 4,
+    }

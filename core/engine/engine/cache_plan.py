@@ -37,10 +37,13 @@ def plan_caches(setup: EngineSetup, model: Model, rank: int) -> CachePlan:
         )
         prefix_caching = False
     if recurrent_kinds and setup.proposer_cls is not None:
-        raise SelectionError(
-            f"Speculative decoding is refused for {setup.architecture}: its {', '.join(recurrent_kinds)} "
-            f"attention layers keep a recurrent state that rejected drafts would corrupt (rolling it back is "
-            f"not supported); run it without --speculative-method."
+        # the runner keeps each drafted request's state from before the step and puts it back when
+        # a draft is rejected; the kept tokens are then recomputed (engine.runtime.model_runner)
+        logger.info(
+            "speculative decoding on %s: a step whose drafts are partly rejected puts its %s state back and "
+            "recomputes the kept tokens with the next step",
+            setup.architecture,
+            ", ".join(recurrent_kinds),
         )
     tier = None
     if setup.kv_tier_cls is not None and config.kv_cache_dtype != "auto":

@@ -92,3 +92,6 @@ class ModelOutput:
     timings: StepTimings = field(default_factory=StepTimings)
     # (requests, LogprobsTensors) of the sampled requests without drafts, recorded by the output processor
     sample_logprobs: tuple | None = None
+    # requests whose drafts were partly rejected and whose recurrent state the runner put back
+    # to what it was before the step: the scheduler recomputes their kept tokens next step
+    rewound: frozenset[str] = frozenset()

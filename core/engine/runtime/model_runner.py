@@ -115,6 +115,7 @@ class ModelRunner:
         self._mask_thread: ThreadPoolExecutor | None = None
         # captured decode forwards (engine.runtime.graphs), replayed for the decode-only steps that fit
         self.graphs = None
+        self.rewinds = 0  # drafted requests whose recurrent state was put back (a draft was rejected)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         """input_ids [T], positions [T] and the step's attention metadata."""
@@ -189,11 +190,12 @@ class ModelRunner:
         self.in_step = True
         self._timings = timings = StepTimings()
         self._sample_logprobs = None
+        self._rewound: set[str] = set()
         try:
             requests, tokens = self._execute(batch, timings)
         finally:
             self.in_step = False
-        return ModelOutput(requests, tokens, timings, self._sample_logprobs)
+        return ModelOutput(requests, tokens, timings, self._sample_logprobs, frozenset(self._rewound))
 
     @torch.inference_mode()
     def _execute(self, batch: ScheduledBatch, timings: StepTimings) -> tuple[list[Request], list[list[int]]]:
@@ -207,6 +209,7 @@ class ModelRunner:
             ctx = self.kv_cache.forward_context(common)
         sampling = batch.sample_indices
         masks = self._start_masks(batch)
+        states = self._snapshot_states(batch)
         forward_start = self._clock()
         timings.prepare = forward_start - start
         if graph_size is not None:
@@ -230,10 +233,45 @@ class ModelRunner:
         tokens = dict(zip(plain, self._sample(batch, plain, hidden, ends))) if plain else {}
         if drafted:
             tokens.update(zip(drafted, self._verify(batch, drafted, hidden, ends)))
+            self._rewind_states(batch, states, tokens)
         timings.sample = self._clock() - sample_start - timings.logits
         kept = [tokens[i] for i in sampling]
         self.last_tokens = {request.request_id: t[-1] for request, t in zip(requests, kept)}
         return requests, kept
+
+    def _snapshot_states(self, batch: ScheduledBatch) -> dict[int, list[torch.Tensor]] | None:
+        """Before a step with drafts: each drafted request's recurrent state (the convolution
+        inputs and the delta-rule matrix of every recurrent layer), which its drafts will run
+        through. A rejected draft has then advanced the state past tokens the request does
+        not keep, and :meth:`_rewind_states` puts it back."""
+        if not batch.drafts or not self._recurrent_caches:
+            return None
+        return {i: [cache[batch.state_slots[i]].clone() for cache in self._recurrent_caches] for i in batch.drafts}
+
+    def _rewind_states(
+        self, batch: ScheduledBatch, states: dict[int, list[torch.Tensor]] | None, tokens: dict[int, list[int]]
+    ) -> None:
+        """Requests that kept fewer tokens than their drafts get the state they had before the
+        step; the scheduler then has them recompute the tokens they kept (``ModelOutput.rewound``)."""
+        if states is None:
+            return
+        for i, rows in states.items():
+            if len(tokens[i]) - 1 < len(batch.drafts[i]):  # a draft was rejected
+                for cache, row in zip(self._recurrent_caches, rows):
+                    cache[batch.state_slots[i]].copy_(row)
+                self._rewound.add(batch.requests[i].request_id)
+                self.rewinds += 1
+
+    @property
+    def _recurrent_caches(self) -> list[torch.Tensor]:
+        caches = getattr(self, "_recurrent_cache_list", None)
+        if caches is None:
+            caches = self._recurrent_cache_list = [
+                cache
+                for cache, backend in zip(self.kv_cache.layer_caches, self.kv_cache.layer_backends)
+                if backend.spec.is_recurrent
+            ]
+        return caches
 
     def _start_masks(self, batch: ScheduledBatch) -> Future[StepMasks | None] | None:
         """The constrained requests' masks, filled on the mask thread while the forward runs."""

@@ -257,7 +257,12 @@ class Scheduler:
             drafts = batch.drafts.get(i)
             if drafts:  # accepted drafts were computed with the right context: their KV stays
                 accepted = self.spec.record(request, len(drafts), len(tokens) - 1)
-                request.num_computed_tokens += accepted
+                if request.request_id in output.rewound:
+                    # its recurrent state is back to before the step: the step's token and the
+                    # accepted drafts are recomputed next step, with the newly sampled token
+                    request.num_computed_tokens -= batch.num_tokens[i]
+                else:
+                    request.num_computed_tokens += accepted
                 if accepted < len(drafts):
                     rejected.append(request)
             for token in tokens:

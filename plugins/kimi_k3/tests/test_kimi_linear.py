@@ -102,3 +102,17 @@ def test_abort_returns_the_state_slot(checkpoint):
     while engine.has_unfinished():
         engine.step()
     assert sorted(engine.kv_manager.free_state_slots) == list(range(engine.kv_manager.num_state_slots))
+
+
+def test_ngram_speculation_rewinds_the_kda_state_and_keeps_the_outputs(checkpoint):
+    """Drafts partly rejected have run each KDA state past tokens the request does not keep: the
+    runner puts the state back and the kept tokens are recomputed; the outputs are those
+    without speculation."""
+    path, _ = checkpoint
+    phrases = [[17, 45, 9, 101, 33], [200, 7, 7, 64], [5, 90, 12, 250, 31, 8]]
+    batch = [(phrase * 6)[: 12 + 5 * i] for i, phrase in enumerate(phrases)]
+    expected = greedy(make_llm(path), batch, 120)  # long enough for the random model to fall into loops
+    llm = make_llm(path, speculative_method="ngram", num_speculative_tokens=3)
+    assert greedy(llm, batch, 120) == expected
+    stats = llm.engine.spec.stats
+    assert 0 < stats.accepted < stats.proposed and llm.engine.shard.runner.rewinds > 0

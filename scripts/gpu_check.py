@@ -205,34 +205,6 @@ def logits_error(llm, hf_model, device) -> float:
     return worst
 
 
-def fp8_checkpoint(path, dense_path) -> None:
-    """Rewrite the tiny DeepSeek-V3 checkpoint at ``path`` in DeepSeek's FP8 (e4m3, 16 x 16 block
-    scales on every projection, experts' too) and save the weights they stand for at ``dense_path``."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from engine_cuda.fp8 import quantize_fp8_blocks
-
-    block = (16, 16)
-    tensors = load_file(str(path / "model.safetensors"))
-    shutil.copytree(path, dense_path)
-    out, dense = {}, dict(tensors)
-    for name, tensor in tensors.items():
-        if name.endswith(("proj.weight", "proj_with_mqa.weight")):
-            q, scales = quantize_fp8_blocks(tensor, block)
-            out[name], out[name.removesuffix(".weight") + ".weight_scale_inv"] = q, scales
-            factors = scales.repeat_interleave(16, 0)[: q.shape[0]].repeat_interleave(16, 1)[:, : q.shape[1]]
-            dense[name] = q.float() * factors
-        else:
-            out[name] = tensor
-    save_file(out, str(path / "model.safetensors"))
-    save_file(dense, str(dense_path / "model.safetensors"))
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
-    (path / "config.json").write_text(json.dumps(config))
-
-
 def check_models(device, platform: str) -> bool:
     """(b): the engine against transformers on the same device: prompt logits of the tiny Llama,
     DeepSeek-V3, DeepSeek-V4 and Kimi-Linear checkpoints (fp32), of DeepSeek-V3 in FP8 (its
@@ -263,7 +235,9 @@ def check_models(device, platform: str) -> bool:
         print(f"{architecture:32s} vs transformers: {results[architecture]}")
     try:
         make_tiny_checkpoint("DeepseekV3ForCausalLM", work / "fp8")
-        fp8_checkpoint(work / "fp8", work / "fp8_dense")
+        from engine_cuda.fp8 import write_fp8_checkpoint
+
+        write_fp8_checkpoint(work / "fp8", work / "fp8_dense", (16, 16), ("proj.weight", "proj_with_mqa.weight"))
         hf_model = transformers.DeepseekV3ForCausalLM.from_pretrained(work / "fp8_dense", dtype=torch.float32).to(
             device
         )

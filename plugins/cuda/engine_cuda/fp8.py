@@ -371,3 +371,33 @@ class CompressedTensorsFp8Quantizer(Quantizer):
         if self.skips(layer_name):
             return None
         return Fp8LinearMethod(self.block, "weight_scale", prequantized=True)
+
+
+def write_fp8_checkpoint(path, dense_path, block: tuple[int, int] = DEFAULT_BLOCK, suffixes=("proj.weight",)) -> None:
+    """Rewrite the one-file safetensors checkpoint at ``path`` in DeepSeek's FP8 layout: every
+    weight whose name ends with one of ``suffixes`` in e4m3 with ``weight_scale_inv`` per
+    ``block``, and ``quantization_config`` in its config; a copy at ``dense_path`` holds the
+    weights they stand for (the reference a test or ``scripts/gpu_check.py`` compares with)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    path, dense_path = Path(path), Path(dense_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    shutil.copytree(path, dense_path)
+    out, dense = {}, dict(tensors)
+    for name, tensor in tensors.items():
+        if name.endswith(tuple(suffixes)) and tensor.dim() == 2:
+            q, scales = quantize_fp8_blocks(tensor, block)
+            out[name], out[name.removesuffix(".weight") + ".weight_scale_inv"] = q, scales
+            rows = per_row_scales(name, scales, q.shape[0], q.shape[1], block)
+            dense[name] = q.float() * rows.repeat_interleave(block[1], dim=1)[:, : q.shape[1]]
+        else:
+            out[name] = tensor
+    save_file(out, str(path / "model.safetensors"))
+    save_file(dense, str(dense_path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
+    (path / "config.json").write_text(json.dumps(config))

@@ -23,6 +23,7 @@ from engine_cuda.fp8 import (  # noqa: E402
     Fp8LinearMethod,
     Fp8Quantizer,
     quantize_fp8_blocks,
+    write_fp8_checkpoint,
 )
 
 
@@ -193,29 +194,10 @@ def test_the_quantizers_read_their_configs_and_skip_what_checkpoints_leave_dense
 def quantize_deepseek_checkpoint(path, reference_path, block):
     """The tiny DeepSeek-V3 checkpoint at ``path`` with every projection (experts' too) in
     block-scaled FP8; transformers' model on the dense weights they stand for."""
-    import shutil
-
     import transformers
-    from safetensors.torch import load_file, save_file
 
-    tensors = load_file(str(path / "model.safetensors"))
-    shutil.copytree(path, reference_path)
-    out, dense = {}, dict(tensors)
-    for name, tensor in tensors.items():
-        if name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
-            q, s = quantize_fp8_blocks(tensor, block)
-            out[name], out[name.removesuffix(".weight") + ".weight_scale_inv"] = q, s
-            dense[name] = (
-                q.float()
-                * s.repeat_interleave(block[0], 0)[: q.shape[0]].repeat_interleave(block[1], 1)[:, : q.shape[1]]
-            )
-        else:
-            out[name] = tensor
-    save_file(out, str(path / "model.safetensors"))
-    save_file(dense, str(reference_path / "model.safetensors"))
+    write_fp8_checkpoint(path, reference_path, block, ("proj.weight", "proj_with_mqa.weight"))
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block)}
-    (path / "config.json").write_text(json.dumps(config))
     return getattr(transformers, config["architectures"][0]).from_pretrained(reference_path, dtype=torch.float32).eval()
 
 

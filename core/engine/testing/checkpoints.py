@@ -159,6 +159,15 @@ TINY_CONFIGS["Qwen3NextForCausalLM"] = dict(
     norm_topk_prob=True,
 )
 
+# the published (multimodal) Qwen3.5 checkpoints: the tiny text model and a one-block vision tower
+_TINY_QWEN_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+TINY_CONFIGS["Qwen3_5ForConditionalGeneration"] = dict(
+    text_config=TINY_CONFIGS["Qwen3_5ForCausalLM"], vision_config=_TINY_QWEN_VISION, tie_word_embeddings=False
+)
+TINY_CONFIGS["Qwen3_5MoeForConditionalGeneration"] = dict(
+    text_config=TINY_CONFIGS["Qwen3_5MoeForCausalLM"], vision_config=_TINY_QWEN_VISION, tie_word_embeddings=False
+)
+
 # Kimi Linear: three KDA layers around one MLA layer (no positional encoding), a dense first layer
 TINY_CONFIGS["KimiLinearForCausalLM"] = dict(
     hidden_size=64,
@@ -196,6 +205,8 @@ _CONFIG_CLASSES = {
     "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",
     "Qwen3_5MoeForCausalLM": "Qwen3_5MoeTextConfig",
     "Qwen3NextForCausalLM": "Qwen3NextConfig",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5Config",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeConfig",
 }
 
 

@@ -8,3 +8,5 @@ def register_models(register):
     register("Qwen3_5ForCausalLM", "engine_qwen.qwen3_5:Qwen3_5ForCausalLM")
     register("Qwen3_5MoeForCausalLM", "engine_qwen.qwen3_5:Qwen3_5MoeForCausalLM")
     register("Qwen3NextForCausalLM", "engine_qwen.qwen3_5:Qwen3NextForCausalLM")
+    register("Qwen3_5ForConditionalGeneration", "engine_qwen.qwen3_5:Qwen3_5ForConditionalGeneration")
+    register("Qwen3_5MoeForConditionalGeneration", "engine_qwen.qwen3_5:Qwen3_5MoeForConditionalGeneration")

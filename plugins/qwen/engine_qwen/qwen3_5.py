@@ -30,12 +30,17 @@ in float32) and one shared expert scaled by ``σ(shared_expert_gate(x))``.
 ``decoder_sparse_step`` / ``mlp_only_layers`` choose and its DeltaNet projections fused per key
 head in the checkpoint (regrouped at load).
 
-Checkpoints of ``Qwen3_5ForCausalLM`` name the text model ``model.*``; the multimodal
-``Qwen3_5ForConditionalGeneration`` is not served yet.
+Checkpoints of ``Qwen3_5ForCausalLM`` name the text model ``model.*``. The published Qwen3.5
+checkpoints are the multimodal ``Qwen3_5ForConditionalGeneration`` /
+``Qwen3_5MoeForConditionalGeneration``: their text model (config under ``text_config``,
+weights under ``model.language_model.``) is served, the vision tower (``model.visual.``) is
+skipped, so they take text prompts only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -52,6 +57,8 @@ from engine.layers.linear import Linear, MergedLinear, VocabEmbedding, gather_lo
 from engine.layers.moe import Experts, load_named_tensors
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
+
+logger = logging.getLogger("engine.qwen")
 
 STACKED = {
     **GATE_UP_PARAMS,
@@ -393,3 +400,44 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
                     yield name, tensor
 
         return super().load_weights(regrouped())
+
+
+def text_only(init: ModelInit) -> ModelInit:
+    """A multimodal checkpoint's ``ModelInit`` with its ``text_config`` as the config."""
+    text = init.config.to_dict().get("text_config")
+    if not text:
+        raise ValueError("A Qwen3.5 multimodal checkpoint's config.json has no text_config.")
+    return dataclasses.replace(init, config=HFConfig(text))
+
+
+def language_model_tensors(weights: Iterable[tuple[str, torch.Tensor]]):
+    """The text model's tensors of a multimodal checkpoint, named as the text checkpoints name
+    them; the vision tower's are counted and left out."""
+    skipped = 0
+    for name, tensor in weights:
+        if name.startswith(("model.visual.", "visual.")):
+            skipped += 1
+            continue
+        yield name.replace("model.language_model.", "model.", 1), tensor
+    if skipped:
+        logger.info("skipped %d vision-tower tensors: the model serves text prompts", skipped)
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """Qwen3.5's published (multimodal) checkpoints, text only."""
+
+    def __init__(self, init: ModelInit) -> None:
+        super().__init__(text_only(init))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(language_model_tensors(weights))
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """Qwen3.5-MoE's published (multimodal) checkpoints, text only."""
+
+    def __init__(self, init: ModelInit) -> None:
+        super().__init__(text_only(init))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights(language_model_tensors(weights))

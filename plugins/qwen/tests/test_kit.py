@@ -55,3 +55,18 @@ class TestQwen3NextUnnormalisedKit(ModelTests):
         "mlp_only_layers": [],
         "linear_num_key_heads": 4,
     }
+
+
+class TestQwen3_5ConditionalGenerationKit(ModelTests):
+    """The published checkpoints' multimodal class: the text model under text_config and
+    model.language_model, the vision tower skipped."""
+
+    plugin = "qwen"
+    architecture = "Qwen3_5ForConditionalGeneration"
+    ignored_checkpoint_tensors: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$", r"^model\.visual\.")
+
+
+class TestQwen3_5MoeConditionalGenerationKit(ModelTests):
+    plugin = "qwen"
+    architecture = "Qwen3_5MoeForConditionalGeneration"
+    ignored_checkpoint_tensors: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$", r"^model\.visual\.")

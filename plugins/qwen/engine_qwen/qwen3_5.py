@@ -288,7 +288,8 @@ class DecoderLayer(nn.Module):
 
 class Qwen3_5ForCausalLM(Model):
     supports_tensor_parallel = False  # the DeltaNet's heads are not split yet
-    reasoning_parser = "qwen3"  # <think> ... </think>, engine-llama's; its XML tool calls have no parser yet
+    tool_parser = "qwen3_coder"  # <tool_call><function=...><parameter=...> (engine_qwen.parsers)
+    reasoning_parser = "qwen3"  # <think> ... </think>, engine-llama's
 
     def __init__(self, init: ModelInit) -> None:
         super().__init__()

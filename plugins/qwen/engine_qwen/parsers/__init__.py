@@ -1,0 +1,1 @@
+"""engine-qwen's tool-call parsers."""

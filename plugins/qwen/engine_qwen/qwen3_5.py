@@ -48,12 +48,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import TensorParallel
 from engine.interfaces.attention import LINEAR, MHA, AttentionSpec
 from engine.interfaces.forward_context import ForwardContext
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.attention import Attention
 from engine.layers.decoder import GATE_UP_PARAMS, GatedMLP, require_silu
-from engine.layers.linear import Linear, MergedLinear, VocabEmbedding, gather_logits
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    Linear,
+    MergedLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabEmbedding,
+    gather_logits,
+    shard_parameter,
+)
 from engine.layers.moe import Experts, load_named_tensors
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
@@ -65,10 +75,12 @@ STACKED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
-    "in_proj_qkv": ("in_proj", 0),
-    "in_proj_z": ("in_proj", 1),
-    "in_proj_b": ("in_proj", 2),
-    "in_proj_a": ("in_proj", 3),
+    "in_proj_q": ("in_proj", 0),  # the checkpoints' in_proj_qkv, cut in three at load
+    "in_proj_k": ("in_proj", 1),
+    "in_proj_v": ("in_proj", 2),
+    "in_proj_z": ("in_proj", 3),
+    "in_proj_b": ("in_proj", 4),
+    "in_proj_a": ("in_proj", 5),
 }
 
 
@@ -160,81 +172,98 @@ class GatedRMSNorm(nn.Module):
         return ((self.weight * normed) * F.silu(gate.float())).to(x.dtype)
 
 
+def sharded(shape: tuple[int, ...], dtype: torch.dtype, first: int, full: int) -> nn.Parameter:
+    """A parameter holding this rank's ``shape[0]`` of ``full`` rows of a checkpoint tensor, from ``first``."""
+    return shard_parameter(nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False), 0, first, full)
+
+
 class GatedDeltaNet(nn.Module):
-    def __init__(self, d: Dims, spec: AttentionSpec, layer_index: int, dtype: torch.dtype) -> None:
+    """Under tensor parallelism each rank runs its key heads and the value heads they serve:
+    the projections, convolution channels, decays and states split by head, ``out_proj``
+    summed over the ranks."""
+
+    def __init__(self, d: Dims, layer_index: int, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
         self.d, self.layer_index = d, layer_index
+        first_key, self.key_heads = tp.split(d.key_heads, "linear_num_key_heads")
+        first_value, self.value_heads = tp.split(d.value_heads, "linear_num_value_heads")
         key_width, value_width = d.key_heads * d.key_dim, d.value_heads * d.value_dim
-        self.in_proj = MergedLinear(
-            d.hidden_size, [2 * key_width + value_width, value_width, d.value_heads, d.value_heads], False, dtype
-        )
-        self.conv1d = nn.Module()
-        self.conv1d.weight = nn.Parameter(
-            torch.empty(2 * key_width + value_width, 1, d.conv_kernel, dtype=dtype), requires_grad=False
-        )
-        self.dt_bias = nn.Parameter(torch.empty(d.value_heads, dtype=dtype), requires_grad=False)
-        self.A_log = nn.Parameter(torch.empty(d.value_heads, dtype=dtype), requires_grad=False)
+        what = "linear attention heads"
+        # q, k, v, z, b, a: each split by head over the ranks
+        sizes = [key_width, key_width, value_width, value_width, d.value_heads, d.value_heads]
+        self.in_proj = ColumnParallelLinear(d.hidden_size, sizes, False, dtype, what, tp=tp)
+        kernel = d.conv_kernel
+        local_key, local_value = self.key_heads * d.key_dim, self.value_heads * d.value_dim
+        self.q_conv = sharded((local_key, 1, kernel), dtype, first_key * d.key_dim, key_width)
+        self.k_conv = sharded((local_key, 1, kernel), dtype, first_key * d.key_dim, key_width)
+        self.v_conv = sharded((local_value, 1, kernel), dtype, first_value * d.value_dim, value_width)
+        self.dt_bias = sharded((self.value_heads,), dtype, first_value, d.value_heads)
+        self.A_log = sharded((self.value_heads,), dtype, first_value, d.value_heads)
         self.norm = GatedRMSNorm(d.value_dim, d.eps, dtype)
-        self.out_proj = Linear(value_width, d.hidden_size, False, dtype)
+        self.out_proj = RowParallelLinear(value_width, d.hidden_size, False, dtype, what, tp=tp)
         self.repeat = d.value_heads // d.key_heads
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin=None) -> torch.Tensor:
-        d = self.d
-        key_width, value_width = d.key_heads * d.key_dim, d.value_heads * d.value_dim
-        qkv, z, b, a = self.in_proj(x).split(
-            [2 * key_width + value_width, value_width, d.value_heads, d.value_heads], -1
-        )
+        d, hk, hv = self.d, self.key_heads, self.value_heads
+        q, k, v, z, b, a = self.in_proj(x).split(self.in_proj.output_sizes, -1)
         beta = torch.sigmoid(b).float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, value heads]
         g = g.unsqueeze(-1).expand(-1, -1, d.key_dim).contiguous()  # one decay for all of a head's channels
-        conv = self.conv1d.weight.squeeze(1)
+        q_conv, k_conv = self.q_conv.squeeze(1), self.k_conv.squeeze(1)
         if self.repeat > 1:  # each key head serves `repeat` consecutive value heads
-            qkv, conv = (
-                expand_key_heads(qkv, d, self.repeat),
-                expand_key_heads(conv.t(), d, self.repeat).t().contiguous(),
-            )
+            q, k = (repeat_heads(t, hk, d.key_dim, self.repeat) for t in (q, k))
+            q_conv, k_conv = (repeat_heads(w.t(), hk, d.key_dim, self.repeat).t() for w in (q_conv, k_conv))
+        qkv = torch.cat([q, k, v], dim=-1)
+        conv = torch.cat([q_conv, k_conv, self.v_conv.squeeze(1)])
         out = ctx.linear(self.layer_index, qkv, conv, g, beta)  # [T, value heads, value dim]
-        out = self.norm(out, z.view(-1, d.value_heads, d.value_dim))
-        return self.out_proj(out.reshape(x.shape[0], value_width))
+        out = self.norm(out, z.reshape(-1, hv, d.value_dim))
+        return self.out_proj(out.reshape(x.shape[0], hv * d.value_dim))
 
 
-def expand_key_heads(qkv: torch.Tensor, d: Dims, repeat: int) -> torch.Tensor:
-    """[N, q | k | v] (q, k per key head) -> [N, q' | k' | v] with q' and k' per value head,
-    each key head repeated for the ``repeat`` value heads it serves."""
-    key_width = d.key_heads * d.key_dim
-    q, k, v = qkv.split([key_width, key_width, qkv.shape[-1] - 2 * key_width], dim=-1)
-    n = qkv.shape[0]
+def repeat_heads(t: torch.Tensor, heads: int, head_dim: int, repeat: int) -> torch.Tensor:
+    """[N, heads · head_dim] -> [N, heads · repeat · head_dim]: each head repeated ``repeat``
+    times in place (key head ``h`` serves value heads ``h · repeat ..``, as transformers'
+    ``repeat_interleave``)."""
+    n = t.shape[0]
+    return t.reshape(n, heads, head_dim).repeat_interleave(repeat, dim=1).reshape(n, -1)
 
-    def widen(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(n, d.key_heads, d.key_dim).repeat_interleave(repeat, dim=1).reshape(n, -1)
 
-    return torch.cat([widen(q), widen(k), v], dim=-1)
+def gated_qkv(d: Dims, dtype: torch.dtype, tp: TensorParallel) -> MergedLinear:
+    """q (with each head's output gate beside it: [H, 2 · head_dim]), k and v fused; under
+    tensor parallelism this rank's query heads and KV heads (replicated when fewer than ranks)."""
+    full = [2 * d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.num_kv_heads * d.head_dim]
+    if not tp.is_parallel:
+        return MergedLinear(d.hidden_size, full, False, dtype, tp=tp)
+    q_start, q_count = tp.split(d.num_heads, "num_attention_heads")
+    kv_start, kv_count = tp.kv_heads(d.num_kv_heads)
+    kv = (kv_start * d.head_dim, kv_count * d.head_dim)
+    slices = [(q_start * 2 * d.head_dim, q_count * 2 * d.head_dim), kv, kv]
+    return MergedLinear(
+        d.hidden_size, [n for _, n in slices], False, dtype, out_slices=slices, full_output_sizes=full, tp=tp
+    )
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, d: Dims, spec: AttentionSpec, layer_index: int, dtype: torch.dtype) -> None:
+    def __init__(self, d: Dims, spec: AttentionSpec, layer_index: int, dtype: torch.dtype, tp: TensorParallel) -> None:
         super().__init__()
-        self.d = d
-        self.qkv_proj = MergedLinear(
-            d.hidden_size,
-            [2 * d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.num_kv_heads * d.head_dim],
-            False,
-            dtype,
-        )
+        self.d, self.heads, self.kv_heads = d, spec.num_heads, spec.num_kv_heads
+        self.qkv_proj = gated_qkv(d, dtype, tp)
         self.q_norm = ZeroCenteredRMSNorm(d.head_dim, d.eps, dtype)
         self.k_norm = ZeroCenteredRMSNorm(d.head_dim, d.eps, dtype)
-        self.o_proj = Linear(d.num_heads * d.head_dim, d.hidden_size, False, dtype)
+        self.o_proj = RowParallelLinear(
+            d.num_heads * d.head_dim, d.hidden_size, False, dtype, "num_attention_heads × head_dim", tp=tp
+        )
         self.attn = Attention(layer_index, spec)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin) -> torch.Tensor:
         d, n = self.d, x.shape[0]
         qg, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        qg = qg.view(n, d.num_heads, 2 * d.head_dim)
+        qg = qg.view(n, self.heads, 2 * d.head_dim)
         q, gate = qg[..., : d.head_dim], qg[..., d.head_dim :].reshape(n, -1)
         q = self.q_norm(q)
-        k = self.k_norm(k.reshape(n, d.num_kv_heads, d.head_dim))
+        k = self.k_norm(k.reshape(n, self.kv_heads, d.head_dim))
         q, k = ctx.ops.rotary(q.contiguous(), k.contiguous(), *cos_sin)
-        out = self.attn(q, k, v.reshape(n, d.num_kv_heads, d.head_dim).contiguous(), ctx)
+        out = self.attn(q, k, v.reshape(n, self.kv_heads, d.head_dim).contiguous(), ctx)
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
 
 
@@ -287,7 +316,7 @@ class DecoderLayer(nn.Module):
 
 
 class Qwen3_5ForCausalLM(Model):
-    supports_tensor_parallel = False  # the DeltaNet's heads are not split yet
+    supports_tensor_parallel = True
     tool_parser = "qwen3_coder"  # <tool_call><function=...><parameter=...> (engine_qwen.parsers)
     reasoning_parser = "qwen3"  # <think> ... </think>, engine-llama's
 
@@ -296,11 +325,21 @@ class Qwen3_5ForCausalLM(Model):
         config, dtype, tp = init.config, init.dtype, init.tp
         require_silu(config, self)
         d = self.dims = Dims.from_config(config)
-        self.attention_spec = AttentionSpec(MHA, d.num_heads, d.num_kv_heads, d.head_dim, d.head_dim**-0.5)
+        # the specs count this rank's heads
+        heads = tp.split(d.num_heads, "num_attention_heads")[1]
+        value_heads = tp.split(d.value_heads, "linear_num_value_heads")[1]
+        self.attention_spec = AttentionSpec(
+            MHA,
+            heads,
+            tp.kv_heads(d.num_kv_heads)[1],
+            d.head_dim,
+            d.head_dim**-0.5,
+            total_kv_heads=d.num_kv_heads if tp.is_parallel else None,
+        )
         self.delta_spec = AttentionSpec(
             LINEAR,
-            d.value_heads,
-            d.value_heads,
+            value_heads,
+            value_heads,
             d.key_dim,
             d.key_dim**-0.5,
             value_size=d.value_dim,
@@ -310,9 +349,9 @@ class Qwen3_5ForCausalLM(Model):
             layers = []
             for i, kind in enumerate(d.layer_types):
                 mixer = (
-                    GatedAttention(d, self.attention_spec, i, dtype)
+                    GatedAttention(d, self.attention_spec, i, dtype, tp)
                     if kind == "full_attention"
-                    else GatedDeltaNet(d, self.delta_spec, i, dtype)
+                    else GatedDeltaNet(d, i, dtype, tp)
                 )
                 layers.append(DecoderLayer(mixer, self.make_mlp(config, d, i, dtype, tp), d, dtype))
             self.model = nn.Module()
@@ -321,7 +360,7 @@ class Qwen3_5ForCausalLM(Model):
             self.model.norm = ZeroCenteredRMSNorm(d.hidden_size, d.eps, dtype)
             self.rotary = RotaryEmbedding(d.head_dim, d.max_positions, rope_parameters(config), rotary_dim=d.rotary_dim)
             self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-            self.lm_head = Linear(d.hidden_size, d.vocab_size, False, dtype)
+            self.lm_head = ParallelLMHead(d.hidden_size, d.vocab_size, dtype, tp=tp)
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -348,8 +387,20 @@ class Qwen3_5ForCausalLM(Model):
                     continue  # the multi-token-prediction layer: not a proposer here yet
                 if name.startswith("lm_head.") and self.tie_word_embeddings:
                     continue
-                yield name.replace(".linear_attn.", ".mixer.").replace(".self_attn.", ".mixer."), tensor
+                name = name.replace(".linear_attn.", ".mixer.").replace(".self_attn.", ".mixer.")
+                if name.endswith(".mixer.in_proj_qkv.weight"):  # q, k and v stacked: each splits by head
+                    prefix = name.removesuffix("in_proj_qkv.weight")
+                    for part, rows in zip("qkv", tensor.split(widths, dim=0)):
+                        yield f"{prefix}in_proj_{part}.weight", rows
+                elif name.endswith(".mixer.conv1d.weight"):  # the q, k and v channels' convolutions
+                    prefix = name.removesuffix("conv1d.weight")
+                    for part, rows in zip("qkv", tensor.split(widths, dim=0)):
+                        yield f"{prefix}{part}_conv", rows
+                else:
+                    yield name, tensor
 
+        d = self.dims
+        widths = [d.key_heads * d.key_dim, d.key_heads * d.key_dim, d.value_heads * d.value_dim]
         return load_named_tensors(self, renamed(), STACKED)
 
 

@@ -99,14 +99,8 @@ def test_preemption_returns_state_slots_and_keeps_outputs(checkpoint):
 
 def test_key_heads_are_repeated_for_the_value_heads_they_serve():
     """With two key heads for four value heads, value heads 0 and 1 read key head 0, 2 and 3 key
-    head 1 (transformers' repeat_interleave), convolution channels included."""
-    from engine_qwen.qwen3_5 import Dims, expand_key_heads
+    head 1 (transformers' repeat_interleave)."""
+    from engine_qwen.qwen3_5 import repeat_heads
 
-    d = Dims(64, 128, 320, 4, 2, 16, 4, key_heads=2, value_heads=4, key_dim=3, value_dim=5, conv_kernel=4,
-             layer_types=("linear_attention",), eps=1e-6, max_positions=64)  # fmt: skip
-    qkv = torch.arange(2 * 2 * 3 + 4 * 5, dtype=torch.float32)[None]
-    out = expand_key_heads(qkv, d, 2)[0]
-    q = qkv[0, :6].view(2, 3)
-    assert torch.equal(out[:12].view(4, 3), q[[0, 0, 1, 1]])
-    assert torch.equal(out[12:24].view(4, 3), qkv[0, 6:12].view(2, 3)[[0, 0, 1, 1]])
-    assert torch.equal(out[24:], qkv[0, 12:])
+    q = torch.arange(2 * 3, dtype=torch.float32).view(1, 6)
+    assert torch.equal(repeat_heads(q, 2, 3, 2).view(4, 3), q.view(2, 3)[[0, 0, 1, 1]])

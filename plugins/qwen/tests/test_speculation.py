@@ -24,6 +24,15 @@ def generate(path, **kwargs) -> tuple[list[list[int]], LLM]:
     return [o.outputs[0].token_ids for o in llm.generate(repetitive_prompts(), PARAMS, use_tqdm=False)], llm
 
 
+@pytest.fixture(autouse=True)
+def flat_step_costs(monkeypatch):
+    """Every step costs the same to the adaptive budget, so drafts are always verified: which
+    drafts a step takes then depends on the outputs alone, never on the machine's timings."""
+    from engine.spec_decode.budget import StepCostTable
+
+    monkeypatch.setattr(StepCostTable, "estimate", lambda self, num_tokens: 1.0)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     from engine.testing.checkpoints import make_tiny_checkpoint

@@ -68,6 +68,18 @@ def dequantizable(config: dict[str, Any]) -> bool:
     return method == "compressed-tensors" and _compressed_tensors_formats(config) <= COMPRESSED_FORMATS
 
 
+def fp8_block_size(config: dict[str, Any]) -> tuple[int, int] | None:
+    """An ``fp8`` quantization_config's ``weight_block_size`` (None: per tensor or channel),
+    after checking its ``fmt`` is e4m3; a ValueError names what is unsupported."""
+    fmt = config.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"fp8 checkpoints in fmt {fmt!r} are not supported (supported: e4m3).")
+    block = config.get("weight_block_size")
+    if block is not None and (len(block) != 2 or min(block) < 1):
+        raise ValueError(f"weight_block_size must be two positive sizes, got {block!r}.")
+    return (int(block[0]), int(block[1])) if block is not None else None
+
+
 def _compressed_tensors_groups(config: dict[str, Any]) -> list[dict[str, Any]]:
     return [group for group in (config.get("config_groups") or {}).values() if isinstance(group, dict)]
 
@@ -117,14 +129,8 @@ class CheckpointDequantizer:
             self.float_block, self.float_group = _float_weight_layout(config)
             return
         self.pairs = ((".weight", FP8_TYPES + PACKED_FP4_TYPES, SCALE_SUFFIXES),)
-        fmt = config.get("fmt", "e4m3")
-        if fmt != "e4m3":
-            raise ValueError(f"fp8 checkpoints in fmt {fmt!r} are not supported (supported: e4m3).")
-        block = config.get("weight_block_size")
-        if block is not None and (len(block) != 2 or min(block) < 1):
-            raise ValueError(f"weight_block_size must be two positive sizes, got {block!r}.")
         # without a block size: a factor per tensor or per output channel (``weight_scale``)
-        self.block = (int(block[0]), int(block[1])) if block is not None else None
+        self.block = fp8_block_size(config)
         self.float_block, self.float_group = None, None
 
     @property
@@ -206,14 +212,13 @@ def dequantize_stream(
     quantized weight carrying its scale, with ``keep_quantized``), static activation scales
     left out."""
     waiting_weights: dict[str, tuple[str, str, torch.Tensor]] = {}  # prefix -> (weight suffix, name, weight)
-    waiting_scales: dict[str, tuple[str, torch.Tensor]] = {}  # prefix -> (name, scale)
+    waiting_scales: dict[str, tuple[str, str, torch.Tensor]] = {}  # prefix -> (name, suffix, scale)
     scale_suffixes = dequantizer.scale_suffixes
 
-    def paired(prefix: str, weight_suffix: str, weight_name: str, weight: torch.Tensor, scale_name: str, scale):
+    def paired(prefix: str, weight_suffix: str, weight_name: str, weight: torch.Tensor, suffix: str, scale):
         if not dequantizer.keep_quantized:
             dequantizer.dequantized += 1
             return prefix + ".weight", dequantizer.dequantize(weight_name, weight, scale)
-        suffix = next(s for s in scale_suffixes if scale_name.endswith(s))
         setattr(
             weight,
             QUANTIZED_ATTR,
@@ -231,16 +236,16 @@ def dequantize_stream(
             prefix = name[: -len(scale_suffix)]
             if prefix in waiting_weights:
                 weight_suffix, weight_name, weight = waiting_weights.pop(prefix)
-                yield paired(prefix, weight_suffix, weight_name, weight, name, tensor)
+                yield paired(prefix, weight_suffix, weight_name, weight, scale_suffix, tensor)
             else:
-                waiting_scales[prefix] = (name, tensor)
+                waiting_scales[prefix] = (name, scale_suffix, tensor)
             continue
         pair = next((p for p in dequantizer.pairs if name.endswith(p[0]) and tensor.dtype in p[1]), None)
         if pair is not None:
             prefix = name[: -len(pair[0])]
             if prefix in waiting_scales:
-                scale_name, scale = waiting_scales.pop(prefix)
-                yield paired(prefix, pair[0], name, tensor, scale_name, scale)
+                _, suffix, scale = waiting_scales.pop(prefix)
+                yield paired(prefix, pair[0], name, tensor, suffix, scale)
             else:
                 waiting_weights[prefix] = (pair[0], name, tensor)
             continue
@@ -252,7 +257,7 @@ def dequantize_stream(
             f"These quantized weights have no scale in the checkpoint "
             f"({' or '.join('X' + s for s in scale_suffixes)}): {shown}."
         )
-    for name, tensor in waiting_scales.values():  # not a quantization scale: an ordinary tensor
+    for name, _, tensor in waiting_scales.values():  # not a quantization scale: an ordinary tensor
         if name.endswith((".weight_scale_inv", ".weight_scale")):
             raise ValueError(f"{name} has no quantized weight beside it.")
         yield name, tensor

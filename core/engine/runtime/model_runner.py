@@ -116,6 +116,9 @@ class ModelRunner:
         # captured decode forwards (engine.runtime.graphs), replayed for the decode-only steps that fit
         self.graphs = None
         self.rewinds = 0  # drafted requests whose recurrent state was put back (a draft was rejected)
+        self._recurrent_caches = [  # the state slots of the recurrent layers, which drafts run through
+            cache for cache, backend in zip(kv_cache.layer_caches, kv_cache.layer_backends) if backend.spec.is_recurrent
+        ]
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         """input_ids [T], positions [T] and the step's attention metadata."""
@@ -261,17 +264,6 @@ class ModelRunner:
                     cache[batch.state_slots[i]].copy_(row)
                 self._rewound.add(batch.requests[i].request_id)
                 self.rewinds += 1
-
-    @property
-    def _recurrent_caches(self) -> list[torch.Tensor]:
-        caches = getattr(self, "_recurrent_cache_list", None)
-        if caches is None:
-            caches = self._recurrent_cache_list = [
-                cache
-                for cache, backend in zip(self.kv_cache.layer_caches, self.kv_cache.layer_backends)
-                if backend.spec.is_recurrent
-            ]
-        return caches
 
     def _start_masks(self, batch: ScheduledBatch) -> Future[StepMasks | None] | None:
         """The constrained requests' masks, filled on the mask thread while the forward runs."""

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.interfaces.quantizer import LinearMethod, Quantizer
+from engine.model_loader.dequant import fp8_block_size
 
 logger = logging.getLogger("engine.cuda")
 
@@ -285,16 +286,11 @@ class Fp8Quantizer(Quantizer):
     @classmethod
     def from_config(cls, quantization_config: dict[str, Any], *, prequantized: bool) -> Fp8Quantizer:
         config = dict(quantization_config)
-        fmt = config.get("fmt", "e4m3")
-        if fmt != "e4m3":
-            raise ValueError(f"fp8 checkpoints in fmt {fmt!r} are not supported (supported: e4m3).")
-        block = config.get("weight_block_size")
-        if block is not None and (len(block) != 2 or min(block) < 1):
-            raise ValueError(f"weight_block_size must be two positive sizes, got {block!r}.")
+        block = fp8_block_size(config)
         skips = Skips(_names(config, "modules_to_not_convert") + _names(config, "ignored_layers"))
         if block is None and prequantized:  # per-tensor (or per-channel) ``weight_scale``, as AutoFP8 writes
             return cls(None, skips, prequantized)
-        return cls(tuple(int(b) for b in block or DEFAULT_BLOCK), skips, prequantized)
+        return cls(block or DEFAULT_BLOCK, skips, prequantized)
 
     def get_linear_method(self, layer_name: str) -> LinearMethod | None:
         if self.skips(layer_name):

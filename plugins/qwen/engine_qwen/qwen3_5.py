@@ -202,6 +202,17 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(d.value_dim, d.eps, dtype)
         self.out_proj = RowParallelLinear(value_width, d.hidden_size, False, dtype, what, tp=tp)
         self.repeat = d.value_heads // d.key_heads
+        self.conv: torch.Tensor | None = None  # the convolution as the backend takes it (after loading)
+
+    def weights_loaded(self) -> None:
+        """Build the q, k (repeated for the value heads they serve) and v channels' convolution
+        as the backend takes it, [channels, kernel], once the checkpoint is in."""
+        q_conv, k_conv = self.q_conv.squeeze(1), self.k_conv.squeeze(1)
+        if self.repeat > 1:
+            q_conv, k_conv = (
+                repeat_heads(w.t(), self.key_heads, self.d.key_dim, self.repeat).t() for w in (q_conv, k_conv)
+            )
+        self.conv = torch.cat([q_conv, k_conv, self.v_conv.squeeze(1)])
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin=None) -> torch.Tensor:
         d, hk, hv = self.d, self.key_heads, self.value_heads
@@ -209,13 +220,12 @@ class GatedDeltaNet(nn.Module):
         beta = torch.sigmoid(b).float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, value heads]
         g = g.unsqueeze(-1).expand(-1, -1, d.key_dim).contiguous()  # one decay for all of a head's channels
-        q_conv, k_conv = self.q_conv.squeeze(1), self.k_conv.squeeze(1)
         if self.repeat > 1:  # each key head serves `repeat` consecutive value heads
             q, k = (repeat_heads(t, hk, d.key_dim, self.repeat) for t in (q, k))
-            q_conv, k_conv = (repeat_heads(w.t(), hk, d.key_dim, self.repeat).t() for w in (q_conv, k_conv))
         qkv = torch.cat([q, k, v], dim=-1)
-        conv = torch.cat([q_conv, k_conv, self.v_conv.squeeze(1)])
-        out = ctx.linear(self.layer_index, qkv, conv, g, beta)  # [T, value heads, value dim]
+        if self.conv is None:
+            raise RuntimeError("GatedDeltaNet ran before its model's load_weights built its convolution.")
+        out = ctx.linear(self.layer_index, qkv, self.conv, g, beta)  # [T, value heads, value dim]
         out = self.norm(out, z.reshape(-1, hv, d.value_dim))
         return self.out_proj(out.reshape(x.shape[0], hv * d.value_dim))
 
@@ -401,7 +411,11 @@ class Qwen3_5ForCausalLM(Model):
 
         d = self.dims
         widths = [d.key_heads * d.key_dim, d.key_heads * d.key_dim, d.value_heads * d.value_dim]
-        return load_named_tensors(self, renamed(), STACKED)
+        loaded = load_named_tensors(self, renamed(), STACKED)
+        for layer in self.model.layers:
+            if isinstance(layer.mixer, GatedDeltaNet):
+                layer.mixer.weights_loaded()
+        return loaded
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):

@@ -99,7 +99,10 @@ def recurrent_step(q, k, v, g, beta, state):
 
 def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     """The chunked form. q, k, g: [B, L, H, dk]; v: [B, L, H, dv]; beta: [B, L, H]; state
-    [B, H, dk, dv] -> (o [B, L, H, dv], final state)."""
+    [B, H, dk, dv] -> (o [B, L, H, dv], final state). Gates equal across each head's
+    channels (gated DeltaNet's one decay a head) take :func:`chunked_head_gates`."""
+    if bool((g == g[..., :1]).all()):
+        return chunked_head_gates(q, k, v, g[..., 0], beta, state, chunk)
     num_seqs, length, heads, dk = k.shape
     pad = (-length) % chunk  # zero rows, as the step's own padding: the state passes them unchanged
 
@@ -129,5 +132,44 @@ def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
         out[:, :, c] = (qc * gc.exp()) @ state + within @ new_values
         last = gc[:, :, -1:]  # [B, H, 1, dk]
         state = state * last.transpose(-1, -2).exp() + (kc * (last - gc).exp()).transpose(-1, -2) @ new_values
+    out = out.reshape(num_seqs, heads, -1, v.shape[-1])[:, :, :length].transpose(1, 2)
+    return out, state
+
+
+def chunked_head_gates(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """:func:`chunked` with one gate per head and token, g [B, L, H] (the same for all of
+    the head's channels): the decays between tokens are a [chunk, chunk] matrix per head,
+    so the products within a chunk are plain matrix products scaled by it."""
+    num_seqs, length, heads, dk = k.shape
+    pad = (-length) % chunk
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, L, H, d] -> [B, H, chunks, chunk, d]
+        x = F.pad(x, (0, 0, 0, 0, 0, pad))
+        return x.transpose(1, 2).reshape(num_seqs, heads, -1, chunk, x.shape[-1])
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [B, L, H] -> [B, H, chunks, chunk]
+        return F.pad(x, (0, 0, 0, pad)).transpose(1, 2).reshape(num_seqs, heads, -1, chunk)
+
+    q, k, v = (chunks(x) for x in (q, k, v))
+    g, beta = rows(g).cumsum(dim=-1), rows(beta)  # g within each chunk
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(chunk, device=q.device)
+    # decay from token j to token i, exp(g_i - g_j), for j <= i: [B, H, chunks, chunk, chunk]
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    interactions = (k_beta @ k.transpose(-1, -2) * decay).masked_fill(~lower, 0.0)
+    solve = torch.linalg.solve_triangular(eye + interactions, eye.expand_as(interactions), upper=False)
+    u = solve @ v_beta  # [B, H, chunks, chunk, dv]
+    w = solve @ (k_beta * g.exp()[..., None])  # [B, H, chunks, chunk, dk]
+    within = q @ k.transpose(-1, -2) * decay
+    q_decayed = q * g.exp()[..., None]
+    last = g[..., -1:]  # [B, H, chunks, 1]
+    k_decayed = k * (last - g).exp()[..., None]
+    out = torch.empty_like(v)
+    for c in range(q.shape[2]):
+        new_values = u[:, :, c] - w[:, :, c] @ state
+        out[:, :, c] = q_decayed[:, :, c] @ state + within[:, :, c] @ new_values
+        state = state * last[:, :, c, :, None].exp() + k_decayed[:, :, c].transpose(-1, -2) @ new_values
     out = out.reshape(num_seqs, heads, -1, v.shape[-1])[:, :, :length].transpose(1, 2)
     return out, state

@@ -8,6 +8,10 @@ of ``engine serve``, so a fresh install answers in English.
 from ``torch.manual_seed(0)`` and a fixed ``LlamaConfig``, saved as safetensors
 under the engine cache directory (``ENGINE_CACHE_DIR``, default
 ``~/.cache/engine``) the first time it is asked for.
+
+``qwen3.5-61m`` is its hybrid counterpart for benchmarks of models with recurrent
+layers: a Qwen3.5 of the same width, depth, heads and vocabulary whose layers are gated
+DeltaNet three to one gated attention, made the same way (served by engine-qwen).
 """
 
 from __future__ import annotations
@@ -30,9 +34,31 @@ LLAMA58M_CONFIG = dict(
     max_position_embeddings=4096,
 )
 
+# Qwen3.5 at llama58m's size: six gated DeltaNet layers (8 key and 8 value heads of 64), two of
+# gated attention (8 heads of 64)
+QWEN35_61M_CONFIG = dict(
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=64,
+    linear_num_key_heads=8,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
 BUILTIN_MODELS = {
     "demo": "Llama, a few million parameters trained on Python docstrings, with a chat template; the server's default.",
     "llama58m": "Llama, 58.5M parameters, random weights (seed 0); the benchmark model.",
+    "qwen3.5-61m": "Qwen3.5 (gated DeltaNet and gated attention), 60.7M parameters, random weights (seed 0); "
+    "the hybrid benchmark model (needs engine-qwen).",
 }
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 
@@ -59,7 +85,7 @@ def ensure(name: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        _make_llama58m(tmp)
+        _MAKERS[name](tmp)
         if target.exists():  # created concurrently by another process
             shutil.rmtree(tmp)
         else:
@@ -77,3 +103,15 @@ def _make_llama58m(path: Path) -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**LLAMA58M_CONFIG))
     model.save_pretrained(path)
+
+
+def _make_qwen35_61m(path: Path) -> None:
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**QWEN35_61M_CONFIG))
+    model.save_pretrained(path)
+
+
+_MAKERS = {"llama58m": _make_llama58m, "qwen3.5-61m": _make_qwen35_61m}

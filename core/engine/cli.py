@@ -34,6 +34,8 @@ BENCH_ENGINE_FIELDS = (
     "max_num_batched_tokens",
     "async_scheduling",
     "batch_invariant",
+    "enable_prefix_caching",
+    "state_snapshot_interval",
 )
 
 

@@ -78,6 +78,21 @@ class EngineConfig(BaseModel):
         "that declares it (triton_paged on cuda, rocm, xpu).",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of prompt prefixes seen before.")
+    state_snapshot_interval: int = Field(
+        256,
+        ge=1,
+        description="Models with recurrent layers (linear attention, SSMs), with prefix caching: their state is "
+        "kept at every multiple of this many tokens (a multiple of block_size) and at the last full block of "
+        "each prompt, for later requests with the same prefix to start from; prompts are computed in chunks "
+        "that end there.",
+    )
+    num_state_snapshots: int | None = Field(
+        None,
+        ge=0,
+        description="Recurrent-state snapshots the KV-cache memory keeps for prefix caching (0: no prefix "
+        "caching for models with recurrent layers); default: as many as a quarter of the KV-cache memory "
+        "holds, at most one per snapshot point of max_num_seqs full-length requests.",
+    )
     kv_tier: str | None = Field(
         None,
         description="Secondary KV tier for evicted prefix blocks: cpu (built in), a plugin's tier (e.g. disk) "

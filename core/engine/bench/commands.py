@@ -275,6 +275,7 @@ def run_prefix(options: BenchOptions) -> Report:
     engine = session.engine()
     run = session.median_run("w3", ENGINE, lambda: engine.run(workload.requests, SEQUENTIAL), engine.reset_prefix_cache)
     first_prefill = until_first_token(run.steps)
+    snapshots = engine.state_snapshots()
     engine.close()
     runs = {ENGINE: (run.timings, run.wall)}
     peer = session.hf()
@@ -331,6 +332,17 @@ def run_prefix(options: BenchOptions) -> Report:
             "ms",
             {ENGINE: sum(s.timed.get(ATTENTION, 0.0) for s in first_prefill) * 1e3},
             "time in the Attention layers' forward (forward hooks) in the same step(s).",
+        )
+    if snapshots is not None:
+        held, row_bytes = snapshots
+        section.add(
+            "state_snapshots_mib",
+            "recurrent-state snapshots held",
+            "MiB",
+            {ENGINE: held * row_bytes / 2**20},
+            f"after the last run: {held} snapshots of {row_bytes / 2**20:.2f} MiB (every "
+            f"{engine.config.state_snapshot_interval} tokens and at each prompt's last full block).",
+            ".1f",
         )
     session.spec_note(section, engine)
     session.repeat_note(section)

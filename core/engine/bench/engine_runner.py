@@ -127,6 +127,18 @@ class EngineRunner:
                     lines.append(f"{type(module.method).__name__}: {line}")
         return lines
 
+    def state_snapshots(self) -> tuple[int, int] | None:
+        """Models with recurrent layers and prefix caching: (snapshots held now, bytes each), else None."""
+        manager, cache = self.engine.kv_manager, self.engine.kv_cache
+        if not manager.num_state_snapshots:
+            return None
+        row_bytes = sum(
+            c[0].numel() * c.element_size()
+            for c, backend in zip(cache.layer_caches, cache.layer_backends)
+            if backend.spec.is_recurrent
+        )
+        return len(manager.snapshots), row_bytes
+
     def spec_stats(self) -> Any:
         """Speculative decoding's counters, or None without it (kept after :meth:`close`)."""
         return self._spec_stats

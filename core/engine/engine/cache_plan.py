@@ -29,13 +29,21 @@ def plan_caches(setup: EngineSetup, model: Model, rank: int) -> CachePlan:
     recurrent_kinds = sorted({spec.kind for spec in specs if spec.is_recurrent})
     prefix_caching = config.enable_prefix_caching
     if recurrent_kinds and prefix_caching:
-        logger.info(
-            "prefix caching is off for %s: its %s layers keep one state per request, which a cached "
-            "prefix's blocks cannot restore",
-            setup.architecture,
-            ", ".join(recurrent_kinds),
-        )
-        prefix_caching = False
+        # a prefix hit also needs the state of those layers at the prefix's end: snapshots of it
+        # are kept at block boundaries (engine.runtime.kv_cache_manager)
+        interval = config.state_snapshot_interval
+        if interval % config.block_size:
+            raise SelectionError(
+                f"--state-snapshot-interval {interval} is not a multiple of --block-size {config.block_size}: "
+                f"{setup.architecture}'s {', '.join(recurrent_kinds)} states are kept at block boundaries."
+            )
+        if config.num_state_snapshots == 0:
+            logger.info(
+                "prefix caching is off for %s: --num-state-snapshots 0 keeps no state of its %s layers",
+                setup.architecture,
+                ", ".join(recurrent_kinds),
+            )
+            prefix_caching = False
     if recurrent_kinds and setup.proposer_cls is not None:
         # the runner keeps each drafted request's state from before the step and puts it back when
         # a draft is rejected; the kept tokens are then recomputed (engine.runtime.model_runner)
@@ -54,7 +62,7 @@ def plan_caches(setup: EngineSetup, model: Model, rank: int) -> CachePlan:
     if setup.kv_tier_cls is not None and recurrent_kinds:
         raise SelectionError(
             f"KV tiers hold prefix-cache blocks, and {setup.architecture}'s {', '.join(recurrent_kinds)} layers keep "
-            f"one recurrent state per request, which blocks cannot restore yet (prefix caching is off for it). "
+            f"one recurrent state per request, whose snapshots the tiers do not carry yet. "
             f"Run it without --kv-tier."
         )
     if setup.kv_tier_cls is not None:

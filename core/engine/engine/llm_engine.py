@@ -99,6 +99,8 @@ class LLMEngine:
             enable_prefix_caching=self.cache_plan.prefix_caching,
             salt=setup.salt,
             num_state_slots=kv_cache.num_state_slots,
+            num_state_snapshots=kv_cache.num_state_snapshots,
+            snapshot_interval=config.state_snapshot_interval,
         )
         if self.cache_plan.tier is not None:
             tier = self.cache_plan.tier

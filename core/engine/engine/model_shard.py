@@ -215,6 +215,8 @@ def build_shard(
             backends=backends,
             batch_invariant=config.batch_invariant,
             kv_cache_dtype=config.kv_cache_dtype,
+            state_snapshots=config.num_state_snapshots if config.enable_prefix_caching else 0,
+            snapshot_interval=config.state_snapshot_interval,
         )
         if config.kv_cache_memory is not None:
             memory = int(config.kv_cache_memory * 2**30)

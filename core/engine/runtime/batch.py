@@ -32,6 +32,11 @@ class ScheduledBatch:
     input_ids: list[list[int]] | None = None
     block_tables: list[list[int]] | None = None
     state_slots: list[int | None] | None = None
+    # recurrent-state copies of prefix caching (engine.runtime.kv_cache_manager): (snapshot row, slot)
+    # into the slots of requests starting from a cached prefix, before the forward; (slot, snapshot
+    # row, block hash) of requests whose state this step leaves at a snapshot point, after it
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int, bytes]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.requests)

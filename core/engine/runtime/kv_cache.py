@@ -37,9 +37,11 @@ class KVCache:
         allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
         num_state_slots: int = 0,
         spare_blocks: int = 0,
+        num_state_snapshots: int = 0,
     ) -> None:
-        """Recurrent groups (linear attention) get ``num_state_slots`` request states each, in
-        their backend's cache dtype; the others ``num_blocks`` paged blocks, plus
+        """Recurrent groups (linear attention) get ``num_state_slots`` request states each, then
+        ``num_state_snapshots`` rows for prefix caching's copies of them, in their backend's
+        cache dtype; the others ``num_blocks`` paged blocks, plus
         ``spare_blocks`` past them that no request is given (``spare_block_ids``: where the
         padding rows of a captured decode graph write)."""
         self.groups = groups
@@ -47,13 +49,14 @@ class KVCache:
         self.num_blocks = num_blocks
         self.spare_block_ids = list(range(num_blocks, num_blocks + spare_blocks))
         self.num_state_slots = num_state_slots
+        self.num_state_snapshots = num_state_snapshots
         self.block_size = block_size
         self.layer_caches: list[torch.Tensor] = [torch.empty(0)] * num_layers
         self.layer_backends: list[AttentionBackend] = [None] * num_layers  # type: ignore[list-item]
         self.layer_group: list[int] = [0] * num_layers
         for g, group in enumerate(groups):
             shape = group.backend.kv_cache_shape(
-                num_state_slots if group.spec.is_recurrent else num_blocks + spare_blocks
+                num_state_slots + num_state_snapshots if group.spec.is_recurrent else num_blocks + spare_blocks
             )
             cache_dtype = group.backend.cache_dtype(dtype)
             for layer in group.layer_indices:

@@ -9,6 +9,16 @@ Blocks with no owner stay in an LRU free queue; those with a hash remain
 reusable as prefix hits until allocation evicts them. All layer groups of the
 model share this block numbering: a request's block ``i`` holds its tokens
 ``i*block_size .. (i+1)*block_size-1`` in every group's cache tensor.
+
+Recurrent layers (linear attention) keep one state per request instead of blocks, so a
+cached prefix needs that state as it was at the prefix's end. With ``num_state_snapshots``
+the manager keeps copies of it, in rows of the recurrent caches past the requests' slots,
+each keyed by the hash of the block its tokens end with: at every ``snapshot_interval``
+tokens, and at the last full block of each prompt (:meth:`snapshot_points`). Prompts are
+computed in chunks that end at those points (:meth:`chunk_end`), so that the state exists
+there; a prefix hit is cut back to its longest run of blocks whose last has a snapshot,
+which is copied into the request's slot before its first step. A snapshot goes when its
+block is evicted, or when a newer one needs its row (least recently used first).
 """
 
 from __future__ import annotations
@@ -44,6 +54,14 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass
+class SnapshotStats:
+    taken: int = 0  # recurrent states copied into a snapshot row
+    restored: int = 0  # prefix hits that started from a snapshot
+    cut_tokens: int = 0  # cached tokens a hit gave up because no snapshot ended there
+    dropped: int = 0  # snapshots whose block was evicted, or whose row a newer one took
+
+
 class KVCacheManager:
     """Owns block allocation: ``request.block_ids`` is the request's block table."""
 
@@ -55,9 +73,13 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         salt: bytes = b"",
         num_state_slots: int = 0,
+        num_state_snapshots: int = 0,
+        snapshot_interval: int = 0,
     ) -> None:
         """``num_state_slots``: recurrent-state slots (models with linear attention), one taken by
-        each request from its first allocation until :meth:`free`."""
+        each request from its first allocation until :meth:`free`; ``num_state_snapshots`` rows
+        after them (``num_state_slots ..``) hold snapshots for prefix caching, taken every
+        ``snapshot_interval`` tokens (a multiple of ``block_size``)."""
         if num_blocks < 1:
             raise ValueError(f"The KV cache needs at least one block, got {num_blocks}.")
         self.num_blocks = num_blocks
@@ -75,6 +97,20 @@ class KVCacheManager:
         self.evicted: list[tuple[int, bytes]] = []
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: lowest first
+        if num_state_snapshots and (snapshot_interval < 1 or snapshot_interval % block_size):
+            raise ValueError(
+                f"state_snapshot_interval must be a positive multiple of block_size ({block_size}), "
+                f"got {snapshot_interval}."
+            )
+        self.num_state_snapshots = num_state_snapshots if enable_prefix_caching and num_state_slots else 0
+        self.snapshot_interval = snapshot_interval
+        self.snapshots: dict[bytes, int] = {}  # block hash -> the row holding the state after that block
+        self.snapshot_hashes: dict[int, bytes] = {}  # row -> its hash, for the rows holding one
+        # rows no pending copy writes, least recently used first: empty ones, then snapshots
+        self.snapshot_rows: OrderedDict[int, None] = OrderedDict(
+            (num_state_slots + r, None) for r in range(self.num_state_snapshots)
+        )
+        self.snapshot_stats = SnapshotStats()
 
     # queries
 
@@ -126,10 +162,83 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching or request.needs_prompt_logits:
             return []
-        hits = self.leading_cached(self.prefix_hashes(request))
+        hashes = self.prefix_hashes(request)
+        hits = self.leading_cached(hashes)
+        if self.num_state_slots:  # recurrent layers: only as far as a snapshot of their state reaches
+            if not self.num_state_snapshots:
+                return []
+            keep = len(hits)
+            while keep and hashes[keep - 1] not in self.snapshots:
+                keep -= 1
+            self.snapshot_stats.cut_tokens += (len(hits) - keep) * self.block_size
+            hits = hits[:keep]
         self.stats.queries += request.num_tokens
         self.stats.hits += len(hits) * self.block_size
         return hits
+
+    # recurrent-state snapshots
+
+    def snapshot_points(self, request: Request) -> tuple[int, int]:
+        """(interval, prompt end): the token counts after which ``request``'s state is kept, every
+        multiple of the interval and the last full block of its prompt (0 when it has none)."""
+        last = (request.num_prompt_tokens - 1) // self.block_size * self.block_size
+        return self.snapshot_interval, last
+
+    def chunk_end(self, request: Request, start: int, num_new: int) -> int:
+        """How many of the ``num_new`` tokens from ``start`` to compute this step: up to the first
+        snapshot point after ``start`` (prompts are cut there, so that the state exists there)."""
+        if not self.num_state_snapshots or num_new <= 1:
+            return num_new
+        interval, last = self.snapshot_points(request)
+        stop = (start // interval + 1) * interval
+        if start < last < stop:
+            stop = last
+        return min(num_new, stop - start)
+
+    def plan_snapshot(self, request: Request, end: int) -> tuple[int, bytes] | None:
+        """(row, hash) to copy ``request``'s state into after a step that leaves it at ``end``
+        tokens, when ``end`` is a snapshot point not kept yet; the row is held until
+        :meth:`publish_snapshot` (the copy runs after the step's forward)."""
+        if not self.num_state_snapshots or end < self.block_size or end % self.block_size:
+            return None
+        interval, last = self.snapshot_points(request)
+        if end % interval and end != last:
+            return None
+        if end > len(request.token_ids):  # a token still being sampled (scheduled ahead)
+            return None
+        self.update_hashes(request, end)
+        h = request.block_hashes[end // self.block_size - 1]
+        if h in self.snapshots or not self.snapshot_rows:
+            return None
+        row, _ = self.snapshot_rows.popitem(last=False)
+        self._drop_snapshot(row)
+        return row, h
+
+    def publish_snapshot(self, row: int, h: bytes) -> None:
+        """The copy into ``row`` ran: it now restores prefixes ending with block ``h``, if that
+        block is still cached (else the row is free again)."""
+        self.snapshot_stats.taken += 1
+        if h in self.cached and h not in self.snapshots:
+            self.snapshots[h] = row
+            self.snapshot_hashes[row] = h
+            self.snapshot_rows[row] = None
+        else:
+            self.snapshot_rows[row] = None
+            self.snapshot_rows.move_to_end(row, last=False)
+
+    def restore_row(self, request: Request, num_blocks: int) -> int:
+        """The row holding the state after ``request``'s first ``num_blocks`` blocks (a prefix hit
+        :meth:`find_cached_prefix` gave), now the most recently used."""
+        row = self.snapshots[request.block_hashes[num_blocks - 1]]
+        self.snapshot_rows.move_to_end(row)
+        self.snapshot_stats.restored += 1
+        return row
+
+    def _drop_snapshot(self, row: int) -> None:
+        h = self.snapshot_hashes.pop(row, None)
+        if h is not None:
+            del self.snapshots[h]
+            self.snapshot_stats.dropped += 1
 
     # allocation
 
@@ -212,6 +321,10 @@ class KVCacheManager:
             self.block_hashes[block] = None
             if self.cached.get(h) == block:
                 del self.cached[h]
+                row = self.snapshots.get(h)
+                if row is not None:  # no hit can reach it without its block
+                    self._drop_snapshot(row)
+                    self.snapshot_rows.move_to_end(row, last=False)
                 if self.record_evictions:
                     self.evicted.append((block, h))
 
@@ -277,3 +390,5 @@ class KVCacheManager:
         """Forget every cached hash (blocks in use keep their contents)."""
         self.cached.clear()
         self.block_hashes = [None] * self.num_blocks
+        for row in list(self.snapshot_hashes):
+            self._drop_snapshot(row)

@@ -169,11 +169,17 @@ def build_kv_cache(
     batch_invariant: bool = False,
     spare_blocks: int = 0,
     kv_cache_dtype: str = "auto",
+    state_snapshots: int | None = 0,
+    snapshot_interval: int = 0,
 ) -> KVCache:
     """The paged KV cache of ``model``: one group per distinct layer spec with the attention
     backend selected for it (``backends``, from :func:`select_backends`, when already chosen),
     as many blocks as ``memory_bytes`` holds (no more than ``max_num_seqs`` sequences of
-    ``max_model_len`` can use), and ``spare_blocks`` more that no request is given."""
+    ``max_model_len`` can use), and ``spare_blocks`` more that no request is given.
+
+    Recurrent layers get a state slot per sequence first, then ``state_snapshots`` rows for
+    prefix caching (None: as many as a quarter of the memory left holds, at most one per
+    ``snapshot_interval`` tokens of ``max_num_seqs`` sequences of ``max_model_len``)."""
     dtype = getattr(torch, dtype_name)
     specs = model.kv_cache_specs()
     if backends is None:
@@ -198,21 +204,42 @@ def build_kv_cache(
     element_size = torch.empty(0, dtype=paged[0] if paged else dtype).element_size()
     # recurrent layers hold one state per running request, taken from the memory first
     num_state_slots = max_num_seqs if any(spec.is_recurrent for spec in specs) else 0
-    state_bytes = sum(
-        num_state_slots
-        * spec.state_numel()
+    row_bytes = sum(  # one request's state in every recurrent layer
+        spec.state_numel()
         * torch.empty(0, dtype=group.backend.cache_dtype(dtype)).element_size()
         * len(group.layer_indices)
         for group in groups
         for spec in [group.spec]
         if spec.is_recurrent
     )
+    state_bytes = num_state_slots * row_bytes
     if state_bytes >= memory_bytes:
         raise ValueError(
             f"KV-cache memory of {memory_bytes / 2**30:.3f} GiB does not hold the recurrent states of "
             f"{max_num_seqs} requests ({state_bytes / 2**30:.3f} GiB); raise --kv-cache-memory or lower --max-num-seqs."
         )
     memory_bytes -= state_bytes
+    num_state_snapshots = 0
+    if num_state_slots and state_snapshots != 0:
+        if state_snapshots is None:
+            useful = max_num_seqs * (max_model_len // snapshot_interval + 1)
+            num_state_snapshots = min(memory_bytes // 4 // row_bytes, useful)
+        else:
+            num_state_snapshots = state_snapshots
+        snapshot_bytes = num_state_snapshots * row_bytes
+        if snapshot_bytes >= memory_bytes:
+            raise ValueError(
+                f"KV-cache memory of {memory_bytes / 2**30:.3f} GiB left after the running requests' recurrent "
+                f"states does not hold {num_state_snapshots} state snapshots ({snapshot_bytes / 2**30:.3f} GiB); "
+                f"lower --num-state-snapshots or raise --kv-cache-memory."
+            )
+        memory_bytes -= snapshot_bytes
+        logger.info(
+            "prefix caching of recurrent state: %d snapshots of %.2f MiB (every %d tokens and at prompt ends)",
+            num_state_snapshots,
+            row_bytes / 2**20,
+            snapshot_interval,
+        )
     blocks_per_seq = -(-max_model_len // block_size)
     num_blocks = num_blocks_for(
         specs, block_size, element_size, memory_bytes, max_blocks_useful=max_num_seqs * blocks_per_seq
@@ -237,4 +264,5 @@ def build_kv_cache(
         allocate=platform.allocate_kv_cache,
         num_state_slots=num_state_slots,
         spare_blocks=spare_blocks,
+        num_state_snapshots=num_state_snapshots,
     )

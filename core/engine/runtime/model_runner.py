@@ -139,7 +139,21 @@ class ModelRunner:
             input_ids.extend(ids)
             input_ids.extend(batch.drafts.get(i, ()))
         state_slots = batch.state_slots if batch.state_slots[0] is not None else None
-        return step_arrays(input_ids, num_new, context, batch.block_tables, self.block_size, state_slots)
+        arrays = step_arrays(input_ids, num_new, context, batch.block_tables, self.block_size, state_slots)
+        # prefix caching of recurrent state: (from, to) row copies before and after the forward
+        arrays["state_restores"] = batch.state_restores
+        arrays["state_saves"] = [(slot, row) for slot, row, _ in batch.state_saves]
+        return arrays
+
+    def copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy rows of every recurrent layer's state cache: ``(source, destination)`` pairs
+        (snapshot rows and request slots alike)."""
+        if not pairs:
+            return
+        sources = torch.tensor([s for s, _ in pairs], device=self.device)
+        destinations = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self._recurrent_caches:
+            cache[destinations] = cache[sources]
 
     def to_device(self, arrays: dict) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
         device = self.device
@@ -183,7 +197,10 @@ class ModelRunner:
         """A worker rank's step: the forward pass only (rank 0 samples); returns the hidden
         states the step's ``("logits", rows)`` messages select from."""
         input_ids, positions, common = self.to_device(arrays)
-        return self.model(input_ids, positions, self.kv_cache.forward_context(common))
+        self.copy_states(arrays.get("state_restores", ()))
+        hidden = self.model(input_ids, positions, self.kv_cache.forward_context(common))
+        self.copy_states(arrays.get("state_saves", ()))
+        return hidden
 
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         """Run one step: the forward pass over the batch, then sampling (and verification of
@@ -213,12 +230,14 @@ class ModelRunner:
         sampling = batch.sample_indices
         masks = self._start_masks(batch)
         states = self._snapshot_states(batch)
+        self.copy_states(arrays["state_restores"])
         forward_start = self._clock()
         timings.prepare = forward_start - start
         if graph_size is not None:
             hidden = self.graphs.run(arrays, graph_size)
         else:
             hidden = self.model(input_ids, positions, ctx)
+        self.copy_states(arrays["state_saves"])
         sample_start = self._clock()
         timings.forward, timings.forward_tokens = sample_start - forward_start, len(arrays["input_ids"])
         self._masks = masks.result() if masks is not None else None

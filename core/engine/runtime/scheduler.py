@@ -91,6 +91,7 @@ class Scheduler:
             if request not in self.running:  # preempted below to make room
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self.kv_manager.chunk_end(request, request.num_computed_tokens, num_new)
             while not self.kv_manager.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -110,6 +111,7 @@ class Scheduler:
             cached_blocks = self.kv_manager.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(cached_blocks) * self.kv_manager.block_size
             num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+            num_new = self.kv_manager.chunk_end(request, request.num_computed_tokens + num_cached, num_new)
             # with cached blocks, allocate takes them as the request's computed prefix
             if not self.kv_manager.allocate(request, num_new, cached_blocks):
                 if not self.running and self.kv_manager.blocks_needed(request, 1) > self.kv_manager.num_blocks:
@@ -118,6 +120,10 @@ class Scheduler:
                         f"({self.kv_manager.num_blocks}); raise --kv-cache-memory or lower --max-model-len."
                     )
                 break
+            if cached_blocks and request.state_slot is not None:  # its recurrent state from the snapshot
+                batch.state_restores.append(
+                    (self.kv_manager.restore_row(request, len(cached_blocks)), request.state_slot)
+                )
             admitted.add(id(request))
             admission.admitted(request)
             request.status = RequestStatus.RUNNING
@@ -140,6 +146,7 @@ class Scheduler:
         ]
         if self.spec is not None and batch.requests:
             self._plan_drafts(batch)
+        self._plan_state_snapshots(batch, [r.num_computed_tokens for r in batch.requests])
         batch.snapshot()
         return batch
 
@@ -188,9 +195,23 @@ class Scheduler:
         batch.sample_indices = [
             i for i, (_, _, computed, num_new, total) in enumerate(plan) if computed + num_new == total
         ]
-        batch.snapshot([computed for _, _, computed, _, _ in plan])
+        context = [computed for _, _, computed, _, _ in plan]
+        self._plan_state_snapshots(batch, context)
+        batch.snapshot(context)
         self.num_scheduled_ahead += 1
         return batch
+
+    def _plan_state_snapshots(self, batch: ScheduledBatch, context: list[int]) -> None:
+        """Recurrent models with prefix caching: the requests whose state this step leaves at a
+        snapshot point, copied after the forward (not those with drafts: where their state ends
+        depends on what is accepted)."""
+        if not self.kv_manager.num_state_snapshots:
+            return
+        for i, (request, start, n) in enumerate(zip(batch.requests, context, batch.num_tokens)):
+            if i not in batch.drafts:
+                planned = self.kv_manager.plan_snapshot(request, start + n)
+                if planned is not None:
+                    batch.state_saves.append((request.state_slot, *planned))
 
     def _plan_drafts(self, batch: ScheduledBatch) -> None:
         """Drafts the proposer made for decoding requests, each admitted while the step's
@@ -249,6 +270,8 @@ class Scheduler:
         for request, n in zip(batch.requests, batch.num_tokens):
             if not request.status.finished:
                 request.num_computed_tokens += n
+        for _, row, h in batch.state_saves:  # the runner copied the states after the forward
+            self.kv_manager.publish_snapshot(row, h)
         finished: list[Request] = []
         rejected: list[Request] = []
         for i, request, tokens in zip(batch.sample_indices, output.requests, output.tokens):

@@ -1,6 +1,6 @@
 """Kimi Linear against transformers on the same random weights (fp32), beyond the kit: greedy
 generation of a batch, prefill in chunks of 1, 5 and 64 tokens, the recurrent-state slots
-through preemption, finish and abort, and prefix caching turned off."""
+through preemption (with and without state snapshots), finish and abort."""
 
 from __future__ import annotations
 
@@ -65,25 +65,38 @@ def test_prefill_in_chunks_equals_whole_prefill(checkpoint, chunk):
         assert (a - b).abs().max().item() <= 1e-4 * max(1.0, a.abs().max().item())
 
 
-def test_preemption_returns_state_slots_and_keeps_outputs(checkpoint, caplog):
-    """Prefix caching is off for the hybrid model (and says so). Requests preempted by recompute
-    give their state slot back and start afresh; the outputs are those of one request at a time,
-    and after the run every slot is free again."""
+@pytest.mark.parametrize("snapshots", [0, 6])
+def test_preemption_returns_state_slots_and_keeps_outputs(checkpoint, caplog, snapshots):
+    """Requests preempted by recompute give their state slot back and start afresh (or, with
+    state snapshots, from the snapshot of their longest cached prefix); the outputs are those
+    of one request at a time, and after the run every slot is free again. Without snapshots
+    prefix caching is off for the hybrid model, and says so."""
     path, _ = checkpoint
     batch = prompts(2, lengths=(9, 33, 50, 21, 40))
     expected = greedy(make_llm(path, max_num_seqs=1), batch, 30)
     specs = make_llm(path).engine.model.kv_cache_specs()
-    states = 5 * sum(spec.state_numel() * 4 for spec in specs if spec.is_recurrent)  # float32, five slots
+    row = sum(spec.state_numel() * 4 for spec in specs if spec.is_recurrent)  # float32
     blocks = 12 * 16 * sum(spec.kv_bytes_per_token(4) for spec in specs)  # the MLA layer's paged entries
     with caplog.at_level(logging.INFO, logger="engine"):
         # 12 blocks of 16 tokens: five requests of up to 80 tokens must take turns
-        llm = make_llm(path, kv_cache_memory=(states + blocks) / 2**30, max_model_len=128, max_num_seqs=5)
-    assert "prefix caching is off for KimiLinearForCausalLM" in caplog.text
-    assert not llm.engine.kv_manager.enable_prefix_caching
-    assert greedy(llm, batch, 30) == expected
+        llm = make_llm(
+            path,
+            kv_cache_memory=((5 + snapshots) * row + blocks) / 2**30,
+            max_model_len=128,
+            max_num_seqs=5,
+            num_state_snapshots=snapshots,
+            state_snapshot_interval=16,
+        )
     manager = llm.engine.kv_manager
+    assert manager.num_blocks == 12 and manager.num_state_snapshots == snapshots
+    if not snapshots:
+        assert "prefix caching is off for KimiLinearForCausalLM" in caplog.text
+        assert not manager.enable_prefix_caching
+    assert greedy(llm, batch, 30) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert sorted(manager.free_state_slots) == list(range(manager.num_state_slots))
+    if snapshots:  # the recomputed requests found their own snapshots
+        assert manager.snapshot_stats.restored > 0
 
 
 def test_abort_returns_the_state_slot(checkpoint):

@@ -81,20 +81,45 @@ def test_prefill_in_chunks_equals_whole_prefill(checkpoint, chunk):
         assert (a - b).abs().max().item() <= 1e-4 * max(1.0, a.abs().max().item())
 
 
-def test_preemption_returns_state_slots_and_keeps_outputs(checkpoint):
-    """Requests preempted by recompute give their state slot back and start afresh; outputs are
-    those of one request at a time."""
+@pytest.mark.parametrize("snapshots", [0, 6])
+def test_preemption_returns_state_slots_and_keeps_outputs(checkpoint, snapshots):
+    """Requests preempted by recompute give their state slot back and start afresh (with state
+    snapshots: from their longest cached prefix); outputs are those of one request at a time."""
     path, _ = checkpoint
     batch = prompts(2, lengths=(9, 33, 50, 21, 40))
     expected = greedy(make_llm(path, max_num_seqs=1), batch, 30)
     specs = make_llm(path).engine.model.kv_cache_specs()
-    states = 5 * sum(spec.state_numel() * 4 for spec in specs if spec.is_recurrent)
+    row = sum(spec.state_numel() * 4 for spec in specs if spec.is_recurrent)
     blocks = 12 * 16 * sum(spec.kv_bytes_per_token(4) for spec in specs)
-    llm = make_llm(path, kv_cache_memory=(states + blocks) / 2**30, max_model_len=128, max_num_seqs=5)
-    assert greedy(llm, batch, 30) == expected
+    llm = make_llm(
+        path,
+        kv_cache_memory=((5 + snapshots) * row + blocks) / 2**30,
+        max_model_len=128,
+        max_num_seqs=5,
+        num_state_snapshots=snapshots,
+        state_snapshot_interval=16,
+    )
     manager = llm.engine.kv_manager
+    assert manager.num_blocks == 12
+    assert greedy(llm, batch, 30) == expected
     assert llm.engine.scheduler.num_preemptions > 0
     assert sorted(manager.free_state_slots) == list(range(manager.num_state_slots))
+    assert (manager.snapshot_stats.restored > 0) == bool(snapshots)
+
+
+def test_prefix_hits_on_two_tensor_parallel_ranks(checkpoint):
+    """Both ranks copy the DeltaNet state into and out of the snapshot rows: prompts sharing a
+    prefix, sent one after another to two ranks, give the greedy tokens of one rank without
+    prefix caching."""
+    path, _ = checkpoint
+    prefix = prompts(6, lengths=(40,))[0]
+    batch = [prefix + suffix for suffix in prompts(7, lengths=(5, 12, 9))]
+    expected = greedy(make_llm(path, enable_prefix_caching=False), batch, 12)
+    with make_llm(path, tensor_parallel_size=2, state_snapshot_interval=16) as llm:
+        outputs = [greedy(llm, [p], 12)[0] for p in batch]
+        restored = llm.engine.kv_manager.snapshot_stats.restored
+    assert restored == len(batch) - 1
+    assert outputs == expected
 
 
 def test_key_heads_are_repeated_for_the_value_heads_they_serve():

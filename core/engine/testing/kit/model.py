@@ -7,6 +7,8 @@ the architecture, in fp32 on the cpu platform by default:
 - prompt logits equal HF transformers' forward on the same weights;
 - decode steps that read the KV cache give what one recompute pass gives;
 - chunked prefill gives what a whole-prompt prefill gives;
+- requests that start from a cached prefix (recurrent layers: from a snapshot of their
+  state) give what one recompute pass gives;
 - ``load_weights`` uses every checkpoint tensor and fills every parameter;
 - a model that declares ``supports_tensor_parallel`` gives on two ranks (gloo, spawned
   processes) the logits it gives on one.
@@ -134,6 +136,31 @@ class ModelTests(KitTests):
         llm = self.make_llm(path)
         params = SamplingParams(temperature=0.0, max_tokens=NUM_GENERATED, ignore_eos=True, logprobs=NUM_TOP_LOGPROBS)
         outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        self.check_against_recompute(llm, prompts, outputs)
+
+    def test_prefix_hits_equal_recompute(self, checkpoint: tuple[Path, Any]) -> None:
+        """Prompts sharing a 37-token prefix, sent one after another to an engine with prefix
+        caching (block size 4; recurrent layers' state kept every 8 tokens): the later ones
+        start from cached blocks, and their greedy tokens and logprobs are those of one
+        recompute pass, as in :meth:`test_cached_decode_equals_recompute`."""
+        from engine import SamplingParams
+
+        path, _ = checkpoint
+        prefix = sum(self.prompts(path, seed=4), [])[:37]
+        suffixes = self.prompts(path, seed=5)
+        prompts = [prefix + suffix for suffix in suffixes] + [prefix + suffixes[0]]  # the last: a repeat
+        llm = self.make_llm(path, block_size=4, state_snapshot_interval=8)
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_GENERATED, ignore_eos=True, logprobs=NUM_TOP_LOGPROBS)
+        outputs = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+        stats = llm.engine.kv_manager.stats
+        assert stats.hits >= 32 * (len(prompts) - 1), (
+            f"{stats.hits} of {stats.queries} prompt tokens came from the prefix cache; each prompt after the "
+            f"first shares at least 32 (36 in blocks, 32 at the snapshots every 8 tokens)"
+        )
+        self.check_against_recompute(llm, prompts, outputs)
+
+    def check_against_recompute(self, llm: Any, prompts: list[list[int]], outputs: list[Any]) -> None:
+        """Each output's greedy tokens and logprobs against one uncached pass over prompt + output."""
         sequences = [p + o.token_ids for p, o in zip(prompts, outputs)]
         recomputed = llm.prompt_logits(sequences)  # [len(seq), vocab] each, one pass, no cache reuse
         for prompt, output, logits in zip(prompts, outputs, recomputed):

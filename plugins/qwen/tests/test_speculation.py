@@ -70,3 +70,25 @@ def test_speculation_through_preemption_keeps_the_outputs(checkpoint):
     )
     assert got == expected
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.shard.runner.rewinds > 0
+
+
+def test_speculation_on_requests_starting_from_state_snapshots(checkpoint):
+    """Chat-like turns, each prompt the previous turn's prompt and output plus a new phrase, sent
+    one after another: every turn after the first starts from a snapshot of the DeltaNet state
+    and drafts from there; the outputs are those without speculation or prefix caching."""
+
+    def turns(**kwargs) -> tuple[list[list[int]], LLM]:
+        settings = {"plugins": ["cpu", "qwen"], "dtype": "float32", "kv_cache_memory": 0.02, "progress": False}
+        llm = LLM(str(checkpoint), **settings, **kwargs)
+        prompt, outputs = repetitive_prompts()[0], []
+        for phrase in ([1, 2, 3], [4, 5], [6, 7, 8, 9]):
+            tokens = llm.generate([prompt], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
+            outputs.append(tokens)
+            prompt = prompt + tokens + phrase
+        return outputs, llm
+
+    expected, _ = turns(enable_prefix_caching=False)
+    got, llm = turns(block_size=4, state_snapshot_interval=8, speculative_method="ngram", num_speculative_tokens=3)
+    assert got == expected
+    assert llm.engine.kv_manager.snapshot_stats.restored == 2
+    assert llm.engine.spec.stats.accepted > 0

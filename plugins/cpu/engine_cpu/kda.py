@@ -21,6 +21,7 @@ against.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.interfaces.attention import (
     LINEAR,
@@ -28,7 +29,15 @@ from engine.interfaces.attention import (
     AttentionCapabilities,
     CommonAttentionMetadata,
 )
-from engine.kernels.kda_torch import KdaMetadata, build_metadata, chunked, prepare, recurrent_step, split_state
+from engine.kernels.kda_torch import (
+    KdaMetadata,
+    build_metadata,
+    chunked,
+    l2_normalize,
+    prepare,
+    recurrent_step,
+    split_state,
+)
 
 
 class CpuKdaAttention(AttentionBackend):
@@ -62,11 +71,31 @@ class CpuKdaAttention(AttentionBackend):
         state: torch.Tensor,
         metadata: KdaMetadata,
     ) -> torch.Tensor:
-        q, k, v, decay, strength, initial = prepare(self.spec, mixed_qkv, conv_weight, g, beta, state, metadata)
         if metadata.common.max_query_len == 1:
-            out, final = recurrent_step(q[:, 0], k[:, 0], v[:, 0], decay[:, 0], strength[:, 0], initial)
-            out = out.unsqueeze(1)
-        else:
-            out, final = chunked(q, k, v, decay, strength, initial)
+            return self._decode(mixed_qkv, conv_weight, g, beta, state, metadata)
+        q, k, v, decay, strength, initial = prepare(self.spec, mixed_qkv, conv_weight, g, beta, state, metadata)
+        out, final = chunked(q, k, v, decay, strength, initial)
         split_state(self.spec, state)[1][metadata.common.state_slots] = final
         return out[metadata.token_seq, metadata.token_row].to(mixed_qkv.dtype)  # [T, H, dv]
+
+    def _decode(self, mixed_qkv, conv_weight, g, beta, state, metadata: KdaMetadata) -> torch.Tensor:
+        """One token a sequence, token t of sequence t: no padding, no scatter of rows. The
+        convolution is one product over [kept inputs; the new one], then one recurrence step."""
+        spec = self.spec
+        heads, dk, dv = spec.num_heads, spec.head_size, spec.value_size
+        slots, fresh = metadata.common.state_slots, metadata.fresh
+        conv_states, recurrent_states = split_state(spec, state)
+        window = torch.cat([conv_states[slots], mixed_qkv.float()[:, None]], dim=1)  # [B, kernel, C]
+        initial = recurrent_states[slots]
+        if bool(fresh.any()):
+            window[:, :-1].masked_fill_(fresh[:, None, None], 0.0)
+            initial.masked_fill_(fresh[:, None, None, None], 0.0)
+        conv_states[slots] = window[:, 1:]
+        activated = F.silu(torch.einsum("bkc,ck->bc", window, conv_weight.float()))  # [B, C]
+        q, k, v = activated.split([heads * dk, heads * dk, heads * dv], dim=-1)
+        num_seqs = activated.shape[0]
+        q = l2_normalize(q.view(num_seqs, heads, dk)) * spec.scale
+        k = l2_normalize(k.view(num_seqs, heads, dk))
+        out, final = recurrent_step(q, k, v.reshape(num_seqs, heads, dv), g.float(), beta.float(), initial)
+        recurrent_states[slots] = final
+        return out.to(mixed_qkv.dtype)  # [B, H, dv]

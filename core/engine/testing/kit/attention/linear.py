@@ -23,13 +23,14 @@ class LinearChecks(AttentionKitBase):
     """``test_linear``."""
 
     @pytest.mark.parametrize("shape", list(LINEAR_SHAPES))
-    @pytest.mark.parametrize("batch", [*BATCHES, "long"])
+    @pytest.mark.parametrize("batch", [*BATCHES, "long", "tokens"])
     def test_linear(self, batch: str, shape: str, dtype: str, engine_device: str) -> None:
         """Kimi delta attention (``forward_linear``) continuing each request's state in its slot
         (slots shuffled, stale values in the fresh ones): a prefill of the prefixes, the new
         tokens after them and a decode each with the rows reversed; or two long sequences fed in
-        chunks of 64, 1, 5 and 70 tokens. Every step's output matches the token-by-token oracle
-        over the whole sequence."""
+        chunks of 64, 1, 5 and 70 tokens; or ("tokens") one-token steps where sequences start
+        fresh beside others that continue, then a chunk. Every step's output matches the
+        token-by-token oracle over the whole sequence."""
         self.check_linear_case(batch, shape, dtype, engine_device)
 
     def check_linear_case(self, batch: str, shape: str, dtype: str, engine_device: str) -> None:
@@ -43,6 +44,9 @@ class LinearChecks(AttentionKitBase):
         if batch == "long":
             steps = [list(enumerate(step)) for step in zip(*LONG_CHUNKS)]  # per step: [(seq, new tokens)]
             lengths = [sum(sizes) for sizes in LONG_CHUNKS]
+        elif batch == "tokens":  # decode-shaped steps (one token a sequence) with fresh sequences among them
+            steps = [[(0, 1)], [(0, 1), (1, 1)], [(2, 1), (1, 1), (0, 1)], [(2, 4), (1, 1)], [(0, 1), (2, 1)]]
+            lengths = [4, 3, 6]
         else:
             context_lens, query_lens = random_batch(batch, gen)
             lengths = [c + n + 1 for c, n in zip(context_lens, query_lens)]

@@ -346,3 +346,37 @@ def test_throughput_with_batch_invariant_shows_its_cost_against_the_default_kern
         walls["engine"] / walls["engine, default kernels"]
     )
     assert "--batch-invariant" in report["setup"]["engine"]
+
+
+def test_spec_compares_the_engine_with_itself_without_speculation(capsys, tiny_llama):
+    """Both runs on the same requests: with ngram speculation (its counters in the facts) and without."""
+    report = run_bench_json(capsys, "spec", "--model", tiny_llama, "--scale", "0.5")
+    assert report["runners"] == ["engine", "no speculation"]
+    section = report["sections"]["spec"]
+    figures = section["figures"]
+    for key in ("decode_tok_s", "ttft_ms", "wall_s"):
+        values = figures[key]["values"]
+        assert values["engine"] > 0 and values["no speculation"] > 0
+        assert figures[key]["ratios"]["engine/no speculation"] == pytest.approx(
+            values["engine"] / values["no speculation"]
+        )
+    # the engine's run had speculative decoding (a random model rarely repeats, so drafts may be few)
+    assert set(section["facts"]["speculative"]) >= {"rounds", "proposed", "accepted"}
+    assert "speculative ngram" in report["setup"]["engine"]
+
+
+def test_spec_runs_no_peers(tiny_llama, capsys):
+    assert main(["bench", "spec", "--model", tiny_llama, "--peers", "hf", "--scale", "0.05"]) == 1
+    assert "runs no --peers" in capsys.readouterr().err
+
+
+def test_prefix_on_a_hybrid_model_reports_the_state_snapshots(capsys, tmp_path):
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    path = tmp_path / "tiny-qwen"
+    make_tiny_checkpoint("Qwen3_5ForCausalLM", path)
+    args = ["bench", "prefix", "--model", str(path), "--scale", "0.05", "--dtype", "float32"]
+    assert main([*args, "--plugins", "cpu,qwen", "--state-snapshot-interval", "32", "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)["sections"]["w3"]["figures"]
+    assert figures["state_snapshots_mib"]["values"]["engine"] > 0
+    assert "every 32 tokens" in figures["state_snapshots_mib"]["method"]

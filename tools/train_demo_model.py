@@ -152,6 +152,26 @@ MODEL_CONFIG = {
     "tie_word_embeddings": True,
     "rope_theta": 10000.0,
 }
+# --architecture qwen3_5: the same width and depth as Qwen3.5's hybrid, three gated DeltaNet
+# layers to one of gated attention (an engine-qwen model, for benchmarks of recurrent layers)
+QWEN3_5_CONFIG = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "intermediate_size": 704,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+ARCHITECTURES = {"llama": ("LlamaForCausalLM", MODEL_CONFIG), "qwen3_5": ("Qwen3_5ForCausalLM", QWEN3_5_CONFIG)}
 VOCAB_SIZE = 4096
 SEQ_LEN = 256
 
@@ -497,6 +517,12 @@ def main() -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="core/engine/demo_model", help="Output directory.")
+    parser.add_argument(
+        "--architecture",
+        choices=sorted(ARCHITECTURES),
+        default="llama",
+        help="llama (the demo model) or qwen3_5 (a Qwen3.5 hybrid of the same size, served by engine-qwen).",
+    )
     parser.add_argument("--minutes", type=float, default=8.0, help="Training wall time (default 8).")
     parser.add_argument("--steps", type=int, default=None, help="Train exactly this many steps instead of --minutes.")
     parser.add_argument("--seed", type=int, default=0)
@@ -515,8 +541,13 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    import transformers
     from tqdm import tqdm
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
+
+    architecture, model_config = ARCHITECTURES[args.architecture]
+    model_cls = getattr(transformers, architecture)
+    config_cls = transformers.LlamaConfig if args.architecture == "llama" else transformers.Qwen3_5TextConfig
 
     t_start = time.time()
     torch.set_num_threads(args.threads)
@@ -552,15 +583,15 @@ def main() -> None:
     held = chunks(held_ids)
 
     ids = {s: tok.convert_tokens_to_ids(s) for s in SPECIAL_TOKENS}
-    config = LlamaConfig(
-        **MODEL_CONFIG,
+    config = config_cls(
+        **model_config,
         vocab_size=len(tok),
         bos_token_id=ids[EOT],
         eos_token_id=ids[END],
         pad_token_id=ids[EOT],
-        architectures=["LlamaForCausalLM"],
+        architectures=[architecture],
     )
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"Model: {n_params:,} parameters", flush=True)
 
@@ -675,16 +706,16 @@ def main() -> None:
 
 def write_readme(out: Path, n_params, stats, steps, tokens_seen, train_time, train_loss, held_loss, args) -> None:
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    c = MODEL_CONFIG
+    architecture, c = ARCHITECTURES[args.architecture]
     text = f"""# demo_model: the engine's built-in tiny chat model
 
-A Llama-architecture causal LM ({n_params / 1e6:.1f}M parameters) with its own byte-level BPE
+A {architecture.removesuffix("ForCausalLM")}-architecture causal LM ({n_params / 1e6:.1f}M parameters) with its own byte-level BPE
 tokenizer ({VOCAB_SIZE} tokens), trained for a few minutes on CPU, offline, by
 `tools/train_demo_model.py`. It is here so that the engine can serve something that answers in
 recognizable English without downloading anything. It is a toy: it writes docstring-flavoured
 English and does not know facts reliably.
 
-- Architecture: `LlamaForCausalLM`, hidden size {c["hidden_size"]}, {c["num_hidden_layers"]} layers,
+- Architecture: `{architecture}`{" (layers: " + ", ".join(c["layer_types"]) + ")" if "layer_types" in c else ""}, hidden size {c["hidden_size"]}, {c["num_hidden_layers"]} layers,
   {c["num_attention_heads"]} attention heads ({c["num_key_value_heads"]} KV heads), MLP {c["intermediate_size"]},
   tied embeddings, max {c["max_position_embeddings"]} positions; weights stored in bf16 safetensors.
 - Tokenizer: byte-level BPE, special tokens `<|endoftext|>` (pad, document separator), `<|user|>`,

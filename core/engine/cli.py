@@ -170,11 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
         "  prefix      W3: 32 requests sharing a 1024-token prefix, one after another\n"
         "  structured  W2's requests each with a JSON schema (10 fields), on every installed structured-output "
         "backend, against W2 unconstrained\n"
+        "  spec        4 requests, each a 32-token phrase said 4 times: the engine with --speculative-method "
+        "(default ngram) against itself without\n"
         "  serve       a load of requests against a running OpenAI-compatible server (engine serve, vLLM, ...): "
         "TTFT, TPOT, ITL, E2E and throughput; see the serve options below",
     )
     bench.add_argument(
-        "workload", choices=["latency", "throughput", "prefix", "structured", "serve"], help="Which workload to run."
+        "workload",
+        choices=["latency", "throughput", "prefix", "structured", "spec", "serve"],
+        help="Which workload to run.",
     )
     bench.add_argument(
         "--peers",

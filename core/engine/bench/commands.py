@@ -36,6 +36,7 @@ from engine.bench.workloads import (
     decode_workload,
     latency_workload,
     prefix_workload,
+    repetition_workload,
     throughput_workload,
 )
 
@@ -350,6 +351,60 @@ def run_prefix(options: BenchOptions) -> Report:
     return session.report
 
 
+# -------------------------------------------------------------------------
+# speculative decoding: the repetition workload with and without drafts
+# -------------------------------------------------------------------------
+
+NO_SPECULATION = "no speculation"
+
+
+def run_spec(options: BenchOptions) -> Report:
+    """The engine with speculative decoding (``--speculative-method``, default ngram) against
+    itself without, on the same model and requests, one after the other in this run."""
+    if options.peers:
+        raise ValueError("engine bench spec compares the engine with itself; it runs no --peers.")
+    session = Session("spec", options)
+    session.report.runners = [ENGINE, NO_SPECULATION]
+    workload = repetition_workload(session.vocab_size, scale=options.scale)
+    method = options.engine_settings.get("speculative_method") or "ngram"
+    section = Section("spec", workload.name, workload.description)
+    runs = {}
+    for runner, speculative in ((NO_SPECULATION, None), (ENGINE, method)):
+        engine = session.engine_runner(speculative_method=speculative)
+        runs[runner] = session.median_run(
+            "spec", runner, lambda engine=engine: engine.run(workload.requests, SEQUENTIAL), engine.reset_prefix_cache
+        )
+        if speculative is not None:
+            session.spec_note(section, engine)
+        engine.close()
+    section.add(
+        "decode_tok_s",
+        "decode tokens/s",
+        "tok/s",
+        {r: sum(map(decode_tokens_per_s, run.timings)) / len(run.timings) for r, run in runs.items()},
+        f"(N - 1) / (t_N - t_1) of each request, averaged over the {len(workload.requests)} requests; "
+        f"engine: with --speculative-method {method}, {NO_SPECULATION}: the same engine settings without it.",
+    )
+    section.add(
+        "ttft_ms",
+        "mean time to first token",
+        "ms",
+        {r: sum(t.ttft for t in run.timings) / len(run.timings) * 1e3 for r, run in runs.items()},
+        "add_request -> end of the step() that returned token 1, averaged.",
+    )
+    section.add(
+        "wall_s",
+        "wall time",
+        "s",
+        {r: run.wall for r, run in runs.items()},
+        "first submit -> last request finished.",
+        ".2f",
+    )
+    session.repeat_note(section)
+    session.report.sections.append(section)
+    return session.report
+
+
 # W3's prompts (1088 tokens) do not fit vLLM's max_model_len of 1024
 PROCESS_PEER_COMMANDS = ("latency", "throughput")
 
@@ -357,6 +412,7 @@ COMMANDS: dict[str, Callable[[BenchOptions], Report]] = {
     "latency": run_latency,
     "throughput": run_throughput,
     "prefix": run_prefix,
+    "spec": run_spec,
 }
 
 

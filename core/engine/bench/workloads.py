@@ -8,7 +8,8 @@ which is ``[0, 31999]`` for ``llama58m`` (vocab 32000); smaller vocabularies
 Seeds: W2 uses ``Random(0)``, as its definition prescribes. The definitions leave the
 ids of the other lists open; each has its own seed so that no two lists (and
 the warm-up request) share a prefix by accident: W1 ``Random(1)``, W3
-``Random(3)``, the 64-sequence decode list ``Random(5)``, warm-up ``Random(7)``.
+``Random(3)``, the 64-sequence decode list ``Random(5)``, warm-up ``Random(7)``, the
+repetition list ``Random(9)``.
 
 ``scale`` shrinks every count and length (rounded, at least 1; output lengths
 that a decode rate needs at least 2). Anything but 1 is a smoke test, not a
@@ -27,6 +28,7 @@ W2_SEED = 0
 W3_SEED = 3
 DECODE_SEED = 5
 WARMUP_SEED = 7
+REPEAT_SEED = 9
 
 ALL_AT_ONCE = "all at once"
 SEQUENTIAL = "one after another"
@@ -86,6 +88,24 @@ def latency_workload(vocab_size: int = 32000, *, scale: float = 1.0) -> Workload
     rng = random.Random(W1_SEED)
     request = BenchRequest(_ids(rng, prompt_len, max_token_id(vocab_size)), output_len)
     return Workload("W1 latency", (request,), SEQUENTIAL, f"1 request, prompt {prompt_len}, {output_len} output tokens")
+
+
+def repetition_workload(vocab_size: int = 32000, *, scale: float = 1.0) -> Workload:
+    """Speculative decoding's workload: 4 requests one after another, each prompt a phrase of
+    32 random ids said 4 times (128 tokens), 128 output tokens. A model that has learnt to
+    continue a repeated sequence keeps repeating it, which the n-gram proposer can draft."""
+    num_requests, phrase_len = scaled(4, scale), scaled(32, scale)
+    output_len = scaled(128, scale, minimum=2)
+    rng = random.Random(REPEAT_SEED)
+    high = max_token_id(vocab_size)
+    requests = tuple(BenchRequest(_ids(rng, phrase_len, high) * 4, output_len) for _ in range(num_requests))
+    return Workload(
+        "Repetition",
+        requests,
+        SEQUENTIAL,
+        f"{num_requests} requests, each a {phrase_len}-token phrase said 4 times, {output_len} output tokens, "
+        f"each submitted after the previous finished",
+    )
 
 
 def throughput_workload(vocab_size: int = 32000, *, scale: float = 1.0) -> Workload:

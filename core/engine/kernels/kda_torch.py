@@ -104,6 +104,7 @@ def chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     if bool((g == g[..., :1]).all()):
         return chunked_head_gates(q, k, v, g[..., 0], beta, state, chunk)
     num_seqs, length, heads, dk = k.shape
+    chunk = min(chunk, length)  # a short step (verifying drafts) is one chunk of its own length
     pad = (-length) % chunk  # zero rows, as the step's own padding: the state passes them unchanged
 
     def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, L, H, d] -> [B, H, chunks, chunk, d]
@@ -141,6 +142,7 @@ def chunked_head_gates(q, k, v, g, beta, state, chunk: int = CHUNK):
     the head's channels): the decays between tokens are a [chunk, chunk] matrix per head,
     so the products within a chunk are plain matrix products scaled by it."""
     num_seqs, length, heads, dk = k.shape
+    chunk = min(chunk, length)
     pad = (-length) % chunk
 
     def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, L, H, d] -> [B, H, chunks, chunk, d]

@@ -43,10 +43,22 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("max_num_seqs", [4, 1])
-def test_ngram_speculation_gives_the_outputs_without_it(checkpoint, max_num_seqs):
+def test_ngram_speculation_gives_the_outputs_without_it(checkpoint, max_num_seqs, monkeypatch):
+    """Also: the step that recomputes a rewound request's kept tokens drafts after them."""
+    from engine.runtime.scheduler import Scheduler
+
+    drafted_steps = []  # (tokens the request computes, drafts) of every drafted request
+    plan = Scheduler._plan_drafts
+
+    def recording(self, batch):
+        plan(self, batch)
+        drafted_steps.extend((batch.num_tokens[i], len(d)) for i, d in batch.drafts.items())
+
+    monkeypatch.setattr(Scheduler, "_plan_drafts", recording)
     expected, _ = generate(checkpoint, max_num_seqs=max_num_seqs)
     got, llm = generate(checkpoint, max_num_seqs=max_num_seqs, speculative_method="ngram", num_speculative_tokens=3)
     assert got == expected
+    assert any(n > 1 for n, _ in drafted_steps)
     stats = llm.engine.spec.stats
     assert stats.accepted > 0 and stats.accepted < stats.proposed  # drafts kept and drafts rejected
     assert llm.engine.shard.runner.rewinds > 0

@@ -146,8 +146,8 @@ class Scheduler:
         ]
         if self.spec is not None and batch.requests:
             self._plan_drafts(batch)
-        self._plan_state_snapshots(batch, [r.num_computed_tokens for r in batch.requests])
         batch.snapshot()
+        self._plan_state_snapshots(batch)
         return batch
 
     def schedule_ahead(self, running: ScheduledBatch) -> ScheduledBatch | None:
@@ -195,19 +195,18 @@ class Scheduler:
         batch.sample_indices = [
             i for i, (_, _, computed, num_new, total) in enumerate(plan) if computed + num_new == total
         ]
-        context = [computed for _, _, computed, _, _ in plan]
-        self._plan_state_snapshots(batch, context)
-        batch.snapshot(context)
+        batch.snapshot([computed for _, _, computed, _, _ in plan])
+        self._plan_state_snapshots(batch)
         self.num_scheduled_ahead += 1
         return batch
 
-    def _plan_state_snapshots(self, batch: ScheduledBatch, context: list[int]) -> None:
+    def _plan_state_snapshots(self, batch: ScheduledBatch) -> None:
         """Recurrent models with prefix caching: the requests whose state this step leaves at a
         snapshot point, copied after the forward (not those with drafts: where their state ends
         depends on what is accepted)."""
         if not self.kv_manager.num_state_snapshots:
             return
-        for i, (request, start, n) in enumerate(zip(batch.requests, context, batch.num_tokens)):
+        for i, (request, start, n) in enumerate(zip(batch.requests, batch.context_lens, batch.num_tokens)):
             if i not in batch.drafts:
                 planned = self.kv_manager.plan_snapshot(request, start + n)
                 if planned is not None:

@@ -105,10 +105,10 @@ class SpecDecoder:
         candidates = []
         # a request decodes when the step ends at its newest token: one token, or (for proposers that
         # read no hidden states) the tokens a step whose drafts were rejected left to recompute
-        recomputing = not self.proposer.hidden_state_layers
+        after_any_step = not self.proposer.hidden_state_layers
         for i, (request, n) in enumerate(zip(batch.requests, batch.num_tokens)):
             decoding = request.num_computed_tokens + n == request.num_tokens and (
-                n == 1 or (recomputing and request.num_output_tokens > 0)
+                n == 1 or (after_any_step and request.num_output_tokens > 0)
             )
             if decoding and can_speculate(request):
                 if self.budget.wants_drafts(request.request_id):

@@ -3,12 +3,11 @@ a loop over experts) on a tiny random checkpoint in fp32, and through the model 
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.testing.generation import random_prompts as prompts
 from engine.testing.kit import ModelTests
 from k3_reference import TEXT_CONFIG, make_k3_checkpoint, reference_logits
 
@@ -24,11 +23,6 @@ def make_llm(path, **kwargs) -> LLM:
         str(path),
         **{"plugins": ["cpu", "kimi_k3"], "dtype": "float32", "kv_cache_memory": 0.02, "progress": False, **kwargs},
     )
-
-
-def prompts(seed: int, lengths=(3, 11, 20, 37)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(n)] for n in lengths]
 
 
 def test_prefill_logits_and_greedy_tokens_match_the_reference(k3):

@@ -5,12 +5,13 @@ through preemption (with and without state snapshots), finish and abort."""
 from __future__ import annotations
 
 import logging
-import random
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
+from engine.testing.generation import greedy_tokens as greedy
+from engine.testing.generation import hf_argmax_tokens
+from engine.testing.generation import random_prompts as prompts
 
 PLUGINS = ["cpu", "kimi_k3"]
 
@@ -19,16 +20,6 @@ def make_llm(path, **kwargs) -> LLM:
     return LLM(
         str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.02, "progress": False, **kwargs}
     )
-
-
-def prompts(seed: int, lengths=(3, 11, 20, 37)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(n)] for n in lengths]
-
-
-def greedy(llm: LLM, batch: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +31,11 @@ def checkpoint(tmp_path_factory):
 
 
 def test_24_greedy_tokens_of_a_batch_match_transformers(checkpoint):
-    """Against transformers' argmax over its forward of each growing sequence (``generate``
-    with ``min_new_tokens`` would suppress the EOS token, which ``ignore_eos`` keeps)."""
+    """Against transformers' argmax over its forward of each growing sequence."""
     path, hf_model = checkpoint
     batch = prompts(0)
     for prompt, tokens in zip(batch, greedy(make_llm(path), batch, 24)):
-        sequence = list(prompt)
-        for _ in range(24):
-            with torch.no_grad():
-                sequence.append(int(hf_model(torch.tensor([sequence])).logits[0, -1].argmax()))
-        assert tokens == sequence[len(prompt) :]
+        assert tokens == hf_argmax_tokens(hf_model, prompt, 24)
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 64])

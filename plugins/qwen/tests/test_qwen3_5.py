@@ -4,12 +4,13 @@ preemption, and the gated attention's pieces."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
+from engine.testing.generation import greedy_tokens as greedy
+from engine.testing.generation import hf_argmax_tokens as hf_greedy
+from engine.testing.generation import random_prompts as prompts
 
 PLUGINS = ["cpu", "qwen"]
 
@@ -18,25 +19,6 @@ def make_llm(path, **kwargs) -> LLM:
     return LLM(
         str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.02, "progress": False, **kwargs}
     )
-
-
-def prompts(seed: int, lengths=(3, 11, 20, 37)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 320) for _ in range(n)] for n in lengths]
-
-
-def greedy(llm: LLM, batch: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-
-
-def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
-    """transformers' argmax over its forward of each growing sequence."""
-    sequence = list(prompt)
-    for _ in range(n):
-        with torch.no_grad():
-            sequence.append(int(hf_model(torch.tensor([sequence])).logits[0, -1].argmax()))
-    return sequence[len(prompt) :]
 
 
 @pytest.fixture(scope="module")

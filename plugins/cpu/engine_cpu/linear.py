@@ -7,15 +7,17 @@ kernel streaming a [N/16][K/2][16][2] packing gets. With more rows the same pack
 feeds a register-blocked kernel (6 rows x 64 columns a pass), which on an AMD EPYC
 (Zen 5, AVX512-BF16) runs llama58m's layers at about 800 GFLOP/s from 64 rows with the
 weights coming from memory and about 1 TFLOP/s for prefill chunks, against oneDNN's 600-780
-and 670-990. Which wins differs by CPU (an AMX Xeon's oneDNN is far ahead from a few rows),
-so:
+and 670-990. On a CPU with AMX the same packing is also the B operand of AMX tile
+products (csrc/amx_linear.cpp), and oneDNN uses AMX too. Which wins differs by CPU and by
+shape and row count, so:
 
 - every layer keeps oneDNN's packed weight;
 - with the native kernels on an AVX512-BF16 CPU, it also keeps a copy packed for
-  ``gemv`` (csrc/gemv.cpp). The copy costs the weight's size again, so it is made only
+  ``gemv`` (csrc/gemv.cpp) and, where the CPU, the build and the OS allow AMX,
+  ``amx_linear``. The copy costs the weight's size again, so it is made only
   while the copies stay under ``DECODE_COPY_FRACTION`` of the machine's memory
   (``ENGINE_CPU_DECODE_GEMV=0`` turns it off);
-- which of the two runs is measured per layer shape and row band at load
+- which of them runs is measured per layer shape and row band at load
   (:mod:`engine_cpu.tuning`); with the measurement off, ``gemv`` runs for 1 to
   ``GEMV_MAX_ROWS`` rows and oneDNN beyond.
 
@@ -74,12 +76,12 @@ def pack_gemv_weight(weight: torch.Tensor) -> torch.Tensor:
 
 class OneDNNLinearMethod(UnquantizedLinearMethod):
     """Reorders ``weight`` into oneDNN's layout once, after loading, and, given
-    ``kernels``, packs a second copy for the decode ``gemv`` kernel.
+    ``kernels``, packs a second copy for the ``gemv`` and ``amx_linear`` kernels.
 
-    Which of the two runs is chosen per layer shape and row band (1 to ``GEMV_MAX_ROWS`` rows
+    Which one runs is chosen per layer shape and row band (1 to ``GEMV_MAX_ROWS`` rows
     in bands, and one band beyond) by timing both on the loaded model
     (:mod:`engine_cpu.tuning`; ``ENGINE_CPU_TUNING=0``: ``gemv`` up to ``GEMV_MAX_ROWS`` rows,
-    oneDNN beyond); a layer whose shape never chooses ``gemv`` gives its copy back. The oneDNN tensor replaces the layer's ``weight`` attribute (a tied embedding
+    oneDNN beyond); a layer whose shape never chooses a kernel of the copy gives it back. The oneDNN tensor replaces the layer's ``weight`` attribute (a tied embedding
     keeps the original tensor); results equal ``F.linear`` up to the order of the fp32 sums.
     """
 
@@ -93,13 +95,20 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         weight = layer.weight.data
         if self._gemv_copy_fits(weight):
             layer.gemv_weight = pack_gemv_weight(weight)
-            layer.gemv_rows, layer.gemv_beyond = _ALL_ROWS, False
+            layer.packed_kernels, layer.packed_beyond = _GEMV_ROWS, None
             layer.gemv_out = weight.shape[0]
             layer.gemv_bias = layer.bias.data if layer.bias is not None else _EMPTY
             if self.copy_budget_bytes is not None:
                 self.copy_budget_bytes -= layer.gemv_weight.numel() * layer.gemv_weight.element_size()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
         layer.weight = nn.Parameter(packed, requires_grad=False)
+
+    def candidates(self) -> dict[str, object]:
+        """The kernels timed for each shape and band: oneDNN, and those reading the packed copy."""
+        found = {"gemv": self._gemv, "onednn": self._onednn}
+        if self.kernels.amx_supported():
+            found["amx"] = self._amx
+        return found
 
     def process_model_after_loading(self, layers: list[nn.Module]) -> None:
         from engine_cpu import tuning
@@ -109,7 +118,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
             return
         choices = tuning.choose(
             with_copy,
-            {"gemv": self._gemv, "onednn": self._onednn},
+            self.candidates(),
             torch.bfloat16,
             f"{self.kernels.variant} {self.kernels.__file__}",
         )
@@ -117,13 +126,14 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         self.measured = True
         for layer in with_copy:
             choice = self.choices[tuning.shape_of(layer)]
-            if "gemv" not in choice:
+            if all(name == "onednn" for name in choice):
                 del layer.gemv_weight  # never used: give the memory back
                 continue
-            layer.gemv_rows = tuple(
-                rows > 0 and choice[tuning.band_of(rows)] == "gemv" for rows in range(GEMV_MAX_ROWS + 1)
+            layer.packed_kernels = tuple(
+                None if rows == 0 else PACKED_KERNELS.get(choice[tuning.band_of(rows)])
+                for rows in range(GEMV_MAX_ROWS + 1)
             )
-            layer.gemv_beyond = choice[-1] == "gemv"
+            layer.packed_beyond = PACKED_KERNELS.get(choice[-1])
         logger.info("bf16 linear kernels by shape and rows: %s", self.describe())
 
     def describe(self) -> str | None:
@@ -156,26 +166,35 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         self.kernels.gemv(out, rows, layer.gemv_weight, layer.gemv_bias)
         return out
 
+    def _amx(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], layer.gemv_out, dtype=rows.dtype)
+        self.kernels.amx_linear(out, rows, layer.gemv_weight, layer.gemv_bias)
+        return out
+
     @staticmethod
     def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, layer.weight, layer.bias, "none", [], "")
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        # a decode step calls this for every layer: the gemv attributes are read from the
-        # instance dict (nn.Module's __getattr__ costs a microsecond a lookup)
+        # a decode step calls this for every layer: the packed copy's attributes are read from
+        # the instance dict (nn.Module's __getattr__ costs a microsecond a lookup)
         attrs = layer.__dict__
         gemv_weight = attrs.get("gemv_weight")
         if gemv_weight is not None and x.dtype == torch.bfloat16:
             rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             n = rows.shape[0]
-            if (attrs["gemv_rows"][n] if n <= GEMV_MAX_ROWS else attrs["gemv_beyond"]) and rows.stride(-1) == 1:
+            kernel = attrs["packed_kernels"][n] if n <= GEMV_MAX_ROWS else attrs["packed_beyond"]
+            if kernel is not None and rows.stride(-1) == 1:
                 out = torch.empty(n, attrs["gemv_out"], dtype=x.dtype)
-                self.kernels.gemv(out, rows, gemv_weight, attrs["gemv_bias"])
+                getattr(self.kernels, kernel)(out, rows, gemv_weight, attrs["gemv_bias"])
                 return out if rows is x else out.view(*x.shape[:-1], out.shape[-1])
         return self._onednn(layer, x)
 
 
-_ALL_ROWS = tuple(rows > 0 for rows in range(GEMV_MAX_ROWS + 1))
+# the native function each measured name that reads the packed copy runs (oneDNN: none)
+PACKED_KERNELS = {"gemv": "gemv", "amx": "amx_linear"}
+# the fixed rule: gemv for 1 to GEMV_MAX_ROWS rows, oneDNN beyond
+_GEMV_ROWS = tuple(None if rows == 0 else "gemv" for rows in range(GEMV_MAX_ROWS + 1))
 _EMPTY = torch.empty(0, dtype=torch.bfloat16)
 
 

@@ -52,6 +52,7 @@ SOURCES = [
         "prefill_attention.cpp",
         "layer_ops.cpp",
         "gemv.cpp",
+        "amx_linear.cpp",
         "dot_linear.cpp",
     )
 ]
@@ -78,6 +79,11 @@ VARIANTS = (
     Variant("avx2", ("-march=x86-64-v3",), _V3),
     Variant("avx512", ("-march=x86-64-v4",), _V4),
     Variant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16"), _V4 | {"avx512_bf16"}),
+    Variant(
+        "amx",
+        ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+        _V4 | {"avx512_bf16", "amx_tile", "amx_bf16"},
+    ),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}
 

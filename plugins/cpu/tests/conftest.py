@@ -40,3 +40,11 @@ def gemv_kernels(each_isa):
     if not kernels.gemv_supported():
         pytest.skip(f"the {each_isa} build has no gemv (AVX512-BF16 only)")
     return kernels
+
+
+@pytest.fixture
+def amx_kernels(each_isa):
+    kernels = native.load()
+    if not kernels.amx_supported():
+        pytest.skip(f"the {each_isa} build has no amx_linear (AMX builds on CPUs and kernels that allow the tiles)")
+    return kernels

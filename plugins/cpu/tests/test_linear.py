@@ -90,6 +90,69 @@ def test_gemv_equals_the_fp32_product_rounded_once(n, k, rows, bias):
     assert torch.allclose(out.float(), expected, rtol=2**-8, atol=1e-3 * expected.abs().max().item())
 
 
+amx_kernels = pytest.mark.usefixtures("amx_kernels")
+
+
+@amx_kernels
+@pytest.mark.parametrize("n, k", [(64, 48), (100, 512), (7, 8), (1000, 1408), (33, 96), (40, 1000)])
+# slices of 16 rows in pairs (a last slice of fewer), x in sweeps of 384 rows at K = 1000 and
+# 1024 at K <= 384; K in steps of 32
+# with a tail of k-pairs; column blocks in pairs (an odd last one)
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 64, 383, 384, 400, 1100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_equals_the_fp32_product_rounded_once(n, k, rows, bias):
+    gen = torch.Generator().manual_seed(n * 10 + rows)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16)
+    native.load().amx_linear(out, x, pack_gemv_weight(weight), b if bias else torch.empty(0, dtype=torch.bfloat16))
+    expected = fp32_reference(x, weight, b)
+    assert torch.allclose(out.float(), expected, rtol=2**-8, atol=1e-3 * expected.abs().max().item())
+
+
+@amx_kernels
+def test_amx_linear_rows_do_not_depend_on_the_batch():
+    """Each row's sums go 32 k at a time in K's order, whatever slice or sweep holds the row."""
+    gen = torch.Generator().manual_seed(7)
+    weight = pack_gemv_weight(torch.randn(80, 1000, generator=gen).bfloat16())
+    x = torch.randn(300, 1000, generator=gen).bfloat16()
+    empty = torch.empty(0, dtype=torch.bfloat16)
+    whole = torch.empty(300, 80, dtype=torch.bfloat16)
+    native.load().amx_linear(whole, x, weight, empty)
+    for start, stop in ((0, 1), (5, 22), (17, 49), (250, 300)):
+        part = torch.empty(stop - start, 80, dtype=torch.bfloat16)
+        native.load().amx_linear(part, x[start:stop], weight, empty)
+        assert torch.equal(part, whole[start:stop])
+
+
+@amx_kernels
+def test_amx_linear_rejects_what_it_cannot_do():
+    kernels = native.load()
+    packed = pack_gemv_weight(torch.zeros(16, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="rows differ"):
+        kernels.amx_linear(
+            torch.empty(5, 16, dtype=torch.bfloat16),
+            torch.zeros(4, 8, dtype=torch.bfloat16),
+            packed,
+            torch.empty(0, dtype=torch.bfloat16),
+        )
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.amx_linear(torch.empty(1, 16), torch.zeros(1, 8), packed, torch.empty(0))
+    with pytest.raises(RuntimeError, match="shapes"):
+        kernels.amx_linear(
+            torch.empty(1, 16, dtype=torch.bfloat16),
+            torch.zeros(1, 16, dtype=torch.bfloat16),
+            packed,
+            torch.empty(0, dtype=torch.bfloat16),
+        )
+
+
+def test_builds_without_amx_say_so():
+    for name in [v.name for v in native.runnable_variants() if "amx_tile" not in v.requires]:
+        assert native.load(name) is None or not native.load(name).amx_supported()
+
+
 @gemv_kernels
 def test_gemv_rejects_what_it_cannot_do():
     kernels = native.load()

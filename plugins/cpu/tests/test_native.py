@@ -36,7 +36,9 @@ def x86(monkeypatch):
         (V4 - {"avx512vl"}, "avx2"),
         (V4, "avx512"),
         (V4 | {"avx512_bf16"}, "avx512bf16"),
-        (V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "avx512bf16"),
+        (V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "amx"),
+        (V4 | {"avx512_bf16", "amx_tile"}, "avx512bf16"),  # AMX tiles without their bf16 products
+        (V4 | {"amx_tile", "amx_bf16"}, "avx512"),
         (V3 | {"avx512_bf16"}, "avx2"),
     ],
 )
@@ -58,7 +60,7 @@ def test_a_forced_variant_is_used_and_one_the_cpu_cannot_run_is_refused(x86, mon
     with pytest.raises(ValueError, match="cannot run that build; it lacks avx512_bf16.*runs: generic, avx2, avx512"):
         native.chosen_variant(frozenset(V4))
     monkeypatch.setenv("ENGINE_CPU_ISA", "avx9000")
-    with pytest.raises(ValueError, match="not a kernel variant; known: generic, avx2, avx512, avx512bf16"):
+    with pytest.raises(ValueError, match="not a kernel variant; known: generic, avx2, avx512, avx512bf16, amx"):
         native.chosen_variant(frozenset(V4))
 
 
@@ -74,6 +76,7 @@ EXPECTED_ISA = {
     "avx2": {"avx2", "fma"},
     "avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"},
     "avx512bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"},
+    "amx": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"},
 }
 
 
@@ -82,7 +85,17 @@ def test_each_runnable_variant_is_compiled_for_its_instruction_set_only(name):
     kernels = native.load(name)
     assert kernels is not None, f"the {name} build failed (see the engine.cpu log)"
     assert set(kernels.compiled_isa()) == EXPECTED_ISA[name]
-    assert kernels.gemv_supported() == (name == "avx512bf16")
+    assert kernels.gemv_supported() == (name in ("avx512bf16", "amx"))
+    # the tiles also need the kernel's permission, which Linux grants from 5.16
+    assert kernels.amx_supported() == (name == "amx" and amx_permitted())
+
+
+def amx_permitted() -> bool:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    return libc.syscall(arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
 
 
 def test_different_flags_sources_or_variants_are_different_builds(tmp_path):

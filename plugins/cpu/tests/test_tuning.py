@@ -17,6 +17,8 @@ from engine_cpu.linear import GEMV_MAX_ROWS, OneDNNLinearMethod, onednn_availabl
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     monkeypatch.setenv("ENGINE_CPU_TUNING", "1")
+    # the linear method's measurements go here too, not to the user's store
+    monkeypatch.setenv("ENGINE_CPU_TUNING_FILE", str(tmp_path / "tuning.json"))
     monkeypatch.setattr(tuning, "BUDGET_SECONDS", float("inf"))
     monkeypatch.setattr(tuning, "MAX_REPEATS", 3)  # the best of three counts
     return tmp_path / "tuning.json"
@@ -132,8 +134,8 @@ def test_the_linear_method_follows_the_measured_choice_and_frees_unused_copies(s
     method = OneDNNLinearMethod(native.load())
     apply_linear_method(model, method)
     assert not hasattr(narrow, "gemv_weight")  # never chosen: the copy is given back
-    assert [r for r in range(1, GEMV_MAX_ROWS + 1) if wide.gemv_rows[r]] == [1, 2, 5, 6, 7, 8]
-    assert wide.gemv_beyond
+    assert [r for r in range(1, GEMV_MAX_ROWS + 1) if wide.packed_kernels[r] == "gemv"] == [1, 2, 5, 6, 7, 8]
+    assert wide.packed_beyond == "gemv"
     assert (
         method.describe()
         == "48x64: onednn 1-64, onednn beyond; 96x64: gemv 1-2, onednn 3-4, gemv 5-8, onednn 9-64, gemv beyond"
@@ -169,7 +171,7 @@ def test_measuring_the_real_kernels_gives_a_choice_for_every_shape_and_band(stor
     apply_linear_method(model, method)
     assert set(method.choices) == {(256, 128), (128, 256)}
     for choice in method.choices.values():
-        assert len(choice) == len(tuning.ROW_BANDS) and set(choice) <= {"gemv", "onednn"}
+        assert len(choice) == len(tuning.ROW_BANDS) and set(choice) <= set(method.candidates())
     assert "256x128:" in method.describe()
 
 
@@ -178,3 +180,44 @@ def test_tuning_off_keeps_the_fixed_rule(monkeypatch):
     assert tuning.mode() == "off"
     monkeypatch.setenv("ENGINE_CPU_TUNING", "fresh")
     assert tuning.mode() == "fresh"
+
+
+@pytest.mark.usefixtures("amx_kernels")
+def test_bands_measured_for_amx_run_amx_linear(store, monkeypatch):
+    from engine_cpu import native
+
+    if not onednn_available():
+        pytest.skip("no oneDNN bf16 path on this CPU")
+    layer_ = layer(96, 64)
+    weight = layer_.weight.data.clone()
+    picked = ("gemv", "gemv", "amx", "amx", "onednn", "amx", "amx", "amx")
+    monkeypatch.setattr(
+        tuning,
+        "measure",
+        lambda layers, candidates, dtype: {
+            (96, 64): tuning.Measured(picked, tuple(dict.fromkeys(candidates, 1.0) for _ in picked))
+        },
+    )
+    method = OneDNNLinearMethod(native.load())
+    assert set(method.candidates()) == {"gemv", "onednn", "amx"}
+    apply_linear_method(torch.nn.ModuleList([layer_]), method)
+    assert method.describe() == "96x64: gemv 1-2, amx 3-8, onednn 9-16, amx 17-64, amx beyond"
+    calls = []
+    kernels = method.kernels
+
+    class Spy:
+        variant = kernels.variant
+
+        def __getattr__(self, name):
+            def run(*args):
+                calls.append((name, args[1].shape[0]))
+                return getattr(kernels, name)(*args)
+
+            return run
+
+    method.kernels = Spy()
+    for rows in (2, 3, 12, 40, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        expected = F.linear(x.float(), weight.float())
+        assert torch.allclose(layer_(x).float(), expected, rtol=2**-7, atol=1e-2 * expected.abs().max().item())
+    assert calls == [("gemv", 2), ("amx_linear", 3), ("amx_linear", 40), ("amx_linear", 300)]

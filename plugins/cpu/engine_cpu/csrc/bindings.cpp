@@ -39,6 +39,10 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cach
 bool gemv_supported();
 void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias, bool batch_invariant);
 
+// amx_linear.cpp
+bool amx_supported();
+void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
+
 // dot_linear.cpp
 void dot_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 
@@ -78,6 +82,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_supported", &gemv_supported, "whether gemv runs on this CPU and build");
   m.def("gemv", &gemv, "out = x @ W^T + bias for a few rows, W packed by pack_gemv_weight (bf16)",
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("batch_invariant") = false);
+  m.def("amx_supported", &amx_supported, "whether amx_linear runs on this CPU, build and OS");
+  m.def("amx_linear", &amx_linear, "out = x @ W^T + bias on AMX tiles, W packed by pack_gemv_weight (bf16)");
   m.def("dot_linear", &dot_linear, "out = x @ W^T + bias, each output summed in an order fixed by K (fp32 / bf16)");
   m.def("packed_kv_supported", &packed_kv_supported,
         "whether the packed bf16 cache layout and its kernels run for this head and block size");

@@ -1,0 +1,251 @@
+// bf16 products of rows of activations with a weight on AMX tiles (Intel Sapphire Rapids and
+// later): decode steps of a few dozen rows, the LM head, prefill chunks.
+//
+// The weight is the one gemv streams, packed [N/16][K/2][16][2]: 16 consecutive k-pairs of one
+// block are exactly an AMX B tile (16 rows of 64 bytes: two k of 16 columns), so both kernels
+// share one copy. A tile product C[16 x 16] += A[16 x 32] B[32 x 16] takes 16 cycles; the tiles
+// are used as 2 x 2 blocks of C (two 16-row slices of x by two 16-column blocks of the weight),
+// with two A and two B tiles, all eight tiles. Work goes by pairs of column blocks, each
+// thread a contiguous range of them (one weight stream); for each pair every 32-row slice of
+// x is run while the pair's weights stay in L1/L2, and x is taken in sweeps that stay in L2
+// (chunk_rows). The next pair's weights are prefetched into L2 during the current pair's passes. A K that is not a multiple of 32 ends with its last k-pairs on AVX512-BF16.
+#include "kernel.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define ENGINE_CPU_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if defined(ENGINE_CPU_AMX)
+namespace {
+
+constexpr int64_t kCols = 16;        // output columns per block (one B tile's width)
+constexpr int64_t kStepPairs = 16;   // k-pairs per tile product (32 k)
+// rows of x per sweep over the blocks: as many 32-row passes as keep x within kChunkBytes of L2
+constexpr int64_t kChunkBytes = 768 * 1024;
+inline int64_t chunk_rows(int64_t K) {
+  return std::clamp<int64_t>(kChunkBytes / (K * 2) / 32 * 32, 32, 1024);
+}
+
+// Linux keeps the 8 KB of tile data out of a process's saved state until it asks for it
+constexpr long kArchReqXcompPerm = 0x1023;
+constexpr long kXfeatureXtiledata = 18;
+
+bool tiles_permitted() {
+  static const bool granted = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+// the palette-1 configuration: tiles 0-3 C (C[i][j] is tile 2i+j), 4-5 A (slices 0 and 1),
+// 6-7 B (blocks 0 and 1)
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// rows0 / rows1: x rows in the two slices (rows1 may be 0: its tiles are left unconfigured)
+void configure(int rows0, int rows1) {
+  TileConfig config;
+  std::memset(&config, 0, sizeof(config));
+  config.palette_id = 1;
+  const int slice_rows[2] = {rows0, rows1};
+  for (int i = 0; i < 2; ++i) {
+    if (slice_rows[i] == 0) continue;
+    for (int j = 0; j < 2; ++j) {
+      config.rows[2 * i + j] = static_cast<uint8_t>(slice_rows[i]);
+      config.colsb[2 * i + j] = kCols * sizeof(float);
+    }
+    config.rows[4 + i] = static_cast<uint8_t>(slice_rows[i]);
+    config.colsb[4 + i] = 2 * kStepPairs * sizeof(at::BFloat16);
+  }
+  for (int j = 0; j < 2; ++j) {
+    config.rows[6 + j] = kStepPairs;
+    config.colsb[6 + j] = kCols * 2 * sizeof(at::BFloat16);
+  }
+  _tile_loadconfig(&config);
+}
+
+inline __mmask16 columns_mask(int64_t n0, int64_t N) {
+  const int64_t valid = std::min<int64_t>(kCols, N - n0);
+  return valid <= 0 ? 0 : valid == kCols ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
+}
+
+// sums [rows][16] (fp32, row stride 16) of one block, plus the k-pairs from `tail_from` to `pairs`
+// on AVX512-BF16 and the bias, rounded to bf16 (nearest even) into out's block columns
+void finish_block(const float* sums, int rows, const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w,
+                  int64_t tail_from, int64_t pairs, const at::BFloat16* bias, int64_t n0, int64_t N,
+                  at::BFloat16* out, int64_t out_stride) {
+  const __mmask16 mask = columns_mask(n0, N);
+  if (mask == 0) return;
+  __m512 bias_v = _mm512_setzero_ps();
+  if (bias != nullptr)
+    bias_v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+  for (int m = 0; m < rows; ++m) {
+    __m512 acc = _mm512_add_ps(_mm512_loadu_ps(sums + m * kCols), bias_v);
+    for (int64_t p = tail_from; p < pairs; ++p) {
+      int32_t xpair;
+      std::memcpy(&xpair, x + m * x_stride + p * 2, sizeof(xpair));
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 2 * kCols);
+      acc = _mm512_dpbf16_ps(acc, wv, (__m512bh)_mm512_set1_epi32(xpair));
+    }
+    _mm256_mask_storeu_epi16(out + m * out_stride + n0, mask, (__m256i)_mm512_cvtneps_pbh(acc));
+  }
+}
+
+// one pass: rows [m0, m0 + rows0 + rows1) of x (rows0 <= 16 in slice 0, rows1 <= 16 in slice 1)
+// over blocks g and g + 1 (nb of them), the C tiles summed over the whole multiple of 32 of K
+// Weights of the next pair of blocks, pulled into L2 a few lines at each tile step while the
+// current pair is multiplied: the first pass over a pair would otherwise wait on memory.
+struct Prefetcher {
+  const char* next;
+  const char* end;
+  int64_t lines_per_step;
+
+  inline void step() {
+    for (int64_t i = 0; i < lines_per_step && next < end; ++i, next += 64) _mm_prefetch(next, _MM_HINT_T1);
+  }
+};
+
+template <bool kTwoSlices, bool kTwoBlocks>
+inline void tile_pass(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w0, const at::BFloat16* w1,
+                      int64_t steps, Prefetcher& prefetch, float (*sums)[16 * kCols]) {
+  const int64_t x_bytes = x_stride * sizeof(at::BFloat16);
+  const int64_t w_bytes = 2 * kCols * sizeof(at::BFloat16);
+  _tile_zero(0);
+  if (kTwoBlocks) _tile_zero(1);
+  if (kTwoSlices) {
+    _tile_zero(2);
+    if (kTwoBlocks) _tile_zero(3);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t k0 = s * 2 * kStepPairs;
+    prefetch.step();
+    _tile_loadd(4, x + k0, x_bytes);
+    _tile_loadd(6, w0 + k0 * kCols, w_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    if (kTwoSlices) {
+      _tile_loadd(5, x + 16 * x_stride + k0, x_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    if (kTwoBlocks) {
+      _tile_loadd(7, w1 + k0 * kCols, w_bytes);
+      _tile_dpbf16ps(1, 4, 7);
+      if (kTwoSlices) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  const int64_t c_bytes = kCols * sizeof(float);
+  _tile_stored(0, sums[0], c_bytes);
+  if (kTwoBlocks) _tile_stored(1, sums[1], c_bytes);
+  if (kTwoSlices) {
+    _tile_stored(2, sums[2], c_bytes);
+    if (kTwoBlocks) _tile_stored(3, sums[3], c_bytes);
+  }
+}
+
+// blocks [b0, b1) of the output columns for M rows of x (one sweep: M <= chunk_rows(K))
+void amx_blocks(const at::BFloat16* x, int64_t x_stride, int64_t M, const at::BFloat16* packed,
+                const at::BFloat16* bias, at::BFloat16* out, int64_t out_stride, int64_t N, int64_t K, int64_t b0,
+                int64_t b1) {
+  const int64_t pairs = K / 2;
+  const int64_t steps = pairs / kStepPairs;
+  const int64_t tail_from = steps * kStepPairs;
+  alignas(64) float sums[4][16 * kCols];
+  int configured0 = -1, configured1 = -1;
+  const int64_t block_elems = pairs * 2 * kCols;
+  const int64_t passes = (M + 31) / 32;
+  for (int64_t g = b0; g < b1; g += 2) {
+    const bool two_blocks = g + 1 < b1;
+    const at::BFloat16* w0 = packed + g * block_elems;
+    const at::BFloat16* w1 = w0 + block_elems;
+    const int64_t next_blocks = std::min<int64_t>(2, std::max<int64_t>(0, b1 - g - 2));
+    const int64_t next_lines = next_blocks * block_elems * static_cast<int64_t>(sizeof(at::BFloat16)) / 64;
+    Prefetcher prefetch{reinterpret_cast<const char*>(w0 + 2 * block_elems),
+                        reinterpret_cast<const char*>(w0 + (2 + next_blocks) * block_elems),
+                        steps > 0 ? (next_lines + passes * steps - 1) / (passes * steps) : 0};
+    for (int64_t m0 = 0; m0 < M; m0 += 32) {
+      const int rows0 = static_cast<int>(std::min<int64_t>(16, M - m0));
+      const int rows1 = static_cast<int>(std::clamp<int64_t>(M - m0 - 16, 0, 16));
+      if (rows0 != configured0 || rows1 != configured1) {
+        configure(rows0, rows1);
+        configured0 = rows0;
+        configured1 = rows1;
+      }
+      const at::BFloat16* xs = x + m0 * x_stride;
+      if (steps > 0) {
+        if (rows1 > 0)
+          two_blocks ? tile_pass<true, true>(xs, x_stride, w0, w1, steps, prefetch, sums)
+                     : tile_pass<true, false>(xs, x_stride, w0, w1, steps, prefetch, sums);
+        else
+          two_blocks ? tile_pass<false, true>(xs, x_stride, w0, w1, steps, prefetch, sums)
+                     : tile_pass<false, false>(xs, x_stride, w0, w1, steps, prefetch, sums);
+      } else {
+        std::memset(sums, 0, sizeof(sums));
+      }
+      at::BFloat16* os = out + m0 * out_stride;
+      finish_block(sums[0], rows0, xs, x_stride, w0, tail_from, pairs, bias, g * kCols, N, os, out_stride);
+      if (two_blocks)
+        finish_block(sums[1], rows0, xs, x_stride, w1, tail_from, pairs, bias, (g + 1) * kCols, N, os, out_stride);
+      if (rows1 > 0) {
+        const at::BFloat16* xs1 = xs + 16 * x_stride;
+        at::BFloat16* os1 = os + 16 * out_stride;
+        finish_block(sums[2], rows1, xs1, x_stride, w0, tail_from, pairs, bias, g * kCols, N, os1, out_stride);
+        if (two_blocks)
+          finish_block(sums[3], rows1, xs1, x_stride, w1, tail_from, pairs, bias, (g + 1) * kCols, N, os1,
+                       out_stride);
+      }
+    }
+  }
+}
+
+}  // namespace
+#endif
+
+// whether amx_linear runs here: an AMX build, and the OS lets this process use the tiles
+bool amx_supported() {
+#if defined(ENGINE_CPU_AMX)
+  return tiles_permitted();
+#else
+  return false;
+#endif
+}
+
+// out [M, N] = x [M, K] @ W^T + bias on AMX tiles, W packed by pack_gemv_weight ([ceil(N/16), K/2,
+// 16, 2] bf16). Any M >= 1, K % 8 == 0; bias is [N] bf16 or empty. The sums are fp32; each row's
+// order of summation depends on K only (32 k at a time, then the tail), not on M.
+void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
+  TORCH_CHECK(amx_supported(), "amx_linear: this CPU, build or OS does not allow AMX tiles");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16, "amx_linear: bf16 tensors only");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "amx_linear: 2-D rows");
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2,
+              "amx_linear: weight not packed by pack_gemv_weight");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(M >= 1 && out.size(0) == M, "amx_linear: x and out rows differ");
+  TORCH_CHECK(K % 8 == 0 && packed.size(1) * 2 == K && packed.size(0) * 16 >= N, "amx_linear: shapes do not match");
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() && bias.scalar_type() == at::kBFloat16),
+              "amx_linear: bias must be [N] bf16");
+#if defined(ENGINE_CPU_AMX)
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();
+  const at::BFloat16* bp = bias.numel() ? bias.data_ptr<at::BFloat16>() : nullptr;
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  const int64_t blocks = packed.size(0), xs = x.stride(0), os = out.stride(0);
+  const int64_t block_pairs = (blocks + 1) / 2;
+  // contiguous ranges of block pairs per thread: one weight stream each
+  at::parallel_for(0, block_pairs, 8, [&](int64_t p0, int64_t p1) {
+    const int64_t b0 = 2 * p0, b1 = std::min(blocks, 2 * p1);
+    const int64_t chunk = chunk_rows(K);
+    for (int64_t m0 = 0; m0 < M; m0 += chunk)
+      amx_blocks(xp + m0 * xs, xs, std::min(chunk, M - m0), wp, bp, op + m0 * os, os, N, K, b0, b1);
+  });
+#endif
+}

@@ -53,6 +53,7 @@ SOURCES = [
         "layer_ops.cpp",
         "gemv.cpp",
         "amx_linear.cpp",
+        "amx_attention.cpp",
         "dot_linear.cpp",
     )
 ]

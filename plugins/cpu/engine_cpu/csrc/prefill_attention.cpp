@@ -1,4 +1,5 @@
-// Causal attention for long prefill chunks over the packed bf16 KV cache (AVX512-BF16).
+// Causal attention for long prefill chunks over the packed bf16 KV cache (AVX512-BF16; on AMX
+// builds, where the OS allows the tiles, each item runs amx_attention.cpp's tile kernel instead).
 //
 // The cache layout is packed_attention.cpp's: per (block, kv head) keys as [D/2][block_size][2]
 // and values as [block_size/2][D][2], read in place. A work item is (sequence, tile of up to 64
@@ -19,6 +20,12 @@
 
 bool packed_kv_supported(int64_t head_size, int64_t block_size);
 bool rows_of_heads(const torch::Tensor& t);
+// amx_attention.cpp
+bool amx_attention_supported(int64_t head_size);
+void amx_prefill_item(at::BFloat16* out, const at::BFloat16* q, int64_t q_row, const at::BFloat16* key_cache,
+                      const at::BFloat16* value_cache, const int64_t* table, int64_t q_start, int64_t rows,
+                      int64_t first_pos, int64_t g, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+                      int64_t block_size, float scale, int64_t window);
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 namespace {
@@ -168,12 +175,19 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cach
   }
   // later tiles of a sequence see more keys: deal items round-robin across threads
   const int num_threads = at::get_num_threads();
+  const bool tiles = amx_attention_supported(head_size);
   at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tid = begin; tid < end; ++tid) {
       for (size_t n = tid; n < items.size(); n += num_threads) {
         const Item& it = items[n];
         const int64_t start = qsl[it.b] + it.tile * kQueryTile;
         const int64_t rows = std::min(kQueryTile, qsl[it.b + 1] - start);
+        if (tiles) {
+          amx_prefill_item(out.data_ptr<at::BFloat16>(), q.data_ptr<at::BFloat16>(), q.stride(0), key_cache,
+                           value_cache, tables + it.b * max_blocks, start, rows, ctx[it.b] + it.tile * kQueryTile, it.g,
+                           num_heads, num_kv_heads, head_size, block_size, static_cast<float>(scale), window);
+          continue;
+        }
         auto run = [&](auto d) {
           prefill_item<decltype(d)::value>(
               out.data_ptr<at::BFloat16>(), q.data_ptr<at::BFloat16>(), key_cache, value_cache,

@@ -159,6 +159,14 @@ def reference_logits(tensors: dict[str, torch.Tensor], text: dict, tokens: list[
         torch.set_default_dtype(default)
 
 
+def float32_rounding_error(tensors: dict[str, torch.Tensor], text: dict, tokens: list[int]) -> torch.Tensor:
+    """[len(tokens)] how far the reference computed in float32 lands from its float64 result at
+    each position (max over the vocabulary): what float32 rounding alone does to this model there.
+    Where the model is ill-conditioned it is far above its usual 1e-6."""
+    float32 = _reference_logits(tensors, text, tokens).float()
+    return (float32 - reference_logits(tensors, text, tokens)).abs().amax(dim=-1)
+
+
 def _reference_logits(tensors: dict[str, torch.Tensor], text: dict, tokens: list[int]) -> torch.Tensor:
     text = {**TEXT_CONFIG, **text}
     eps, linear = text["rms_norm_eps"], text["linear_attn_config"]

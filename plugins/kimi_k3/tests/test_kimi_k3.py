@@ -9,7 +9,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.testing.generation import random_prompts as prompts
 from engine.testing.kit import ModelTests
-from k3_reference import TEXT_CONFIG, make_k3_checkpoint, reference_logits
+from k3_reference import TEXT_CONFIG, float32_rounding_error, make_k3_checkpoint, reference_logits
 
 
 @pytest.fixture(scope="module")
@@ -110,4 +110,9 @@ def test_mxfp4_experts_in_compressed_tensors_load_dequantized(tmp_path):
     assert llm.engine.dequantizer.dequantized == 4 * 8 * 3  # four MoE layers, eight experts, w1/w2/w3
     (logits,) = llm.prompt_logits([prompt])
     reference = reference_logits(dense, TEXT_CONFIG, prompt)
-    assert (logits - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item())
+    # This checkpoint is ill-conditioned at two positions: there the reference itself computed in
+    # float32 is 3e-5 and 8e-5 off its float64 result (1e-6 elsewhere), and one-ulp random changes
+    # to the norms' outputs on the torch paths move the engine's logits there by up to 9e-4. The
+    # bound is 1e-4 of the logits' scale, or 16 times float32's own error at that position.
+    bound = torch.clamp(16 * float32_rounding_error(dense, TEXT_CONFIG, prompt), min=1e-4 * reference.abs().max())
+    assert ((logits - reference).abs().amax(dim=-1) <= bound).all()

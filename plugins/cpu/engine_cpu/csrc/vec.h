@@ -31,12 +31,18 @@ inline __m512 load_bf16(const void* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(static_cast<const __m256i*>(p))), 16));
 }
 inline __m256i to_bf16_bits(__m512 v) {
+#if defined(__AVX512BF16__)
+  // the instruction rounds to nearest even too; NaNs become torch's canonical one
+  const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm256_mask_mov_epi16(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm256_set1_epi16(0x7fc0));
+#else
   __m512i bits = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
   __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
   return _mm512_cvtepi32_epi16(rounded);
+#endif
 }
 inline void store_bf16(void* p, __m512 v) { _mm256_storeu_si256(static_cast<__m256i*>(p), to_bf16_bits(v)); }
 // what storing to bf16 and loading back gives

@@ -126,46 +126,32 @@ def test_amx_linear_rows_do_not_depend_on_the_batch():
         assert torch.equal(part, whole[start:stop])
 
 
-@amx_kernels
-def test_amx_linear_rejects_what_it_cannot_do():
-    kernels = native.load()
-    packed = pack_gemv_weight(torch.zeros(16, 8, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="rows differ"):
-        kernels.amx_linear(
-            torch.empty(5, 16, dtype=torch.bfloat16),
-            torch.zeros(4, 8, dtype=torch.bfloat16),
-            packed,
-            torch.empty(0, dtype=torch.bfloat16),
-        )
-    with pytest.raises(RuntimeError, match="bf16"):
-        kernels.amx_linear(torch.empty(1, 16), torch.zeros(1, 8), packed, torch.empty(0))
-    with pytest.raises(RuntimeError, match="shapes"):
-        kernels.amx_linear(
-            torch.empty(1, 16, dtype=torch.bfloat16),
-            torch.zeros(1, 16, dtype=torch.bfloat16),
-            packed,
-            torch.empty(0, dtype=torch.bfloat16),
-        )
-
-
 def test_builds_without_amx_say_so():
     for name in [v.name for v in native.runnable_variants() if "amx_tile" not in v.requires]:
         assert native.load(name) is None or not native.load(name).amx_supported()
 
 
-@gemv_kernels
-def test_gemv_rejects_what_it_cannot_do():
+@pytest.mark.parametrize("kernel", ["gemv", "amx_linear"])
+def test_packed_weight_kernels_reject_what_they_cannot_do(each_isa, kernel):
     kernels = native.load()
+    if not (kernels.gemv_supported() if kernel == "gemv" else kernels.amx_supported()):
+        pytest.skip(f"the {each_isa} build has no {kernel}")
+    run = getattr(kernels, kernel)
     packed = pack_gemv_weight(torch.zeros(16, 8, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="rows differ"):
-        kernels.gemv(
-            torch.empty(5, 16, dtype=torch.bfloat16),
-            torch.zeros(4, 8, dtype=torch.bfloat16),
-            packed,
-            torch.empty(0, dtype=torch.bfloat16),
-        )
+    empty = torch.empty(0, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=f"{kernel}: x and out rows differ"):
+        run(torch.empty(5, 16, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16), packed, empty)
     with pytest.raises(RuntimeError, match="bf16"):
-        kernels.gemv(torch.empty(1, 16), torch.zeros(1, 8), packed, torch.empty(0))
+        run(torch.empty(1, 16), torch.zeros(1, 8), packed, torch.empty(0))
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        run(torch.empty(1, 16, dtype=torch.bfloat16), torch.zeros(1, 16, dtype=torch.bfloat16), packed, empty)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        run(
+            torch.empty(1, 16, dtype=torch.bfloat16),
+            torch.zeros(1, 8, dtype=torch.bfloat16),
+            packed,
+            empty[:0].new_zeros(3),
+        )
 
 
 @gemv_kernels

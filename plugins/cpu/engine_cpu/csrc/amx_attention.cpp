@@ -18,10 +18,9 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define ENGINE_CPU_AMX 1
-#include <immintrin.h>
+#include "amx.h"
 
+#if defined(ENGINE_CPU_AMX)
 #include "vec.h"
 #endif
 
@@ -43,27 +42,11 @@ namespace {
 constexpr int64_t kKeyTile = 64;  // keys per step: four 16-key quarters (S tiles 0 and 1 in turn)
 constexpr int kQuarters = kKeyTile / 16;
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
 // tiles: 0-1 S (queries x 16 keys, fp32), 2-3 Q (queries x 32 dims), 4 K (16 dim-pairs x 16 keys),
 // 5 P (queries x 16 keys, bf16), 6 V (8 key-pairs x 16 dims), 7 O (queries x 16 dims, fp32)
 void configure(int queries) {
-  TileConfig config;
-  std::memset(&config, 0, sizeof(config));
-  config.palette_id = 1;
-  const uint8_t q = static_cast<uint8_t>(queries);
-  const int tiles[][3] = {{0, q, 64}, {1, q, 64}, {2, q, 64}, {3, q, 64}, {4, 16, 64}, {5, q, 32}, {6, 8, 64}, {7, q, 64}};
-  for (const auto& t : tiles) {
-    config.rows[t[0]] = static_cast<uint8_t>(t[1]);
-    config.colsb[t[0]] = static_cast<uint16_t>(t[2]);
-  }
-  _tile_loadconfig(&config);
+  engine_cpu::configure_tiles({{0, queries, 64}, {1, queries, 64}, {2, queries, 64}, {3, queries, 64},
+                               {4, 16, 64}, {5, queries, 32}, {6, 8, 64}, {7, queries, 64}});
 }
 
 // one query head's rows [q_start, q_start + rows) (rows <= 16) at positions first_pos.. over its

@@ -15,9 +15,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define ENGINE_CPU_AMX 1
-#include <immintrin.h>
+#include "amx.h"
+#include "packed_weight.h"
+
+#if defined(ENGINE_CPU_AMX)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -42,36 +43,16 @@ bool tiles_permitted() {
   return granted;
 }
 
-// the palette-1 configuration: tiles 0-3 C (C[i][j] is tile 2i+j), 4-5 A (slices 0 and 1),
-// 6-7 B (blocks 0 and 1)
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
+// tiles 0-3 C (C[i][j] is tile 2i+j), 4-5 A (slices 0 and 1), 6-7 B (blocks 0 and 1);
 // rows0 / rows1: x rows in the two slices (rows1 may be 0: its tiles are left unconfigured)
 void configure(int rows0, int rows1) {
-  TileConfig config;
-  std::memset(&config, 0, sizeof(config));
-  config.palette_id = 1;
-  const int slice_rows[2] = {rows0, rows1};
-  for (int i = 0; i < 2; ++i) {
-    if (slice_rows[i] == 0) continue;
-    for (int j = 0; j < 2; ++j) {
-      config.rows[2 * i + j] = static_cast<uint8_t>(slice_rows[i]);
-      config.colsb[2 * i + j] = kCols * sizeof(float);
-    }
-    config.rows[4 + i] = static_cast<uint8_t>(slice_rows[i]);
-    config.colsb[4 + i] = 2 * kStepPairs * sizeof(at::BFloat16);
-  }
-  for (int j = 0; j < 2; ++j) {
-    config.rows[6 + j] = kStepPairs;
-    config.colsb[6 + j] = kCols * 2 * sizeof(at::BFloat16);
-  }
-  _tile_loadconfig(&config);
+  constexpr int c = kCols * sizeof(float), a = 2 * kStepPairs * sizeof(at::BFloat16);
+  constexpr int b = kCols * 2 * sizeof(at::BFloat16);
+  if (rows1 > 0)
+    engine_cpu::configure_tiles({{0, rows0, c}, {1, rows0, c}, {2, rows1, c}, {3, rows1, c}, {4, rows0, a},
+                                 {5, rows1, a}, {6, kStepPairs, b}, {7, kStepPairs, b}});
+  else
+    engine_cpu::configure_tiles({{0, rows0, c}, {1, rows0, c}, {4, rows0, a}, {6, kStepPairs, b}, {7, kStepPairs, b}});
 }
 
 inline __mmask16 columns_mask(int64_t n0, int64_t N) {
@@ -223,16 +204,8 @@ bool amx_supported() {
 // order of summation depends on K only (32 k at a time, then the tail), not on M.
 void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias) {
   TORCH_CHECK(amx_supported(), "amx_linear: this CPU, build or OS does not allow AMX tiles");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16, "amx_linear: bf16 tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "amx_linear: 2-D rows");
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2,
-              "amx_linear: weight not packed by pack_gemv_weight");
+  engine_cpu::check_packed_linear("amx_linear", out, x, packed, bias);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(M >= 1 && out.size(0) == M, "amx_linear: x and out rows differ");
-  TORCH_CHECK(K % 8 == 0 && packed.size(1) * 2 == K && packed.size(0) * 16 >= N, "amx_linear: shapes do not match");
-  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() && bias.scalar_type() == at::kBFloat16),
-              "amx_linear: bias must be [N] bf16");
 #if defined(ENGINE_CPU_AMX)
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();

@@ -10,6 +10,7 @@
 // rows, each activation pair broadcast once for 4 blocks), whose weights stay in L1/L2
 // between passes, and x in sweeps of 192 rows that stay in L2.
 #include "kernel.h"
+#include "packed_weight.h"
 
 #include <cstdint>
 #include <cstring>
@@ -226,16 +227,8 @@ void gemm_blocks(const at::BFloat16* x, int64_t x_stride, int64_t M, const at::B
 // sums per row, whatever M is), so a row's result is bitwise the same in any batch.
 void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias, bool batch_invariant) {
   TORCH_CHECK(gemv_supported(), "gemv: this CPU or build has no AVX512-BF16");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16, "gemv: bf16 tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "gemv: 2-D rows");
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2,
-              "gemv: weight not packed by pack_gemv_weight");
+  engine_cpu::check_packed_linear("gemv", out, x, packed, bias);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(M >= 1 && out.size(0) == M, "gemv: x and out rows differ");
-  TORCH_CHECK(K % 8 == 0 && packed.size(1) * 2 == K && packed.size(0) * 16 >= N, "gemv: shapes do not match");
-  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() && bias.scalar_type() == at::kBFloat16),
-              "gemv: bias must be [N] bf16");
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = packed.data_ptr<at::BFloat16>();

@@ -1,6 +1,6 @@
 """Generation helpers for tests on the tiny checkpoints (``engine.testing.checkpoints``):
-random prompts over their vocabulary, the engine's greedy tokens, and transformers' argmax
-continuation to check those against."""
+random prompts over their vocabulary, the engine's greedy tokens, transformers' argmax
+continuation to check those against, and whether two continuations part only at a near tie."""
 
 from __future__ import annotations
 
@@ -36,3 +36,20 @@ def hf_argmax_tokens(hf_model: Any, prompt: list[int], n: int) -> list[int]:
         with torch.no_grad():
             sequence.append(int(hf_model(torch.tensor([sequence])).logits[0, -1].argmax()))
     return sequence[len(prompt) :]
+
+
+def diverges_only_at_a_near_tie(
+    hf_model: Any, prompt: list[int], ours: list[int], theirs: list[int], rtol: float = 2**-6
+) -> bool:
+    """Whether greedy continuation ``ours`` of ``prompt`` equals transformers' ``theirs``, or first
+    differs where transformers' logits for the two tokens chosen there are within ``rtol`` of the
+    logits' largest magnitude: a tie that rounding (bf16's above all) may break either way."""
+    import torch
+
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if first is None:
+        return len(ours) == len(theirs)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + theirs[:first]])).logits[0, -1].float()
+    gap = (logits[theirs[first]] - logits[ours[first]]).abs().item()
+    return gap <= rtol * logits.abs().max().item()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM
+from engine.testing.generation import diverges_only_at_a_near_tie
 from engine.testing.generation import greedy_tokens as greedy
 from engine.testing.generation import hf_argmax_tokens as hf_greedy
 from engine.testing.generation import random_prompts as prompts
@@ -38,15 +39,17 @@ def test_24_greedy_tokens_of_a_batch_match_transformers(checkpoint):
 
 def test_bf16_greedy_tokens_match_transformers_for_32_steps(tmp_path):
     """In bf16 the two compute in different orders (fused projections, the backend's float32
-    convolution), so a near tie of a random model's logits may flip late: every prompt's first
-    16 tokens agree, and at least three of five prompts agree for all 32."""
+    convolution, the CPU's GEMM kernels), so a near tie of a random model's logits may break
+    either way (on an Intel Xeon with AMX one prompt meets an exact tie of transformers' bf16
+    logits at token 14): every prompt agrees up to a near tie, and at least three of five agree
+    for all 32."""
     from engine.testing.checkpoints import make_tiny_checkpoint
 
     hf_model = make_tiny_checkpoint("Qwen3_5ForCausalLM", tmp_path / "bf16", dtype="bfloat16")
     batch = prompts(4, lengths=(6, 17, 29, 12, 40))
     ours = greedy(make_llm(tmp_path / "bf16", dtype="bfloat16"), batch, 32)
     theirs = [hf_greedy(hf_model, prompt, 32) for prompt in batch]
-    assert all(a[:16] == b[:16] for a, b in zip(ours, theirs))
+    assert all(diverges_only_at_a_near_tie(hf_model, p, a, b) for p, a, b in zip(batch, ours, theirs))
     assert sum(a == b for a, b in zip(ours, theirs)) >= 3
 
 

@@ -221,3 +221,44 @@ def test_bands_measured_for_amx_run_amx_linear(store, monkeypatch):
         expected = F.linear(x.float(), weight.float())
         assert torch.allclose(layer_(x).float(), expected, rtol=2**-7, atol=1e-2 * expected.abs().max().item())
     assert calls == [("gemv", 2), ("amx_linear", 3), ("amx_linear", 40), ("amx_linear", 300)]
+
+
+@pytest.mark.usefixtures("amx_kernels")
+def test_a_model_whose_layers_all_chose_amx_gives_the_fixed_rules_logits(store, monkeypatch, tmp_path):
+    """A whole model with every linear layer and band measured for amx_linear (the choice on an
+    AMX Xeon): prompt logits within bf16's resolution of the fixed rule's (gemv, then oneDNN),
+    and the same greedy tokens as transformers up to a near tie."""
+    from engine import LLM
+    from engine.testing.checkpoints import make_tiny_checkpoint
+    from engine.testing.generation import diverges_only_at_a_near_tie, greedy_tokens, hf_argmax_tokens, random_prompts
+
+    hf_model = make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "llama", dtype="bfloat16")
+    batch = random_prompts(5, lengths=(3, 40, 70))  # decode rows, and prompts past a 32-row tile pass
+
+    def make_llm():
+        path = str(tmp_path / "llama")
+        return LLM(path, plugins=["cpu", "llama"], dtype="bfloat16", kv_cache_memory=0.02, progress=False)
+
+    monkeypatch.setenv("ENGINE_CPU_TUNING", "0")
+    fixed = make_llm()
+    fixed_logits = fixed.prompt_logits(batch)
+    monkeypatch.setenv("ENGINE_CPU_TUNING", "1")
+    monkeypatch.setattr(
+        tuning,
+        "measure",
+        lambda layers, candidates, dtype: {
+            tuning.shape_of(m): tuning.Measured(
+                ("amx",) * len(tuning.ROW_BANDS), tuple({"amx": 1.0} for _ in tuning.ROW_BANDS)
+            )
+            for m in layers
+        },
+    )
+    amx = make_llm()
+    layers = [m for m in amx.engine.runner.model.modules() if isinstance(m, MergedLinear)]
+    assert layers and all(m.packed_kernels[1:] == ("amx_linear",) * GEMV_MAX_ROWS for m in layers)
+    assert all(m.packed_beyond == "amx_linear" for m in layers)
+    for a, b in zip(amx.prompt_logits(batch), fixed_logits):
+        assert (a - b).abs().max().item() <= 2**-6 * b.abs().max().item()
+    tokens = greedy_tokens(amx, batch, 16)
+    for prompt, ours in zip(batch, tokens):
+        assert diverges_only_at_a_near_tie(hf_model, prompt, ours, hf_argmax_tokens(hf_model, prompt, 16))

@@ -105,9 +105,9 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
 
     def candidates(self) -> dict[str, object]:
         """The kernels timed for each shape and band: oneDNN, and those reading the packed copy."""
-        found = {"gemv": self._gemv, "onednn": self._onednn}
+        found = {"gemv": functools.partial(self._packed, "gemv"), "onednn": self._onednn}
         if self.kernels.amx_supported():
-            found["amx"] = self._amx
+            found["amx"] = functools.partial(self._packed, "amx_linear")
         return found
 
     def process_model_after_loading(self, layers: list[nn.Module]) -> None:
@@ -161,14 +161,10 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         size = weight.numel() * weight.element_size()
         return self.copy_budget_bytes is None or size <= self.copy_budget_bytes
 
-    def _gemv(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    def _packed(self, kernel: str, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """rows @ W^T by the native ``kernel`` (gemv or amx_linear) on the layer's packed copy."""
         out = torch.empty(rows.shape[0], layer.gemv_out, dtype=rows.dtype)
-        self.kernels.gemv(out, rows, layer.gemv_weight, layer.gemv_bias)
-        return out
-
-    def _amx(self, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], layer.gemv_out, dtype=rows.dtype)
-        self.kernels.amx_linear(out, rows, layer.gemv_weight, layer.gemv_bias)
+        getattr(self.kernels, kernel)(out, rows, layer.gemv_weight, layer.gemv_bias)
         return out
 
     @staticmethod

@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 
 #include "amx.h"
 
@@ -189,16 +188,11 @@ void amx_prefill_item(at::BFloat16* out, const at::BFloat16* q, int64_t q_row, c
       configured = n;
     }
     for (int64_t head = g * group; head < (g + 1) * group; ++head) {
-      auto run = [&](auto d) {
+      // (amx_attention_supported leaves head size 16, which with_head_size also instantiates, out)
+      engine_cpu::with_head_size(head_size, [&](auto d) {
         slice<decltype(d)::value>(out, q, q_row, key_cache, value_cache, table, q_start + r0, n, first_pos + r0,
                                   head, g, num_heads, num_kv_heads, block_size, scale, window);
-      };
-      switch (head_size) {
-        case 32: run(std::integral_constant<int, 32>{}); break;
-        case 64: run(std::integral_constant<int, 64>{}); break;
-        case 128: run(std::integral_constant<int, 128>{}); break;
-        default: run(std::integral_constant<int, 256>{}); break;
-      }
+      });
     }
   }
 #else

@@ -8,7 +8,8 @@
 // with two A and two B tiles, all eight tiles. Work goes by pairs of column blocks, each
 // thread a contiguous range of them (one weight stream); for each pair every 32-row slice of
 // x is run while the pair's weights stay in L1/L2, and x is taken in sweeps that stay in L2
-// (chunk_rows). The next pair's weights are prefetched into L2 during the current pair's passes. A K that is not a multiple of 32 ends with its last k-pairs on AVX512-BF16.
+// (chunk_rows). The next pair's weights are prefetched into L2 during the current pair's passes.
+// A K that is not a multiple of 32 ends with its last k-pairs on AVX512-BF16.
 #include "kernel.h"
 
 #include <algorithm>
@@ -55,10 +56,8 @@ void configure(int rows0, int rows1) {
     engine_cpu::configure_tiles({{0, rows0, c}, {1, rows0, c}, {4, rows0, a}, {6, kStepPairs, b}, {7, kStepPairs, b}});
 }
 
-inline __mmask16 columns_mask(int64_t n0, int64_t N) {
-  const int64_t valid = std::min<int64_t>(kCols, N - n0);
-  return valid <= 0 ? 0 : valid == kCols ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
-}
+using engine_cpu::bias_of;
+using engine_cpu::columns_mask;
 
 // sums [rows][16] (fp32, row stride 16) of one block, plus the k-pairs from `tail_from` to `pairs`
 // on AVX512-BF16 and the bias, rounded to bf16 (nearest even) into out's block columns
@@ -67,9 +66,7 @@ void finish_block(const float* sums, int rows, const at::BFloat16* x, int64_t x_
                   at::BFloat16* out, int64_t out_stride) {
   const __mmask16 mask = columns_mask(n0, N);
   if (mask == 0) return;
-  __m512 bias_v = _mm512_setzero_ps();
-  if (bias != nullptr)
-    bias_v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16));
+  const __m512 bias_v = bias_of(bias, n0, mask);
   for (int m = 0; m < rows; ++m) {
     __m512 acc = _mm512_add_ps(_mm512_loadu_ps(sums + m * kCols), bias_v);
     for (int64_t p = tail_from; p < pairs; ++p) {
@@ -82,8 +79,6 @@ void finish_block(const float* sums, int rows, const at::BFloat16* x, int64_t x_
   }
 }
 
-// one pass: rows [m0, m0 + rows0 + rows1) of x (rows0 <= 16 in slice 0, rows1 <= 16 in slice 1)
-// over blocks g and g + 1 (nb of them), the C tiles summed over the whole multiple of 32 of K
 // Weights of the next pair of blocks, pulled into L2 a few lines at each tile step while the
 // current pair is multiplied: the first pass over a pair would otherwise wait on memory.
 struct Prefetcher {
@@ -96,6 +91,9 @@ struct Prefetcher {
   }
 };
 
+// one pass: rows [m0, m0 + rows0 + rows1) of x (rows0 <= 16 in slice 0, rows1 <= 16 in slice 1)
+// over blocks g and g + 1 (one of them without kTwoBlocks), the C tiles summed over the whole
+// multiple of 32 of K
 template <bool kTwoSlices, bool kTwoBlocks>
 inline void tile_pass(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w0, const at::BFloat16* w1,
                       int64_t steps, Prefetcher& prefetch, float (*sums)[16 * kCols]) {

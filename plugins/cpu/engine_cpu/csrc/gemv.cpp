@@ -127,16 +127,8 @@ inline void tile_rows_n(int rows, const at::BFloat16* x, int64_t x_stride, const
   }
 }
 
-inline __m512 bias_of(const at::BFloat16* bias, int64_t n0, __mmask16 mask) {
-  if (bias == nullptr) return _mm512_setzero_ps();
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, bias + n0);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline __mmask16 columns_mask(int64_t n0, int64_t N) {
-  const int64_t valid = std::min<int64_t>(kCols, N - n0);
-  return valid == kCols ? 0xffff : static_cast<__mmask16>((1u << valid) - 1);
-}
+using engine_cpu::bias_of;
+using engine_cpu::columns_mask;
 
 // blocks [b0, b1) of the output columns, for all M rows, in passes of up to kTileRows rows (the
 // block's weights stay in L1/L2 between passes)

@@ -233,6 +233,37 @@ def test_plugins_lists_a_broken_autoloaded_plugin_as_failed(factory, capsys):
     assert plugins["cpu"]["loaded"] is True
 
 
+def test_plugins_runs_through_duplicates_and_shows_what_each_plugin_replaced_or_lost(factory, capsys):
+    first = factory.plugin("first", hooks_source(register_kv_tiers='register("dup", "a.b:D")'), dist="first-dist")
+    second = factory.plugin("second", hooks_source(register_kv_tiers='register("dup", "a.b:E")'), dist="second-dist")
+    swap = factory.plugin(
+        "swap", hooks_source(register_kv_tiers='register("cpu", "a.b:C", override=True)'), dist="swap-dist"
+    )
+
+    rc, out, _ = run_engine_plugins(capsys)
+
+    assert rc == 0
+    lines = out.splitlines()
+    reason = (
+        f"The KV tier 'dup' is registered by two plugins, {first!r} (first-dist 1.0) and {second!r} "
+        "(second-dist 1.0), so neither is used. Uninstall one of them, or name the one to use with --plugins."
+    )
+    for name, dist in ((first, "first-dist"), (second, "second-dist")):
+        index = lines.index(f"{name}  ({dist} 1.0, entry_point) loaded with problems")
+        assert lines[index + 1] == f"  skipped: {reason}"
+    index = lines.index(f"{swap}  (swap-dist 1.0, entry_point) loaded")
+    assert lines[index + 2] == "  kv_tiers: cpu (replaces the engine's built-in)"
+    assert f"  kv_tiers: cpu (replaced by plugin {swap!r})" in lines
+    assert "cpu  (engine-cpu" in out and "  platforms: cpu" in out
+
+    rc, out, _ = run_engine_plugins(capsys, "--json")
+    plugins = {p["name"]: p for p in json.loads(out)["plugins"]}
+    assert plugins[first]["problems"] == [reason] and plugins[first]["loaded"] is True
+    assert plugins[swap]["replaced"] == {
+        "kv_tiers": [{"name": "cpu", "plugin": "engine", "target": "engine.kv_tiers.cpu:CpuKVTier"}]
+    }
+
+
 def test_plugins_with_an_unknown_selection_fails_with_one_line(capsys):
     rc, out, err = run_engine_plugins(capsys, "--plugins", "nosuchplugin")
 

@@ -166,17 +166,21 @@ def test_entry_point_name_from_two_distributions_is_an_error_when_requested(fact
     assert "dist-one" in str(excinfo.value) and "dist-two" in str(excinfo.value)
 
 
-def test_entry_point_name_from_two_distributions_warns_when_autoloaded(factory):
+def test_entry_point_name_from_two_distributions_skips_both_when_autoloaded(factory):
     name = factory.name("twice")
-    factory.module(name, hooks_source())
+    factory.module(name, hooks_source(register_kv_tiers='register("twice_tier", "nowhere:Tier")'))
     factory.distribution("dist-one", {name: name})
     factory.distribution("dist-two", {name: name})
 
     with pytest.warns(PluginLoadWarning, match="more than one distribution") as record:
         pm = get_plugin_manager()
     message = str(record[0].message)
-    assert "dist-one" in message and "dist-two" in message
-    assert [info.name for info in pm.plugin_infos].count(name) == 1
+    assert "dist-one" in message and "dist-two" in message and "neither was loaded" in message
+    both = [info for info in pm.plugin_infos if info.name == name]
+    assert sorted(info.distribution for info in both) == ["dist-one", "dist-two"]
+    assert all(not info.loaded and info.error == message for info in both)
+    components = pm.components()  # the others load and register as usual
+    assert "twice_tier" not in components.kv_tiers and "cpu" in components.platforms
 
 
 # -------------------------------------------------------------------------
@@ -259,6 +263,91 @@ def test_typo_hookimpl_in_autoloaded_plugin_warns_and_is_skipped(factory):
     components = pm.components()
     assert "typo_tier" not in components.kv_tiers  # its valid hooks are skipped too
     assert "tier" in components.kv_tiers and "cpu" in components.platforms
+
+
+def test_typo_hook_gets_a_did_you_mean(factory):
+    typo = factory.plugin("typo", TYPO)
+
+    with pytest.raises(PluginLoadError) as excinfo:
+        get_plugin_manager(plugins=typo)
+
+    message = str(excinfo.value)
+    assert message.startswith(
+        f"Plugin {typo!r} (dist-typo-{factory.suffix} 1.0) could not be loaded: "
+        "unknown hook 'register_modles' (did you mean 'register_models'?). Known hooks: "
+    )
+    assert "<module" not in message and ".." not in message and message.endswith(".")
+
+
+def test_import_error_names_the_file_and_line_that_raised_and_how_to_see_the_traceback(factory):
+    source = 'import os\n\n\ndef helper():\n    raise RuntimeError("boom: libfoo.so not found.")\n\n\nhelper()\n'
+    broken = factory.plugin("broken", source, dist="broken-dist", version="0.9")
+    path = factory.root / f"{broken}.py"
+
+    with pytest.raises(PluginLoadError) as excinfo:
+        get_plugin_manager(plugins=broken)
+
+    assert str(excinfo.value) == (
+        f"Plugin {broken!r} (broken-dist 0.9) could not be loaded: import of {broken!r} failed: RuntimeError: "
+        f"boom: libfoo.so not found (raised at {path}:5). Set ENGINE_TRACE_PLUGINS=1 to see the traceback."
+    )
+
+
+def test_a_syntax_error_points_at_its_line(factory):
+    broken = factory.plugin("broken", "x = 1\ndef f(:\n    pass\n")
+    with pytest.raises(PluginLoadError, match=rf"SyntaxError: .*\(raised at .*{broken}\.py:2\)"):
+        get_plugin_manager(plugins=broken)
+
+
+def test_a_missing_dependency_is_told_apart_from_a_missing_entry_point_module(factory):
+    needs = factory.plugin("needs", "import libfoo_that_is_not_installed\n", dist="needs-dist")
+    with pytest.raises(PluginLoadError) as excinfo:
+        get_plugin_manager(plugins=needs)
+    message = str(excinfo.value)
+    assert "ModuleNotFoundError: No module named 'libfoo_that_is_not_installed'" in message
+    assert f"(raised at {factory.root / needs}.py:1)" in message and "does not exist" not in message
+
+
+@pytest.mark.parametrize("autoloaded", [False, True])
+def test_an_entry_point_naming_a_module_that_does_not_exist_says_so(factory, autoloaded):
+    name = factory.name("ghost")
+    factory.distribution("ghost-dist", {name: f"{name}_pkg.hooks"})
+    if autoloaded:
+        with pytest.warns(PluginLoadWarning) as record:
+            pm = get_plugin_manager()
+        message = str(record[0].message)
+        assert pm.info_for(name).loaded is False and "cpu" in pm.components().platforms
+    else:
+        with pytest.raises(PluginLoadError) as excinfo:
+            get_plugin_manager(plugins=name)
+        message = str(excinfo.value)
+    assert (
+        f"entry point {name!r} of distribution 'ghost-dist' names module '{name}_pkg.hooks', which does not "
+        f"exist (no module '{name}_pkg'). Reinstall the distribution, or fix the module path in its entry points."
+    ) in message
+    assert ".." not in message
+
+
+def test_an_entry_point_naming_a_missing_attribute_says_so(factory):
+    name = factory.name("attr")
+    factory.module(name, "x = 1\n")
+    factory.distribution("attr-dist", {name: f"{name}:hooks"})
+    with pytest.raises(PluginLoadError) as excinfo:
+        get_plugin_manager(plugins=name)
+    assert (
+        f"entry point {name!r} of distribution 'attr-dist' names '{name}:hooks', but module {name!r} has no "
+        "attribute 'hooks'."
+    ) in str(excinfo.value)
+
+
+def test_tracing_logs_the_traceback_of_a_failing_plugin(factory, monkeypatch, caplog):
+    factory.plugin("broken", 'def deep():\n    raise RuntimeError("deep failure")\n\n\ndeep()\n')
+    monkeypatch.setenv("ENGINE_TRACE_PLUGINS", "1")
+    with caplog.at_level(logging.INFO, logger="engine.plugins"), pytest.warns(PluginLoadWarning):
+        get_plugin_manager()
+    (record,) = [r for r in caplog.records if "traceback of its failure" in r.getMessage()]
+    text = record.getMessage()
+    assert "Traceback (most recent call last)" in text and "in deep" in text and "RuntimeError: deep failure" in text
 
 
 # -------------------------------------------------------------------------

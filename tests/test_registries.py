@@ -15,7 +15,7 @@ from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionBackend, A
 from engine.interfaces.kv_tier import KVTier
 from engine.interfaces.platform import Availability, MemoryInfo, Platform
 from engine.plugins.components import KINDS, Components
-from engine.plugins.manager import get_plugin_manager
+from engine.plugins.manager import PluginLoadWarning, get_plugin_manager
 from engine.plugins.registry import ComponentError, Registry
 from engine.selection import SelectionError, select_attention_backend, select_platform
 
@@ -310,6 +310,67 @@ def test_override_in_the_earlier_plugin_does_not_help(factory):
         get_plugin_manager(plugins=[first, second]).components()
 
 
+def test_duplicate_name_among_autoloaded_plugins_skips_both_and_names_them(factory):
+    first = dup_plugin(factory, "first", "first-dist", override=False)
+    second = dup_plugin(factory, "second", "second-dist", override=False)
+    pm = get_plugin_manager()
+
+    with pytest.warns(PluginLoadWarning) as record:
+        components = pm.components()
+
+    reason = (
+        f"The KV tier 'dup' is registered by two plugins, {first!r} (first-dist 1.0) and {second!r} "
+        "(second-dist 1.0), so neither is used. Uninstall one of them, or name the one to use with --plugins."
+    )
+    assert [str(w.message) for w in record if issubclass(w.category, PluginLoadWarning)] == [reason, reason]
+    with pytest.raises(ComponentError) as excinfo:
+        components.kv_tiers.get("dup")
+    assert str(excinfo.value) == reason
+    assert pm.info_for(first).problems == [reason] and pm.info_for(second).problems == [reason]
+    assert pm.info_for(first).components == {"kv_tiers": []}
+    assert "cpu" in components.platforms and "LlamaForCausalLM" in components.models  # the rest is untouched
+
+
+def test_a_third_autoloaded_plugin_does_not_take_a_withdrawn_name(factory):
+    names = [dup_plugin(factory, base, f"{base}-dist", override=False) for base in ("first", "second", "third")]
+    pm = get_plugin_manager()
+    with pytest.warns(PluginLoadWarning):
+        components = pm.components()
+    assert "dup" not in components.kv_tiers
+    assert "neither is used" in pm.info_for(names[2]).problems[0]
+
+
+def test_a_plugin_asked_for_wins_a_duplicate_over_an_autoloaded_one(factory):
+    first = dup_plugin(factory, "first", "first-dist", override=False)
+    second = dup_plugin(factory, "second", "second-dist", override=False)
+    pm = get_plugin_manager(plugins=[second], autoload=True)
+
+    with pytest.warns(PluginLoadWarning, match="which was asked for, registers it too"):
+        components = pm.components()
+
+    assert components.kv_tiers.entry("dup").plugin == second
+    assert pm.info_for(second).components == {"kv_tiers": ["dup"]} and not pm.info_for(second).problems
+    assert pm.info_for(first).components == {"kv_tiers": []} and pm.info_for(first).problems
+
+
+def test_an_autoloaded_plugin_whose_hook_raises_is_skipped_with_what_it_registered(factory):
+    body = 'register("half", "x.y:H")\nraise RuntimeError("no licence file.")'
+    broken = factory.plugin("broken", hooks_source(register_kv_tiers=body, register_models='register("M", "x.y:M")'))
+    pm = get_plugin_manager()
+
+    with pytest.warns(PluginLoadWarning) as record:
+        components = pm.components()
+
+    (message,) = [str(w.message) for w in record if issubclass(w.category, PluginLoadWarning)]
+    assert message == (
+        f"Plugin {broken!r} (dist-broken-{factory.suffix} 1.0) failed in register_kv_tiers: RuntimeError: "
+        "no licence file; nothing it registered there is used."
+    )
+    assert "half" not in components.kv_tiers  # rolled back
+    assert components.models.entry("M").plugin == broken  # its other hooks still count
+    assert pm.info_for(broken).problems == [message]
+
+
 # -------------------------------------------------------------------------
 # names and module:Class references
 # -------------------------------------------------------------------------
@@ -330,7 +391,7 @@ def test_unknown_name_lists_available_names_and_the_qualname_hint():
 
 def test_unknown_name_in_the_real_registries(factory):
     tiers = factory.plugin(
-        "tiers", hooks_source(register_kv_tiers='register("disk", "x.y:D")\nregister("cpu", "x.y:C")')
+        "tiers", hooks_source(register_kv_tiers='register("disk", "x.y:D")\nregister("cpu", "x.y:C", override=True)')
     )
     components = get_plugin_manager(plugins=["cpu", tiers]).components()
 
@@ -354,10 +415,44 @@ def test_unknown_name_with_no_plugin_lists_only_the_built_ins(kind):
     )
 
 
-def test_a_plugin_may_replace_a_built_in_component(factory):
-    tiers = factory.plugin("tiers", hooks_source(register_kv_tiers='register("cpu", "x.y:C")'))
-    entry = get_plugin_manager(plugins=[tiers]).components().kv_tiers.entry("cpu")
+def test_a_plugin_may_replace_a_built_in_component_with_override(factory, caplog):
+    tiers = factory.plugin("tiers", hooks_source(register_kv_tiers='register("cpu", "x.y:C", override=True)'))
+    pm = get_plugin_manager(plugins=[tiers])
+    with caplog.at_level(logging.INFO, logger="engine.plugins"):
+        entry = pm.components().kv_tiers.entry("cpu")
     assert (entry.plugin, entry.target) == (tiers, "x.y:C")
+    assert pm.info_for(tiers).replaced == {
+        "kv_tiers": [{"name": "cpu", "plugin": "engine", "target": "engine.kv_tiers.cpu:CpuKVTier"}]
+    }
+    assert (
+        f"Plugin {tiers!r} (dist-tiers-{factory.suffix} 1.0) replaces the engine's built-in KV tier 'cpu'"
+        in caplog.text
+    )
+
+
+def test_replacing_a_built_in_without_override_is_an_error_when_asked_for(factory):
+    tiers = factory.plugin("tiers", hooks_source(register_kv_tiers='register("cpu", "x.y:C")'))
+    with pytest.raises(ComponentError) as excinfo:
+        get_plugin_manager(plugins=[tiers]).components()
+    assert str(excinfo.value) == (
+        f"Plugin {tiers!r} (distribution dist-tiers-{factory.suffix} 1.0) registers the KV tier 'cpu', which is "
+        "built into the engine (engine.kv_tiers.cpu:CpuKVTier). Register it with override=True to replace the "
+        "built-in one, or choose another name."
+    )
+
+
+def test_replacing_a_built_in_without_override_is_skipped_when_autoloaded(factory):
+    tiers = factory.plugin(
+        "tiers", hooks_source(register_kv_tiers='register("cpu", "x.y:C")\nregister("mine", "x.y:M")')
+    )
+    pm = get_plugin_manager()
+    with pytest.warns(PluginLoadWarning, match="built into the engine"):
+        components = pm.components()
+    assert components.kv_tiers.entry("cpu").plugin == "engine"  # the built-in stays
+    assert components.kv_tiers.entry("mine").plugin == tiers  # the rest of the plugin is used
+    info = pm.info_for(tiers)
+    assert info.state == "loaded with problems" and "override=True" in info.problems[0]
+    assert info.components == {"kv_tiers": ["mine"]}
 
 
 @pytest.mark.parametrize("name, target", [("", "a.b:C"), (None, "a.b:C"), ("x", "not a qualname"), ("x", 42)])

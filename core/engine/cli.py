@@ -291,17 +291,28 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print("No plugins loaded.")
     for info in pm.plugin_infos:
         where = f"{info.distribution} {info.version}" if info.distribution else f"module {info.module}"
-        status = "loaded" if info.loaded else "FAILED"
-        print(f"{info.name}  ({where}, {info.source}) {status}")
+        print(f"{info.name}  ({where}, {info.source}) {info.state}")
         if info.error:
             print(f"  error: {info.error}")
+        for problem in info.problems:
+            print(f"  skipped: {problem}")
         if info.hooks:
             print(f"  hooks: {', '.join(info.hooks)}")
-        for kind, names in info.components.items():
-            if names:
-                print(f"  {kind}: {', '.join(names)}")
+        for kind in [kind.attr for kind in KINDS]:
+            names = info.components.get(kind, [])
+            replaced = [
+                f"{r['name']} (replaces the engine's built-in)"
+                if r["plugin"] == "engine"
+                else f"{r['name']} (replaces plugin {r['plugin']!r}'s)"
+                for r in info.replaced.get(kind, [])
+            ]
+            if names or replaced:
+                print(f"  {kind}: {', '.join([*names, *replaced])}")
+    replaced_built_ins = {(r.kind, r.name): r.plugin for r in components.replacements if r.previous.plugin == "engine"}
     built_in = {
-        kind: [e["name"] for e in entries if e["plugin"] == "engine"] for kind, entries in report["components"].items()
+        kind: [e["name"] for e in entries if e["plugin"] == "engine"]
+        + [f"{name} (replaced by plugin {plugin!r})" for (k, name), plugin in replaced_built_ins.items() if k == kind]
+        for kind, entries in report["components"].items()
     }
     if any(built_in.values()):
         print("built into the engine:")

@@ -18,3 +18,8 @@ class PluginVersionWarning(UserWarning):
 
 class PluginLoadWarning(UserWarning):
     """An autoloaded plugin failed; the others were loaded."""
+
+
+def clause(text: str) -> str:
+    """``text`` without its closing full stop, to continue it in a longer sentence."""
+    return text.rstrip().rstrip(".")

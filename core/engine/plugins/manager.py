@@ -6,20 +6,23 @@ entry-point group or from dotted module paths named in the selection.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata as md
 import importlib.util
 import logging
 import os
+import traceback
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable
 
 import pluggy
 
 from engine import hookspecs
 from engine.plugins.components import Components
-from engine.plugins.errors import PluginLoadError, PluginLoadWarning, PluginVersionWarning
+from engine.plugins.errors import PluginLoadError, PluginLoadWarning, PluginVersionWarning, clause
 from engine.plugins.tracing import enable_tracing
 
 logger = logging.getLogger("engine.plugins")
@@ -55,6 +58,9 @@ class PluginInfo:
     error: str | None = None
     hooks: list[str] = field(default_factory=list)
     components: dict[str, list[str]] = field(default_factory=dict)
+    # kind -> the components it replaced with override=True: {"name", "plugin" and "target" it replaced}
+    replaced: dict[str, list[dict[str, str]]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # what of it was skipped (a failing hook, a duplicate)
 
     @property
     def distribution_label(self) -> str:
@@ -74,7 +80,16 @@ class PluginInfo:
             "error": self.error,
             "hooks": list(self.hooks),
             "components": {k: list(v) for k, v in self.components.items()},
+            "replaced": {k: [dict(r) for r in v] for k, v in self.replaced.items()},
+            "problems": list(self.problems),
         }
+
+    @property
+    def state(self) -> str:
+        """ "loaded", "loaded with problems" (something of it was skipped) or "FAILED"."""
+        if not self.loaded:
+            return "FAILED"
+        return "loaded with problems" if self.problems else "loaded"
 
 
 class EnginePluginManager(pluggy.PluginManager):
@@ -106,12 +121,27 @@ class EnginePluginManager(pluggy.PluginManager):
     def load_errors(self) -> list[PluginInfo]:
         return [info for info in self.plugin_infos if info.error]
 
+    def autoloaded(self, name: str) -> bool:
+        """Whether plugin ``name`` was loaded without being asked for (its failures are warnings)."""
+        info = self.info_for(name)
+        return info is not None and not info.requested
+
     def components(self) -> Components:
         """Call every registration hook once and return the filled registries."""
         if self._components is None:
-            components = Components.from_plugin_manager(self, self.distribution_label)
+            components = Components.from_plugin_manager(self, self.distribution_label, self.autoloaded)
             for info in self.plugin_infos:
                 info.components = components.added_by.get(info.name, {})
+                info.problems.extend(components.problems.get(info.name, []))
+                for replacement in components.replacements:
+                    if replacement.plugin == info.name:
+                        info.replaced.setdefault(replacement.kind, []).append(
+                            {
+                                "name": replacement.name,
+                                "plugin": replacement.previous.plugin,
+                                "target": replacement.previous.target_repr,
+                            }
+                        )
             self._components = components
         return self._components
 
@@ -157,18 +187,46 @@ def get_plugin_manager(
     for name in selection or []:
         _load_requested(pm, name, entry_points)
     if autoload:
-        for ep in entry_points:
-            existing = pm.info_for(ep.name)
-            if existing is None:
-                _load_entry_point(pm, ep, requested=False)
-            elif existing.source == "entry_point" and existing.distribution != _dist_name(ep):
-                message = (
-                    f"Plugin {ep.name!r} is provided by more than one distribution: {existing.distribution} "
-                    f"and {_dist_name(ep)}; the second was skipped. Uninstall one of them."
-                )
-                warnings.warn(message, PluginLoadWarning, stacklevel=2)
-                logger.warning(message)
+        for name, group in _by_name(entry_points).items():
+            if pm.info_for(name) is not None:
+                continue  # asked for by name, or a module path of the same name
+            if len(group) == 1:
+                _load_entry_point(pm, group[0], requested=False)
+            else:
+                _skip_duplicate_entry_points(pm, name, group)
     return pm
+
+
+def _by_name(entry_points: list[md.EntryPoint]) -> dict[str, list[md.EntryPoint]]:
+    """Entry points by name, one per distribution (a distribution seen twice on the path counts once)."""
+    groups: dict[str, list[md.EntryPoint]] = {}
+    for ep in entry_points:
+        group = groups.setdefault(ep.name, [])
+        if all(_dist_name(other) != _dist_name(ep) for other in group):
+            group.append(ep)
+    return groups
+
+
+def _skip_duplicate_entry_points(pm: EnginePluginManager, name: str, group: list[md.EntryPoint]) -> None:
+    """Two distributions provide plugin ``name``: neither is loaded, and both are listed."""
+    dists = " and ".join(_dist_name(ep) or "?" for ep in group)
+    message = (
+        f"Plugin {name!r} is provided by more than one distribution: {dists}; neither was loaded. "
+        f"Uninstall one of them."
+    )
+    for ep in group:
+        dist = getattr(ep, "dist", None)
+        info = PluginInfo(
+            name=name,
+            source="entry_point",
+            module=ep.value,
+            distribution=_dist_name(ep),
+            version=dist.version if dist is not None else None,
+            error=message,
+        )
+        pm.plugin_infos.append(info)
+    warnings.warn(message, PluginLoadWarning, stacklevel=3)
+    logger.warning(message)
 
 
 def _discover() -> list[md.EntryPoint]:
@@ -229,9 +287,51 @@ def _load_entry_point(pm: EnginePluginManager, ep: md.EntryPoint, *, requested: 
     try:
         plugin = ep.load()
     except Exception as exc:  # any import-time failure of third-party code
-        _fail(info, f"import of {ep.value!r} failed: {type(exc).__name__}: {exc}", exc)
+        _fail(pm, info, _entry_point_failure(ep, info.distribution, exc), exc)
         return
     _register(pm, info, plugin)
+
+
+def _entry_point_failure(ep: md.EntryPoint, distribution: str | None, exc: BaseException) -> str:
+    """Why ``ep.load()`` raised ``exc``: a module or attribute the entry point names that does
+    not exist, or an error inside the plugin's code, with the file and line that raised it."""
+    named_by = f"entry point {ep.name!r} of distribution {distribution!r}"
+    if isinstance(exc, ModuleNotFoundError) and exc.name and _is_same_or_parent(exc.name, ep.module):
+        return (
+            f"{named_by} names module {ep.module!r}, which does not exist (no module {exc.name!r}). "
+            f"Reinstall the distribution, or fix the module path in its entry points"
+        )
+    if isinstance(exc, AttributeError) and ep.attr and _module_exists(ep.module):
+        module = importlib.import_module(ep.module)
+        if not hasattr(module, ep.attr.split(".")[0]):
+            return f"{named_by} names {ep.value!r}, but module {ep.module!r} has no attribute {ep.attr!r}"
+    return f"import of {ep.value!r} failed: {_described(exc)}"
+
+
+def _is_same_or_parent(name: str, module: str) -> bool:
+    return module == name or module.startswith(name + ".")
+
+
+def _described(exc: BaseException) -> str:
+    """``Type: message (raised at file:line)`` and where to find the traceback."""
+    where = _raised_at(exc)
+    at = f" (raised at {where})" if where else ""
+    return f"{type(exc).__name__}: {clause(str(exc))}{at}. Set {TRACE_ENV}=1 to see the traceback"
+
+
+def _raised_at(exc: BaseException) -> str | None:
+    """``file:line`` of the frame that raised ``exc``, past the import machinery's own frames
+    (a syntax error: the line it points at)."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename}:{exc.lineno}"
+    machinery = str(Path(importlib.__file__).parent)
+    where = None
+    for frame, line in traceback.walk_tb(exc.__traceback__):
+        filename = frame.f_code.co_filename
+        if filename.startswith("<frozen ") or filename.startswith(machinery) or filename == __file__:
+            continue
+        where = f"{filename}:{line}"
+    return where
 
 
 def _check_engine_range(info: PluginInfo, dist: md.Distribution) -> None:
@@ -264,7 +364,11 @@ def _load_module(pm: EnginePluginManager, module_path: str) -> None:
     try:
         plugin = importlib.import_module(module_path)
     except Exception as exc:
-        _fail(info, f"import of module {module_path!r} failed: {type(exc).__name__}: {exc}", exc)
+        if isinstance(exc, ModuleNotFoundError) and exc.name and _is_same_or_parent(exc.name, module_path):
+            reason = f"module {module_path!r} does not exist (ModuleNotFoundError: no module {exc.name!r})"
+        else:
+            reason = f"import of module {module_path!r} failed: {_described(exc)}"
+        _fail(pm, info, reason, exc)
         return
     _register(pm, info, plugin)
 
@@ -273,30 +377,44 @@ def _register(pm: EnginePluginManager, info: PluginInfo, plugin: Any) -> None:
     try:
         pm.register(plugin, name=info.name)
     except ValueError as exc:  # the same object or name registered twice
-        _fail(info, f"registration failed: {exc}", exc)
+        _fail(pm, info, f"registration failed: {exc}", exc)
+        return
+    except pluggy.PluginValidationError as exc:  # a hook implemented with arguments its spec lacks
+        _fail(pm, info, f"registration failed: {exc}", exc)
         return
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
+        unknown = sorted(caller.name for caller in pm.get_hookcallers(plugin) or [] if not caller.has_spec())
         pm.unregister(plugin)
-        known = ", ".join(
-            sorted(name for name in dir(pm.hook) if name.startswith("register_") and getattr(pm.hook, name).has_spec())
-        )
-        _fail(info, f"{exc} Known hooks: {known}.", exc)
+        _fail(pm, info, _unknown_hooks_message(pm, unknown), exc)
         return
     except Exception as exc:
         pm.unregister(plugin)
-        _fail(info, f"validation failed: {exc}", exc)
+        _fail(pm, info, f"validation failed: {exc}", exc)
         return
     info.loaded = True
     info.hooks = sorted(caller.name for caller in pm.get_hookcallers(plugin) or [])
 
 
-def _fail(info: PluginInfo, reason: str, cause: BaseException) -> None:
+def _unknown_hooks_message(pm: EnginePluginManager, unknown: list[str]) -> str:
+    """``unknown hook 'register_modles' (did you mean 'register_models'?). Known hooks: ...``"""
+    known = sorted(name for name in dir(pm.hook) if name.startswith("register_") and getattr(pm.hook, name).has_spec())
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=1)
+        parts.append(f"unknown hook {name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"{', '.join(parts)}. Known hooks: {', '.join(known)}"
+
+
+def _fail(pm: EnginePluginManager, info: PluginInfo, reason: str, cause: BaseException) -> None:
+    reason = clause(reason)
     info.error = reason
     who = f"Plugin {info.name!r} ({info.distribution_label})"
+    if pm.trace_enabled:
+        logger.warning("%s: traceback of its failure\n%s", who, "".join(traceback.format_exception(cause)).rstrip())
     if info.requested:
-        raise PluginLoadError(f"{who} could not be loaded: {reason}") from cause
+        raise PluginLoadError(f"{who} could not be loaded: {reason}.") from cause
     message = f"{who} failed to load and was skipped: {reason}. Run `engine plugins` for details."
     warnings.warn(message, PluginLoadWarning, stacklevel=4)
     logger.warning(message)

@@ -25,6 +25,14 @@ class ComponentError(LookupError):
     """An unknown, duplicate or unusable component name."""
 
 
+class DuplicateComponentError(ComponentError):
+    """A name registered a second time without ``override=True``; ``previous`` holds it."""
+
+    def __init__(self, message: str, previous: RegistryEntry) -> None:
+        super().__init__(message)
+        self.previous = previous
+
+
 BUILT_IN = "engine"  # the plugin name of components the engine itself provides
 
 
@@ -56,8 +64,14 @@ class Registry(Generic[T]):
         self.option = option
         self._entries: dict[str, RegistryEntry] = {}
         self._resolved: dict[str, type[T]] = {}
+        self._withdrawn: dict[str, str] = {}  # name -> why no component holds it (a conflict)
 
-    def add(self, name: str, target: Any, *, plugin: str, distribution: str, override: bool = False) -> None:
+    def add(
+        self, name: str, target: Any, *, plugin: str, distribution: str, override: bool = False
+    ) -> RegistryEntry | None:
+        """Register ``target`` under ``name``; returns the entry it replaced (``override=True``),
+        or None. A name taken by another plugin or built into the engine is a
+        :class:`DuplicateComponentError` unless ``override`` is set."""
         if not isinstance(name, str) or not name:
             raise ComponentError(f"A {self.kind} must be registered under a non-empty string name, got {name!r}.")
         if not (isinstance(target, type) or (isinstance(target, str) and is_qualname(target))):
@@ -66,17 +80,43 @@ class Registry(Generic[T]):
                 f"'module.path:ClassName' string, got {target!r}."
             )
         previous = self._entries.get(name)
-        if previous is not None and previous.plugin == BUILT_IN and plugin != BUILT_IN:
-            override = True  # a plugin may replace what the engine ships under the same name
         if previous is not None and not override:
-            raise ComponentError(
+            if previous.plugin == BUILT_IN:
+                raise DuplicateComponentError(
+                    f"Plugin {plugin!r} (distribution {distribution}) registers the {self.kind} {name!r}, "
+                    f"which is built into the engine ({previous.target_repr}). Register it with "
+                    f"override=True to replace the built-in one, or choose another name.",
+                    previous,
+                )
+            raise DuplicateComponentError(
                 f"Duplicate {self.kind} {name!r}: registered by plugin {previous.plugin!r} "
                 f"(distribution {previous.distribution}) and by plugin {plugin!r} "
                 f"(distribution {distribution}). Uninstall one, or have the later plugin "
-                f"register it with override=True."
+                f"register it with override=True.",
+                previous,
             )
         self._entries[name] = RegistryEntry(name, target, plugin, distribution)
         self._resolved.pop(name, None)
+        self._withdrawn.pop(name, None)
+        return previous
+
+    def withdraw(self, name: str, reason: str) -> None:
+        """Take ``name`` out of the registry; looking it up then raises ``reason``."""
+        self._entries.pop(name, None)
+        self._resolved.pop(name, None)
+        self._withdrawn[name] = reason
+
+    def withdrawn(self, name: str) -> str | None:
+        """Why ``name`` was taken out (:meth:`withdraw`), or None."""
+        return self._withdrawn.get(name)
+
+    def snapshot(self) -> tuple[dict[str, RegistryEntry], dict[str, str]]:
+        return dict(self._entries), dict(self._withdrawn)
+
+    def restore(self, snapshot: tuple[dict[str, RegistryEntry], dict[str, str]]) -> None:
+        """Undo every change since :meth:`snapshot` returned ``snapshot``."""
+        self._entries, self._withdrawn = dict(snapshot[0]), dict(snapshot[1])
+        self._resolved.clear()
 
     def names(self) -> list[str]:
         return sorted(self._entries)
@@ -97,6 +137,8 @@ class Registry(Generic[T]):
             raise ComponentError(self.unknown_message(name)) from None
 
     def unknown_message(self, name: str) -> str:
+        if name in self._withdrawn:
+            return self._withdrawn[name]
         available = ", ".join(self.names()) or "none"
         return (
             f"Unknown {self.kind} {name!r}. Available: {available}. "

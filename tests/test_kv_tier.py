@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import random
 import sys
 import textwrap
@@ -57,6 +58,15 @@ def test_cpu_tier_evicts_least_recently_used_at_capacity():
     tier.store(keys[3:4], [block(3)])  # evicts key 1
     assert [tier.lookup([k]) for k in keys[:4]] == [1, 0, 1, 1]
     assert tier.stats().evicted_blocks == 1 and tier.stats().extra["blocks"] == 3
+
+
+def test_cpu_tier_counts_a_lookup_hit_as_a_use():
+    tier = CpuKVTier(SPEC, {"capacity_gb": 3 * 1024 / 2**30})  # three blocks
+    keys = [bytes([i]) * 16 for i in range(5)]
+    tier.store(keys[:3], [block(i) for i in range(3)])
+    assert tier.lookup([keys[0], keys[3]]) == 1  # key 0 found (a use); the lookup stops at key 3
+    tier.store(keys[3:4], [block(3)])  # evicts key 1, the least recently used
+    assert [tier.lookup([k]) for k in keys[:4]] == [1, 0, 1, 1]
 
 
 def test_cpu_tier_refuses_a_block_of_another_shape_and_is_closed_for_good():
@@ -176,6 +186,47 @@ def test_partial_loads_fall_back_to_recompute_with_identical_outputs(checkpoint,
     # each load returned its first block and failed the second: one block per prompt came back
     assert stats.prefetched_blocks >= 5 and stats.prefetch_failures >= 5
     sys.modules.pop("flaky_tier_module", None)
+
+
+RAISING_TIER = textwrap.dedent('''
+    from concurrent.futures import Future
+    from engine.kv_tiers.cpu import CpuKVTier
+
+    class RaisingTier(CpuKVTier):
+        """Breaks in every way a tier can: lookups and loads raise, and every other store
+        raises in the call or fails its future."""
+        name = "raising"
+        calls = 0
+
+        def lookup(self, keys):
+            raise OSError("lookup: device gone")
+
+        def store(self, keys, blocks):
+            RaisingTier.calls += 1
+            if RaisingTier.calls % 2:
+                raise OSError("store: device gone")
+            future = Future()
+            future.set_exception(OSError("store future: device gone"))
+            return future
+''')
+
+
+def test_a_tier_that_raises_costs_a_recompute_never_a_request(checkpoint, tmp_path, monkeypatch, caplog):
+    (tmp_path / "raising_tier_module.py").write_text(RAISING_TIER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    batch = prompts()
+    reference = tokens(LLM(checkpoint, plugins=["cpu", "llama"], dtype="float32", progress=False), batch)
+    llm = make_llm(checkpoint, bytes_per_block=bytes_per_block(checkpoint), kv_tier="raising_tier_module:RaisingTier")
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        first = [tokens(llm, [p])[0] for p in batch]
+        again = [tokens(llm, [p])[0] for p in batch]
+    assert first == reference and again == reference
+    messages = [r.getMessage() for r in caplog.records]
+    for what in ("a lookup", "a store"):
+        assert any(f"KV tier 'raising' failed {what} of" in m for m in messages), what
+    assert any("OSError: store future: device gone" in m for m in messages)
+    assert llm.engine.kv_tier.stats.prefetched_blocks == 0
+    sys.modules.pop("raising_tier_module", None)
 
 
 def test_tier_selection_errors_are_clear(checkpoint):

@@ -63,6 +63,28 @@ class KVTierSpec:
 class KVTierStats:
     """Counters since the tier opened (blocks, bytes, seconds), and a tier's own figures.
 
+    The counters count blocks one at a time (and their bytes and seconds), and only grow
+    while the tier is open (a persistent tier starts again from zero when it reopens):
+
+    - ``hits``: blocks found by :meth:`KVTier.lookup`: each lookup adds the count it returns.
+    - ``misses``: lookups that stopped short of their keys: each adds 1 (its first missing
+      block; a lookup looks no further), a lookup that found every key adds 0. Loads count
+      in neither ``hits`` nor ``misses``.
+    - ``stored_blocks``: blocks a store returned ``True`` for, a key the tier held already
+      included; ``store_failures``: blocks a store returned ``False`` for (a block of another
+      dtype or size, a full disk, ...). Once a store's future is done, its blocks are in one
+      of the two: their sum is every block offered.
+    - ``loaded_blocks``: blocks a load returned ``True`` for; ``load_failures``: blocks a load
+      returned ``False`` for (never stored, evicted since lookup, corrupt, ...). Once a load's
+      future is done, their sum is every block asked for.
+    - ``evicted_blocks``: blocks the tier dropped to stay within its capacity (not the ones
+      lost to faults, which are a tier's own ``extra_counters``).
+    - ``bytes_written``: ``spec.block_bytes`` per block the tier wrote (a key it held already
+      and kept writes none); ``bytes_read``: ``spec.block_bytes`` per block loaded. Canonical
+      block bytes, whatever the tier's own encoding or overhead.
+    - ``store_seconds``, ``load_seconds``: the time stores and loads took, summed, whether in
+      the calling thread or in the tier's own.
+
     ``extra_counters`` are what a tier counts beyond the fields here (named in snake_case, e.g.
     ``corrupt_blocks``): each only grows while the tier is open, and the server shows each on
     /metrics as the counter ``engine_kv_tier_<name>_total`` labelled with the tier's name.
@@ -70,14 +92,14 @@ class KVTierStats:
     """
 
     hits: int = 0  # blocks found by lookup
-    misses: int = 0  # blocks looked up and not found (lookup stops at the first)
-    stored_blocks: int = 0
-    loaded_blocks: int = 0
-    evicted_blocks: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    store_failures: int = 0  # blocks a store could not keep (disk full, read-only, ...)
-    load_failures: int = 0  # blocks a load could not return (evicted since lookup, corrupt, ...)
+    misses: int = 0  # lookups that stopped short (one each: lookup stops at the first missing block)
+    stored_blocks: int = 0  # blocks stores returned True for (keys already held included)
+    loaded_blocks: int = 0  # blocks loads returned True for
+    evicted_blocks: int = 0  # blocks dropped to stay within capacity
+    bytes_written: int = 0  # block_bytes per block written (none for a key already held)
+    bytes_read: int = 0  # block_bytes per block loaded
+    store_failures: int = 0  # blocks stores returned False for (wrong dtype or size, disk full, read-only, ...)
+    load_failures: int = 0  # blocks loads returned False for (never stored, evicted since lookup, corrupt, ...)
     store_seconds: float = 0.0  # summed time of completed stores
     load_seconds: float = 0.0  # summed time of completed loads
     extra: dict[str, float] = field(default_factory=dict)  # tier-specific figures (may go up and down)
@@ -93,16 +115,44 @@ class KVTier(ABC):
     Constructed as ``cls(spec, config)``: ``config`` is the user's
     ``--kv-tier-config`` (a JSON object) and a tier raises ``ValueError`` naming
     the key at fault for anything it cannot use, so a bad configuration stops the
-    engine at start-up. ``store`` and ``load`` return futures of per-block success
-    flags; a partial load is normal and the engine recomputes the rest. Methods may
-    be called from the engine's thread while earlier futures are still running.
+    engine at start-up. A tier with a capacity takes it as ``capacity_gb``, in GiB
+    (2**30 bytes), as the built-in tiers do.
+
+    Threads: the engine calls :meth:`lookup`, :meth:`store`, :meth:`load` and
+    :meth:`close` from its one engine thread, one call at a time, while the futures
+    of earlier stores may still be running; :meth:`stats` from any thread at any time
+    (the server reads it when /metrics is scraped), after :meth:`close` too. A tier is
+    nonetheless safe for calls of every method from several threads at once (the kit
+    stores from four threads together).
+
+    Futures: :meth:`store` and :meth:`load` return futures of one flag per block, in
+    order; only ``True`` is success. A future may be complete on return (the ``cpu``
+    tier's always are). The engine waits on a load's future at once, and loads the
+    leading run of ``True`` blocks (a partial load is normal: it recomputes from the
+    first failed block); a load that raises, in the call or in its future, costs a
+    recompute of all its blocks and a warning in the log. The engine never waits on a
+    store's future, so its outcome is seen only in :meth:`stats`: a store reports the
+    blocks it could not keep as ``False`` rather than raising. A lookup or store that
+    raises anyway (in the call, or a store's future) is logged as a warning and costs
+    the offer or a recompute, never a request.
+
+    Capabilities (class attributes):
 
     - ``persistent``: blocks survive :meth:`close` and reopening with the same
       spec digest (and never appear under another digest).
+    - ``eviction``: which blocks go first when a store needs room. ``"lru"``: the
+      least recently used, where a block is used when it is stored (a key the tier
+      holds already included), found by a lookup (each of the leading blocks it
+      counts) or returned by a load; blocks stored by one call may be used and
+      evicted together (the ``disk`` tier keeps them in one segment). ``"fifo"``: the
+      first stored, whatever their use. Any other string names a tier's own policy
+      (``"lfu"``, ``"random"``, ...). The kit checks ``"lru"`` and ``"fifo"``
+      exactly and every policy against the capacity.
     """
 
     name: ClassVar[str]
     persistent: ClassVar[bool] = False
+    eviction: ClassVar[str] = "lru"
 
     def __init__(self, spec: KVTierSpec, config: Mapping[str, Any]) -> None:
         self.spec = spec
@@ -110,13 +160,15 @@ class KVTier(ABC):
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are present (a hint: a later load may still miss)."""
+        """How many leading ``keys`` are present (a hint: a later load may still miss).
+        Counts ``hits`` and ``misses`` (see :class:`KVTierStats`)."""
 
     @abstractmethod
     def store(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> Future[list[bool]]:
         """Keep copies of ``blocks`` (canonical layout) under ``keys``, evicting to stay within
         capacity. The tier must not hold on to the given tensors: the engine may reuse them once
-        this call returns."""
+        this call returns. A block of another dtype or number of elements than the spec's is
+        refused (``False``)."""
 
     @abstractmethod
     def load(self, keys: Sequence[bytes], into: Sequence[torch.Tensor]) -> Future[list[bool]]:
@@ -125,12 +177,12 @@ class KVTier(ABC):
 
     @abstractmethod
     def stats(self) -> KVTierStats:
-        """The counters so far. May be called from any thread (the server reads them when
-        /metrics is scraped)."""
+        """The counters so far (a copy). May be called from any thread, and after :meth:`close`."""
 
     @abstractmethod
     def close(self) -> None:
-        """Finish pending stores and release resources; later calls raise ``RuntimeError``."""
+        """Finish pending stores and release resources. Later calls of :meth:`lookup`,
+        :meth:`store` and :meth:`load` raise ``RuntimeError``; a second ``close`` does nothing."""
 
 
 def config_number(config: Mapping[str, Any], key: str, default: float, *, tier: str, minimum: float = 0.0) -> float:

@@ -1,4 +1,5 @@
-"""The built-in ``cpu`` KV tier: blocks kept in host RAM, least recently used evicted first."""
+"""The built-in ``cpu`` KV tier: blocks kept in host RAM, least recently used evicted first
+(a store, a lookup hit or a load uses a block)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class CpuKVTier(KVTier):
 
     name = "cpu"
     persistent = False
+    eviction = "lru"
 
     def __init__(self, spec: KVTierSpec, config: Mapping[str, Any]) -> None:
         super().__init__(spec, config)
@@ -55,6 +57,7 @@ class CpuKVTier(KVTier):
             for key in keys:
                 if key not in self._blocks:
                     break
+                self._blocks.move_to_end(key)  # a hit is a use
                 n += 1
             self._stats.hits += n
             self._stats.misses += int(n < len(keys))

@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -169,8 +171,23 @@ class KVTierConnector:
         if not evicted:
             return
         rows = self.gather([block for block, _ in evicted])
-        self.tier.store([key for _, key in evicted], list(rows))
         self.stats.offered_blocks += len(evicted)
+        try:
+            future = self.tier.store([key for _, key in evicted], list(rows))
+        except Exception as exc:  # a tier's failure loses the offer, never the step
+            self._warn("a store", len(evicted), exc)
+            return
+        future.add_done_callback(functools.partial(self._check_store, len(evicted)))
+
+    def _check_store(self, num_blocks: int, future: Future) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self._warn("a store", num_blocks, exc)
+
+    def _warn(self, what: str, num_blocks: int, exc: BaseException) -> None:
+        logger.warning(
+            "KV tier %r failed %s of %d blocks: %s: %s", self.tier.name, what, num_blocks, type(exc).__name__, exc
+        )
 
     # prefetch
 
@@ -186,7 +203,12 @@ class KVTierConnector:
         if not keys:
             return 0
         start = time.perf_counter()
-        n = min(self.tier.lookup(keys), manager.num_free_blocks - manager.protect(hashes[:hit]))
+        try:
+            found = self.tier.lookup(keys)
+        except Exception as exc:  # a tier's failure costs a recompute, never the request
+            self._warn("a lookup", len(keys), exc)
+            return 0
+        n = min(found, manager.num_free_blocks - manager.protect(hashes[:hit]))
         if n <= 0:
             return 0
         blocks = manager.take_free_blocks(n)
@@ -195,7 +217,7 @@ class KVTierConnector:
         try:
             results = self.tier.load(keys[:n], list(rows)).result()
         except Exception as exc:  # a tier's failure costs a recompute, never the request
-            logger.warning("KV tier %r failed a load of %d blocks: %s: %s", self.tier.name, n, type(exc).__name__, exc)
+            self._warn("a load", n, exc)
             results = [False] * n
         loaded = 0
         while loaded < n and loaded < len(results) and results[loaded] is True:

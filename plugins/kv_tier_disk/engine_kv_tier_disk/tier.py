@@ -78,8 +78,8 @@ class DiskKVTier(KVTier):
     reads from the disk overlap (file reads and the checksum release the GIL); readers never
     queue behind writes.
 
-    Eviction goes by segment: a hit (lookup or load) on a block makes its whole segment the
-    most recently used and stamps the segment file's mtime, so the least-recently-used order
+    Eviction goes by segment: a hit (lookup or load) on a block, or a store of a block it holds,
+    makes its whole segment the most recently used and stamps the segment file's mtime, so the least-recently-used order
     survives a restart, and the least recently used segment is deleted whole. Faults cost
     blocks, never correctness, and never raise: a payload that is damaged fails its load and is
     dropped, and its segment is written anew without it (see the module's docstring); a segment
@@ -91,6 +91,7 @@ class DiskKVTier(KVTier):
 
     name = "disk"
     persistent = True
+    eviction = "lru"  # by segment: a segment's blocks (stored by one call) are used and evicted together
     max_pending_bytes = 2**30  # block copies waiting for a writer thread
     segment_bytes = 16 * 2**20  # a store's blocks are written in segments of at most this many payload bytes
     spare_buffers = 4  # full-segment copy buffers kept for reuse

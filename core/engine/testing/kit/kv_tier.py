@@ -52,10 +52,18 @@ def key(i: int) -> bytes:
 
 
 class KVTierTests(KitTests):
-    """Subclass with ``plugin`` (the providing plugin; ``""`` for the engine's built-in
-    tiers) and ``tier_name``. Override :meth:`config` when the tier needs more than a
-    capacity (a directory, a server address); the kit gives each test its own empty
-    ``directory``."""
+    """Subclass with ``plugin`` and ``tier_name``. Override :meth:`config` when the tier
+    needs more than a capacity (a directory, a server address); the kit gives each test its
+    own empty ``directory``.
+
+    ``plugin``: the entry-point name of the providing plugin, or a dotted module path
+    holding its hook implementations (a plugin not installed: ``"my_tier.plugin"``), or
+    ``""`` for the engine's built-in tiers. ``tier_name``: the name the plugin registers,
+    or a ``module.path:Class`` reference (resolved as ``--kv-tier`` resolves it).
+
+    The exact checks follow the tier's declared capabilities: ``persistent`` (reopening),
+    ``eviction`` (``"lru"`` and ``"fifo"`` orders are checked block by block; every policy
+    against the capacity)."""
 
     registry_name = "kv_tiers"
     tier_name: ClassVar[str | None] = None
@@ -82,11 +90,19 @@ class KVTierTests(KitTests):
     # checks
 
     def test_discoverable(self) -> None:
-        """The plugin registers the tier under its declared name, as an engine KVTier."""
+        """The plugin registers the tier under its declared name (or ``tier_name`` is the
+        tier's ``module.path:Class``), as an engine KVTier declaring its eviction policy."""
         from engine.interfaces.kv_tier import KVTier
+        from engine.plugins.qualname import is_qualname, resolve_qualname
 
+        tier_name = self.required("tier_name")
         cls = self.tier_class()
-        assert issubclass(cls, KVTier) and cls.name == self.tier_name
+        assert isinstance(cls, type) and issubclass(cls, KVTier), f"{tier_name!r} resolves to {cls!r}, not a KVTier"
+        if is_qualname(tier_name):
+            assert cls is resolve_qualname(tier_name), f"{tier_name!r} resolves to {cls!r}"
+        else:
+            assert cls.name == tier_name, f"registered as {tier_name!r}, but its class's name is {cls.name!r}"
+        assert isinstance(cls.eviction, str) and cls.eviction, f"eviction must name a policy, got {cls.eviction!r}"
 
     @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
     def test_byte_exact_round_trip(self, directory: Path, dtype: str) -> None:
@@ -152,6 +168,49 @@ class KVTierTests(KitTests):
                 assert same_bytes(out, random_block(spec, i)), f"block {i} came back with other bytes"
         tier.close()
 
+    def eviction_survivors(self, directory: Path) -> list[int]:
+        """With room for 4 blocks, store blocks 0 to 4 one by one (block 0 goes, whatever the
+        policy), then use block 1 by a lookup, block 2 by a load and block 3 by storing it
+        again, then store block 5: the blocks still held."""
+        import torch
+
+        spec = make_spec()
+        tier = self.open(directory, blocks=4, spec=spec)
+        for i in range(5):
+            assert tier.store([key(i)], [random_block(spec, i)]).result(timeout=60) == [True]
+        assert tier.lookup([key(1)]) == 1, "block 1, one of the 4 newest, was evicted"
+        out = torch.empty(spec.block_numel, dtype=torch.bfloat16)
+        assert tier.load([key(2)], [out]).result(timeout=60) == [True], "block 2, one of the 4 newest, was evicted"
+        assert tier.store([key(3)], [random_block(spec, 3)]).result(timeout=60) == [True]
+        assert tier.store([key(5)], [random_block(spec, 5)]).result(timeout=60) == [True]
+        present = [i for i in range(6) if tier.lookup([key(i)]) == 1]
+        for i in present:
+            assert tier.load([key(i)], [out]).result(timeout=60) == [True], f"lookup found block {i}, load did not"
+            assert same_bytes(out, random_block(spec, i)), f"block {i} came back with other bytes"
+        tier.close()
+        return present
+
+    def test_eviction_order_is_lru(self, directory: Path) -> None:
+        """``eviction = "lru"``: the least recently used block goes first, where a store (of a
+        key held already too), a lookup hit and a load each use a block. Of blocks 0 to 5 in
+        room for 4 (see :meth:`eviction_survivors`), 1, 2 and 3 were used after 4 was stored,
+        so 4 goes when 5 comes."""
+        if self.tier_class().eviction != "lru":
+            capability_skip("eviction = 'lru'")
+        present = self.eviction_survivors(directory)
+        assert present == [1, 2, 3, 5], (
+            f"blocks held {present}; least recently used first evicts 0, then 4 (used before 1, 2 and 3 "
+            f"were used by a lookup, a load and a second store), keeping [1, 2, 3, 5]"
+        )
+
+    def test_eviction_order_is_fifo(self, directory: Path) -> None:
+        """``eviction = "fifo"``: the first stored block goes first, whatever its use: of blocks
+        0 to 5 in room for 4 (see :meth:`eviction_survivors`), 0 and 1 go."""
+        if self.tier_class().eviction != "fifo":
+            capability_skip("eviction = 'fifo'")
+        present = self.eviction_survivors(directory)
+        assert present == [2, 3, 4, 5], f"blocks held {present}; first stored first evicted keeps [2, 3, 4, 5]"
+
     def test_concurrent_stores(self, directory: Path) -> None:
         """Stores from several threads at once all land, each under its own key."""
         import torch
@@ -179,24 +238,80 @@ class KVTierTests(KitTests):
         tier.close()
 
     def test_stats_count_the_traffic(self, directory: Path) -> None:
+        """Each counter counts exactly what :class:`KVTierStats` says, block by block: stores
+        (a refused block, a key held already), lookups (full, partial, missing), a partial
+        load and evictions, in room for 4 blocks."""
+        import torch
+
+        spec = make_spec()
+        size = spec.block_bytes
+        tier = self.open(directory, blocks=4, spec=spec)
+
+        def stored(ids: list[int]) -> list[bool]:
+            return tier.store([key(i) for i in ids], [random_block(spec, i) for i in ids]).result(timeout=60)
+
+        assert stored([0, 1]) == [True, True]
+        wrong_size = torch.zeros(spec.block_numel - 1, dtype=torch.bfloat16)
+        assert tier.store([key(2)], [wrong_size]).result(timeout=60) == [False], "stored a block of the wrong size"
+        assert stored([1]) == [True]  # held already: stored again, nothing new written
+        assert tier.lookup([key(0), key(1), key(2), key(0)]) == 2  # 2 hits, 1 miss (it stops at block 2)
+        assert tier.lookup([key(5), key(0)]) == 0  # 1 miss
+        assert tier.lookup([key(0)]) == 1  # 1 hit
+        out = [torch.empty(spec.block_numel, dtype=torch.bfloat16) for _ in range(3)]
+        assert tier.load([key(0), key(5), key(1)], out).result(timeout=60) == [True, False, True]
+        assert stored([3]) == [True] and stored([4]) == [True]  # 4 blocks: full
+        assert tier.lookup([key(0), key(1)]) == 2  # 2 hits; 3 is the least recently used now
+        assert stored([6]) == [True] and stored([7]) == [True]  # evicts 3, then 4
+        stats = tier.stats()
+        tier.close()
+        counted = {
+            "hits": stats.hits,
+            "misses": stats.misses,
+            "stored_blocks": stats.stored_blocks,
+            "store_failures": stats.store_failures,
+            "loaded_blocks": stats.loaded_blocks,
+            "load_failures": stats.load_failures,
+            "bytes_read": stats.bytes_read,
+        }
+        expected = {
+            "hits": 2 + 0 + 1 + 2,
+            "misses": 1 + 1,  # one per lookup that stopped short, not one per block it did not find
+            "stored_blocks": 2 + 1 + 2 + 2,  # every block a store returned True for
+            "store_failures": 1,
+            "loaded_blocks": 2,
+            "load_failures": 1,  # the missing block of the load
+            "bytes_read": 2 * size,
+        }
+        assert counted == expected, f"counted {counted}, expected {expected}"
+        # block 1's second store may be written again or not
+        assert stats.bytes_written in (6 * size, 7 * size), f"bytes_written {stats.bytes_written}, not 6 or 7 blocks"
+        if self.tier_class().eviction in ("lru", "fifo"):
+            assert stats.evicted_blocks == 2, f"evicted_blocks {stats.evicted_blocks}; 6 blocks in room for 4 evict 2"
+        else:
+            assert stats.evicted_blocks >= 2, f"evicted_blocks {stats.evicted_blocks}; 6 blocks in room for 4 evict 2"
+        assert stats.store_seconds > 0 and stats.load_seconds > 0, (stats.store_seconds, stats.load_seconds)
+
+    def test_closed_tier_refuses_calls(self, directory: Path) -> None:
+        """After close, lookup, store and load raise RuntimeError; stats still answers."""
         import torch
 
         spec = make_spec()
         tier = self.open(directory, spec=spec)
-        tier.store([key(0), key(1)], [random_block(spec, 0), random_block(spec, 1)]).result(timeout=60)
-        tier.load([key(0), key(5)], [torch.empty(spec.block_numel, dtype=torch.bfloat16) for _ in range(2)]).result(
-            timeout=60
-        )
-        stats = tier.stats()
-        assert stats.stored_blocks >= 2 and stats.bytes_written >= 2 * spec.block_bytes
-        assert stats.loaded_blocks == 1 and stats.bytes_read == spec.block_bytes and stats.load_failures == 1
-        tier.close()
-
-    def test_closed_tier_refuses_calls(self, directory: Path) -> None:
-        tier = self.open(directory)
+        tier.store([key(0)], [random_block(spec, 0)]).result(timeout=60)
         tier.close()
         with pytest.raises(RuntimeError):
             tier.lookup([key(0)])
+        with pytest.raises(RuntimeError):
+            tier.store([key(1)], [random_block(spec, 1)])
+        with pytest.raises(RuntimeError):
+            tier.load([key(0)], [torch.empty(spec.block_numel, dtype=torch.bfloat16)])
+        assert tier.stats().stored_blocks == 1
+
+    def test_second_close_is_a_no_op(self, directory: Path) -> None:
+        """A second close does nothing (and raises nothing)."""
+        tier = self.open(directory)
+        tier.close()
+        tier.close()
 
     def test_reopen_keeps_blocks_only_under_the_same_digest(self, directory: Path) -> None:
         """A persistent tier serves, after close and reopen, what it held; never under another digest."""

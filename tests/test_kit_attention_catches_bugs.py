@@ -405,20 +405,27 @@ def register_attention_backends(register):
         register(cls)
 '''
 
-# backend -> (the bug, kit checks that must fail, kit checks that must pass)
-ATTENTION_CHECKS = {"test_mha", "test_sliding_window", "test_kv_cache_write"}
-MLA_CHECKS = {"test_mla", "test_kv_cache_write"}
+# backend -> (the bug, kit checks that must fail, kit checks that must pass); test_kv_cache_write
+# checks the cache alone, so a backend that writes its cache right but attends wrongly passes it
+WRITE_CHECK = {"test_kv_cache_write"}
+ATTENTION_OUTPUTS = {"test_mha", "test_sliding_window"}
+ATTENTION_CHECKS = ATTENTION_OUTPUTS | WRITE_CHECK
+MLA_CHECKS = {"test_mla"} | WRITE_CHECK
 OTHER_CHECKS = {"test_discoverable", "test_validate"}
-INDEXER_CHECKS = {"test_indexer", "test_kv_cache_write"}
+INDEXER_CHECKS = {"test_indexer"} | WRITE_CHECK
 VARIANTS = {
     "kit_ref": ("none: the correct reference", set(), ATTENTION_CHECKS | OTHER_CHECKS),
-    "kit_bug_scale": ("softmax scale 1/head_size instead of spec.scale", ATTENTION_CHECKS, OTHER_CHECKS),
+    "kit_bug_scale": (
+        "softmax scale 1/head_size instead of spec.scale",
+        ATTENTION_OUTPUTS,
+        WRITE_CHECK | OTHER_CHECKS,
+    ),
     "kit_bug_default_scale": (
         "head_size ** -0.5 instead of spec.scale",
         {"test_mha", "test_sliding_window"},
-        OTHER_CHECKS,
+        WRITE_CHECK | OTHER_CHECKS,
     ),
-    "kit_bug_cpu_scale": ("cpu_paged subclass, scale 1/head_size", ATTENTION_CHECKS, OTHER_CHECKS),
+    "kit_bug_cpu_scale": ("cpu_paged subclass, scale 1/head_size", ATTENTION_OUTPUTS, WRITE_CHECK | OTHER_CHECKS),
     "kit_bug_cpu_variant": (
         "cpu_paged subclass declaring a batch-invariant mode it never enters",
         {"test_batch_invariant_mode"},
@@ -427,9 +434,13 @@ VARIANTS = {
     "kit_bug_causal_next": (
         "causal mask lets a query see the next key",
         {"test_mha", "test_sliding_window"},
-        OTHER_CHECKS,
+        WRITE_CHECK | OTHER_CHECKS,
     ),
-    "kit_bug_causal_diagonal": ("causal mask drops the diagonal (own key)", ATTENTION_CHECKS, OTHER_CHECKS),
+    "kit_bug_causal_diagonal": (
+        "causal mask drops the diagonal (own key)",
+        ATTENTION_OUTPUTS,
+        WRITE_CHECK | OTHER_CHECKS,
+    ),
     "kit_bug_window": (
         "ignores the sliding window",
         {"test_sliding_window"},
@@ -437,13 +448,25 @@ VARIANTS = {
     ),
     "kit_bug_no_write": ("does not write the new K/V into the cache", ATTENTION_CHECKS, OTHER_CHECKS),
     "kit_mla_ref": ("none: the correct MLA reference", set(), MLA_CHECKS | OTHER_CHECKS),
-    "kit_bug_mla_value_tail": ("MLA values are the entries' last latent_size dims", MLA_CHECKS, OTHER_CHECKS),
-    "kit_bug_mla_full_value": ("MLA values are the whole entries", MLA_CHECKS, OTHER_CHECKS),
-    "kit_bug_mla_no_rope_scores": ("MLA scores leave out the rope dims", MLA_CHECKS, OTHER_CHECKS),
-    "kit_bug_mla_default_scale": ("MLA: head_size ** -0.5 instead of spec.scale", {"test_mla"}, OTHER_CHECKS),
-    "kit_bug_mla_causal_next": ("MLA causal mask lets a query see the next key", {"test_mla"}, OTHER_CHECKS),
+    "kit_bug_mla_value_tail": (
+        "MLA values are the entries' last latent_size dims",
+        {"test_mla"},
+        WRITE_CHECK | OTHER_CHECKS,
+    ),
+    "kit_bug_mla_full_value": ("MLA values are the whole entries", {"test_mla"}, WRITE_CHECK | OTHER_CHECKS),
+    "kit_bug_mla_no_rope_scores": ("MLA scores leave out the rope dims", {"test_mla"}, WRITE_CHECK | OTHER_CHECKS),
+    "kit_bug_mla_default_scale": (
+        "MLA: head_size ** -0.5 instead of spec.scale",
+        {"test_mla"},
+        WRITE_CHECK | OTHER_CHECKS,
+    ),
+    "kit_bug_mla_causal_next": (
+        "MLA causal mask lets a query see the next key",
+        {"test_mla"},
+        WRITE_CHECK | OTHER_CHECKS,
+    ),
     "kit_bug_mla_no_write": ("MLA: does not write the new entries into the cache", MLA_CHECKS, OTHER_CHECKS),
-    "kit_bug_cpu_mla_scale": ("cpu_mla subclass, scale 1/head_size", MLA_CHECKS, OTHER_CHECKS),
+    "kit_bug_cpu_mla_scale": ("cpu_mla subclass, scale 1/head_size", {"test_mla"}, WRITE_CHECK | OTHER_CHECKS),
     "kit_bug_sparse_all": (
         "sparse MLA attends to every causal position, not the selected ones",
         {"test_sparse_mla"},
@@ -456,13 +479,17 @@ VARIANTS = {
     ),
     "kit_bug_sparse_no_lse": ("sparse MLA leaves lse unwritten", {"test_sparse_mla"}, MLA_CHECKS | OTHER_CHECKS),
     "kit_indexer_ref": ("none: the correct indexer reference", set(), INDEXER_CHECKS | OTHER_CHECKS),
-    "kit_bug_indexer_next": ("the indexer may select the next position", {"test_indexer"}, OTHER_CHECKS),
+    "kit_bug_indexer_next": ("the indexer may select the next position", {"test_indexer"}, WRITE_CHECK | OTHER_CHECKS),
     "kit_bug_indexer_no_write": ("the indexer does not write its keys", INDEXER_CHECKS, OTHER_CHECKS),
-    "kit_bug_indexer_weights": ("cpu_indexer subclass ignoring the head weights", {"test_indexer"}, OTHER_CHECKS),
+    "kit_bug_indexer_weights": (
+        "cpu_indexer subclass ignoring the head weights",
+        {"test_indexer"},
+        WRITE_CHECK | OTHER_CHECKS,
+    ),
     "kit_bug_indexer_none": (
         "cpu_indexer subclass answering 'every position' for long sequences",
         {"test_indexer"},
-        OTHER_CHECKS,
+        WRITE_CHECK | OTHER_CHECKS,
     ),
     "kit_kda_ref": ("none: the real cpu_kda", set(), {"test_linear"} | OTHER_CHECKS),
     "kit_bug_kda_stale_state": (

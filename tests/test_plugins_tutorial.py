@@ -63,6 +63,7 @@ def test_the_tutorial_names_every_file_it_shows():
         "engine-mybackend/tests/test_kit.py",
     }
     assert "pip install -e ./engine-mybackend" in commands
+    assert "--attention-backend my_backend" in commands
 
 
 @pytest.mark.slow
@@ -105,6 +106,8 @@ def test_following_the_tutorial_verbatim_gives_a_working_plugin(tmp_path):
     assert "mybackend  (engine-mybackend 0.1.0, entry_point) loaded" in output
     assert "attention_backends: my_backend" in output
     assert re.search(r"\d+ passed", output) and " failed" not in output, output
+    # the engine ran a model on it: forced by --attention-backend, as its log says
+    assert "attention kind mha: backend my_backend for" in output, output
 
 
 def section_files(title: str, folder: str) -> dict[str, str]:

@@ -171,8 +171,9 @@ class ToolParserTests(KitTests):
     def test_text_without_calls_streams_through(self):
         text = 'Plain answer: 3 < 4 and {"a": 1} is JSON.\n'
         parsed = self.parser().parse(text)
-        assert parsed.tool_calls == () and parsed.content == text
-        assert _stream_tools(self.parser(), list(text)) == (text, [])
+        assert parsed.tool_calls == () and parsed.content == text, f"parse({text!r}) gave {parsed}"
+        streamed = _stream_tools(self.parser(), list(text))
+        assert streamed == (text, []), f"{text!r} streamed a character at a time gave (content, calls) {streamed}"
 
     def test_structural_tag_forces_calls_the_parser_reads(self):
         parser = self.parser()
@@ -252,7 +253,7 @@ class ReasoningParserTests(KitTests):
         parser = self.parser()
         tokenizer = parser.tokenizer
         start, end, forced = parser.marker_token_ids()
-        assert end and forced and start
+        assert end and forced and start, f"marker_token_ids() gave (start, end, forced_end) {(start, end, forced)}"
         assert tokenizer.decode(list(end)) == parser.end
         assert tokenizer.decode(list(forced)) == (parser.forced_end or parser.end)
         assert tokenizer.decode(list(start)) == parser.start

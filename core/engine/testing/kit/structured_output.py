@@ -9,10 +9,12 @@ for choices, a scan for a structural tag's segments, each one's JSON judged by
 ``jsonschema``. Along the way every mask must keep out the tokens the tokenizer does not
 have and its special tokens (EOS aside), allow EOS exactly when the matcher says the
 output can end, admit only well-formed UTF-8 (RFC 3629) where any character may come,
-and come out the same whatever the row held before. The matcher's
-bookkeeping (validate, rollback, reset, refusal of disallowed tokens), the batched fill,
-the reuse of a compiled constraint, concurrent compiles and the errors for invalid
-constraints are checked against the matcher's own answers at known positions.
+and come out the same whatever the row held before. A hand-written valid output of each
+constraint, in the tokenizer's own tokenization, must pass through the masks whole: a mask
+may not bar what the constraint allows. The matcher's bookkeeping (validate, rollback,
+reset, refusal of disallowed tokens), the batched fill, the reuse of a compiled
+constraint, concurrent compiles and the errors for invalid constraints are checked
+against the matcher's own answers at known positions.
 
 The tokenizer is the kit's tiny byte-level BPE one (``make_tiny_tokenizer``): every byte
 is a token, so any text has a tokenization, and tokens are mostly short, so walks are
@@ -380,6 +382,30 @@ def walk_cases() -> list[Any]:
     return cases
 
 
+# an output each walked constraint allows, by case id: written by hand, judged by the same
+# reference, and tokenized by the tokenizer, so that merged tokens (" and", "12", "KV") come
+# where single bytes could too
+VALID_OUTPUTS = {
+    "json-nested_object": '{"name": "An 12", "age": 34, "address": {"zip": "90210", "city": "Rome"}}',
+    "json-bounded_array": "[1, -5, 0, 5]",
+    "json-enum_and_optional": '{"color": "green", "size": "L", "note": "a nd"}',
+    "json-numbers_and_booleans": '{"x": -1.25, "n": 12, "flag": true, "tags": ["at", "the"]}',
+    "json-array_of_objects": '[{"id": 12, "code": "KV9"}, {"id": 34, "code": "AB1"}]',
+    "json_object": '{"he": [12, 3.4, null, false], "the like": {"a": "b and c"}}',
+    "regex-0": "ann@mail.com",
+    "regex-1": "-1234.5",
+    "regex-2": "cat and dog and cat",
+    "choice-0": "light blue",
+    "choice-1": "yes please",
+    "grammar-0": "(12,34,5)",
+    "grammar-1": "hello World!",
+}
+
+
+def valid_output_cases() -> list[Any]:
+    return [pytest.param(*case.values, VALID_OUTPUTS[case.id], id=case.id) for case in walk_cases()]
+
+
 def utf8_cases() -> list[Any]:
     strings = {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1, "maxItems": 3}
     return [
@@ -629,6 +655,24 @@ class StructuredOutputBackendTests(KitTests):
         texts = self.run_walks(backend, compiled, check)
         if "choice" in spec:
             assert len(set(texts)) > 1, f"every walk gave {texts[0]!r}"
+
+    @pytest.mark.parametrize(("spec", "check", "text"), valid_output_cases())
+    def test_valid_outputs_are_allowed(self, backend: Any, spec: dict, check: Callable[[str], None], text: str) -> None:
+        """An output the reference accepts, in the tokenizer's own tokenization (merged tokens
+        such as " and" or "12", not single bytes only), is allowed token by token and may end
+        there: a mask must not bar what the constraint allows."""
+        check(text)  # the kit's example is valid by the reference
+        m, tokens = self.matcher(backend, self.compile(backend, **spec)), encode(text)
+        for i, token in enumerate(tokens):
+            where = f"after {text_of(tokens[:i])!r} of the valid output {text!r}"
+            assert bool(allowed_of(m)[token]), (
+                f"{where}: the mask bars its next token {token_bytes()[token]!r} ({token})"
+            )
+            assert m.accept_tokens([token]), f"{where}: accept_tokens refused its next token {token_bytes()[token]!r}"
+        allowed = allowed_of(m)
+        check_mask(allowed, f"after the valid output {text!r}")
+        assert m.can_terminate() and bool(allowed[eos_id()]), f"the valid output {text!r} may not end"
+        assert m.accept_tokens([eos_id()]) and m.is_terminated()
 
     @pytest.mark.parametrize(
         ("spec", "prefix"),

@@ -57,8 +57,10 @@ from engine.testing.oracles import naive_attention, naive_index_scores, naive_kd
 
 class AttentionBackendTests(LinearChecks, IndexerChecks, MLAChecks, PagedChecks, CommonChecks):
     """Kit for an attention backend. Set ``plugin`` and ``backend_name``; ``dtypes`` lists the
-    compute dtypes to check (each must be declared in ``capabilities.dtypes``, else the checks
-    skip). ``tolerances`` maps a dtype to ``(atol, rtol)`` against the float32 oracle.
+    compute dtypes to check (default float32 only): each listed dtype the backend declares in
+    ``capabilities.dtypes`` is checked, a listed one it does not declare skips, and a declared
+    one that is not listed is not checked, so list every dtype the backend declares.
+    ``tolerances`` maps a dtype to ``(atol, rtol)`` against the float32 oracle.
 
     Checks of kinds the backend does not declare skip, naming the kind. (Bases in reverse of
     pytest's collection order: the common checks first, then the kinds.)"""

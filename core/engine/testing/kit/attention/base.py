@@ -110,7 +110,8 @@ class AttentionKitBase(KitTests):
     }
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        """Checks taking a ``dtype`` argument run once per entry of this class's ``dtypes``."""
+        """Checks taking a ``dtype`` argument run once per entry of this class's ``dtypes`` (and
+        skip for one the backend does not declare); the declared dtypes add none."""
         if "dtype" in metafunc.fixturenames:
             metafunc.parametrize("dtype", list(metafunc.cls.dtypes))
 

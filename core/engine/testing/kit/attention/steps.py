@@ -67,14 +67,22 @@ class PagedCacheSteps(AttentionKitBase):
         return PagedCase(spec, block_size, dtype, backend, cache, tables, num_blocks, q, k, v, weights=weights)
 
     def run_step(
-        self, case: PagedCase, label: str, seqs: list[int], starts: list[int], lens: list[int], dense: bool = False
+        self,
+        case: PagedCase,
+        label: str,
+        seqs: list[int],
+        starts: list[int],
+        lens: list[int],
+        dense: bool = False,
+        check_output: bool = True,
     ) -> None:
         """One engine step: batch row ``i`` is sequence ``seqs[i]`` with ``starts[i]`` cached
         tokens and ``lens[i]`` new ones. Checks the output against the oracle (with the kit's
         spec, whatever the backend did with it) and that q/k/v are left alone (MLA: v is None
         and the output [T, H, latent_size]). Sparse MLA attends to the kit's selections, or with
         ``dense`` gets ``indices=None``; an indexer's selections are checked by
-        :meth:`check_selections`."""
+        :meth:`check_selections`. Without ``check_output`` the step only runs (for checks of
+        what it writes into the cache)."""
         spec, bs, (atol, rtol) = case.spec, case.block_size, self.tolerances[case.dtype]
         ends = [s + n for s, n in zip(starts, lens)]
         step_tables = [case.tables[b][: -(-end // bs)] for b, end in zip(seqs, ends)]  # blocks allocated so far
@@ -101,6 +109,8 @@ class PagedCacheSteps(AttentionKitBase):
                 out = case.backend.forward_sparse(q, k, case.cache, metadata, indices, lse)
             else:
                 out = case.backend.forward(q, k, v, case.cache, metadata)
+        if not check_output:
+            return
         assert all(torch.equal(a, b) for a, b in zip(inputs, (q, k, *values, *extra))), (
             f"{label}: the backend modified its inputs (q, k, v, indices or weights)"
         )

@@ -95,4 +95,6 @@ class SpecProposer(ABC):
         ``hidden_states[layer]``: ``[len(requests), hidden]`` when asked for."""
 
     def remove(self, request_ids: Sequence[str]) -> None:
-        """Forget per-request state of requests that finished or were aborted (default: none kept)."""
+        """Forget per-request state of requests that finished or were aborted (default: none kept).
+        Ids never drafted for (a request aborted while waiting) and ids already removed are
+        accepted and ignored."""

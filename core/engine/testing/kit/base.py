@@ -43,6 +43,17 @@ class KitTests:
 
         return get_plugin_manager([self.required("plugin"), *self.also_load]).components()
 
+    def assert_named(self, cls: Any, name: str) -> None:
+        """``cls`` is what ``name`` names: the class a ``module.path:Class`` reference resolves
+        to, or a class whose ``name`` attribute is the registered name."""
+        from engine.plugins.qualname import is_qualname, resolve_qualname
+
+        if is_qualname(name):
+            assert cls is resolve_qualname(name), f"{name!r} resolves to {cls!r}"
+        else:
+            found = getattr(cls, "name", None)
+            assert found == name, f"registered as {name!r}, but its class's name attribute is {found!r}"
+
     def resolve(self, name: str) -> Any:
         """The registered component ``name`` of this kit's kind, as the engine would load it."""
         return self.components().registry(self.registry_name).get(name)

@@ -129,11 +129,13 @@ class QuantizerTests(KitTests):
     # checks
 
     def test_discoverable(self) -> None:
-        """The plugin registers the quantizer under its declared name, as an engine Quantizer."""
+        """The plugin registers the quantizer under its declared name (or ``quantizer_name`` is its
+        ``module.path:Class``), as an engine Quantizer."""
         from engine.interfaces.quantizer import Quantizer
 
         cls = self.quantizer_class()
-        assert issubclass(cls, Quantizer) and cls.name == self.quantizer_name
+        assert isinstance(cls, type) and issubclass(cls, Quantizer), cls
+        self.assert_named(cls, self.quantizer_name)
 
     def test_declares_platforms_dtypes_and_error_bound(self) -> None:
         """supported_platforms is None or names; activation_dtypes are torch float dtypes;

@@ -123,11 +123,13 @@ class SpecProposerTests(KitTests):
     # checks
 
     def test_discoverable(self) -> None:
-        """The plugin registers the proposer under its declared name, as an engine SpecProposer."""
+        """The plugin registers the proposer under its declared name (or ``proposer_name`` is its
+        ``module.path:Class``), as an engine SpecProposer."""
         from engine.interfaces.spec_proposer import SpecProposer
 
         cls = self.resolve(self.required("proposer_name"))
-        assert issubclass(cls, SpecProposer) and cls.name == self.proposer_name
+        assert isinstance(cls, type) and issubclass(cls, SpecProposer), cls
+        self.assert_named(cls, self.proposer_name)
 
     def test_drafts_follow_the_contract(self, target: Path) -> None:
         """One draft list per request, at most num_tokens ids in the vocabulary; probabilities,

@@ -635,7 +635,8 @@ class StructuredOutputBackendTests(KitTests):
     # checks
 
     def test_discoverable(self) -> None:
-        """The plugin registers the backend under its declared name, as an engine backend."""
+        """The plugin registers the backend under its declared name (or ``backend_name`` is its
+        ``module.path:Class``), as an engine backend."""
         from engine.interfaces.structured_output import StructuredOutputBackend
         from engine.plugins.manager import get_plugin_manager
 
@@ -645,7 +646,8 @@ class StructuredOutputBackendTests(KitTests):
             .components()
             .structured_output_backends.get(name)
         )
-        assert isinstance(cls, type) and issubclass(cls, StructuredOutputBackend) and cls.name == name
+        assert isinstance(cls, type) and issubclass(cls, StructuredOutputBackend), cls
+        self.assert_named(cls, name)
 
     @pytest.mark.parametrize(("spec", "check"), walk_cases())
     def test_random_walks_satisfy_the_reference(self, backend: Any, spec: dict, check: Callable[[str], None]) -> None:

@@ -34,7 +34,7 @@ class CommonChecks(PagedCacheSteps):
         name = self.required("backend_name")
         cls = self.resolve(name)
         assert isinstance(cls, type) and issubclass(cls, AttentionBackend), cls
-        assert cls.name == name, f"registered as {name!r} but its name attribute is {cls.name!r}"
+        self.assert_named(cls, name)
         assert isinstance(cls.capabilities, AttentionCapabilities), cls.capabilities
 
     @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)

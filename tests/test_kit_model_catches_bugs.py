@@ -21,12 +21,24 @@ Which check catches which bug:
   norm weights (HF initialises them to 1, which an unloaded norm also holds).
 - ``wrong_rms_eps`` (every RMSNorm uses eps 1e-5 instead of config's 1e-6):
   ``test_logits_match_transformers`` only; the model agrees with itself.
+- ``hard_codes_rope_theta`` (rotary with base 10000 whatever the config says; the kit moves
+  it to 2500): ``test_logits_match_transformers`` only.
 - ``ties_untied_lm_head`` (shares the embedding as lm_head although the config
   does not tie, so the checkpoint's ``lm_head.weight`` is silently dropped):
   ``test_all_weight_names_consumed`` (changing that tensor changes nothing)
   and ``test_logits_match_transformers``.
 - ``forgets_o_proj_all_reduce`` (the attention output projections keep each rank's partial
   sum): ``test_two_tensor_parallel_ranks_equal_one`` only; one rank has nothing to sum.
+- ``chunk_restarts_positions`` (a prompt chunk that continues cached tokens is rotated from
+  position 0): ``test_chunked_prefill_equals_whole_prefill`` and
+  ``test_prefix_hits_equal_recompute`` (a prompt after a prefix hit is such a chunk); whole
+  prompts and one-token decode steps are right.
+- ``swaps_gate_up`` (``load_weights`` puts ``gate_proj`` where ``up_proj`` goes and back;
+  every tensor is used and every parameter filled): ``test_logits_match_transformers`` only.
+- ``norm_over_the_whole_step`` (the final RMSNorm takes one RMS over every token of the
+  step instead of one per token): ``test_logits_match_transformers`` (a batch of prompts is
+  one step), ``test_cached_decode_equals_recompute``, ``test_prefix_hits_equal_recompute``
+  and ``test_chunked_prefill_equals_whole_prefill`` (steps group tokens differently).
 """
 
 from __future__ import annotations
@@ -54,22 +66,37 @@ CAUGHT_BY = {
     "decode_off_by_one": {"test_cached_decode_equals_recompute", "test_prefix_hits_equal_recompute"},
     "skips_post_attention_norm": {"test_all_weight_names_consumed", "test_logits_match_transformers"},
     "wrong_rms_eps": {"test_logits_match_transformers"},
+    "hard_codes_rope_theta": {"test_logits_match_transformers"},
     "ties_untied_lm_head": {"test_all_weight_names_consumed", "test_logits_match_transformers"},
     "forgets_o_proj_all_reduce": {"test_two_tensor_parallel_ranks_equal_one"},
+    "chunk_restarts_positions": {"test_chunked_prefill_equals_whole_prefill", "test_prefix_hits_equal_recompute"},
+    "swaps_gate_up": {"test_logits_match_transformers"},
+    "norm_over_the_whole_step": {
+        "test_logits_match_transformers",
+        "test_cached_decode_equals_recompute",
+        "test_prefix_hits_equal_recompute",
+        "test_chunked_prefill_equals_whole_prefill",
+    },
 }
 
 BROKEN_MODELS = '''
+import torch
+
 import engine
 from engine.layers.layernorm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
 from engine_llama.model import LlamaForCausalLM
 
 
-def decode_only(ctx):
-    """Whether every sequence in this step adds one token (read from the attention
-    metadata: the cpu backend keeps the runner's CommonAttentionMetadata as .common)."""
+def step_common(ctx):
+    """The step's CommonAttentionMetadata (the cpu backend keeps it as .common of its metadata)."""
     metadata = ctx.metadata[0]
-    common = getattr(metadata, "common", metadata)
-    return common.max_query_len == 1
+    return getattr(metadata, "common", metadata)
+
+
+def decode_only(ctx):
+    """Whether every sequence in this step adds one token."""
+    return step_common(ctx).max_query_len == 1
 
 
 class unbroken(LlamaForCausalLM):
@@ -98,6 +125,13 @@ class wrong_rms_eps(LlamaForCausalLM):
                 module.eps = 1e-5
 
 
+class hard_codes_rope_theta(LlamaForCausalLM):
+    def __init__(self, init):
+        super().__init__(init)
+        params = {"rope_type": "default", "rope_theta": 10000.0}
+        self.rotary = RotaryEmbedding(self.dims.head_dim, self.rotary.max_positions, params)
+
+
 class ties_untied_lm_head(LlamaForCausalLM):
     def __init__(self, init):
         super().__init__(init)
@@ -110,6 +144,42 @@ class forgets_o_proj_all_reduce(LlamaForCausalLM):
         super().__init__(init)
         for layer in self.model.layers:
             layer.self_attn.o_proj.reduce = False
+
+
+class chunk_restarts_positions(LlamaForCausalLM):
+    def forward(self, input_ids, positions, ctx):
+        common = step_common(ctx)
+        chunk = common.query_lens[common.token_seq] > 1  # [T]: tokens of a multi-token query
+        positions = torch.where(chunk, common.token_row, positions)  # its row, not its position
+        return super().forward(input_ids, positions, ctx)
+
+
+class swaps_gate_up(LlamaForCausalLM):
+    def load_weights(self, weights):
+        swap = {".mlp.gate_proj.": ".mlp.up_proj.", ".mlp.up_proj.": ".mlp.gate_proj."}
+
+        def renamed(name):
+            for old, new in swap.items():
+                if old in name:
+                    return name.replace(old, new)
+            return name
+
+        return super().load_weights((renamed(n), t) for n, t in weights)
+
+
+class StepRMSNorm(RMSNorm):
+    def forward(self, x, residual=None, ops=None):
+        if residual is not None:
+            x = residual = x + residual
+        rms = x.float().pow(2).mean().add(self.eps).rsqrt()  # one RMS for the step, not one per token
+        out = self.weight * (x.float() * rms).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class norm_over_the_whole_step(LlamaForCausalLM):
+    def __init__(self, init):
+        super().__init__(init)
+        self.model.norm = StepRMSNorm(self.dims.hidden_size, self.dims.rms_norm_eps, init.dtype)
 
 
 @engine.hookimpl

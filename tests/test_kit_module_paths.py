@@ -8,6 +8,7 @@ import pytest
 from engine.testing.kit import (
     AttentionBackendTests,
     KVTierTests,
+    PlatformTests,
     QuantizerTests,
     SpecProposerTests,
     StructuredOutputBackendTests,
@@ -16,6 +17,7 @@ from engine.testing.kit import (
 CASES = [
     (AttentionBackendTests, "engine_cpu.plugin", "backend_name", "engine_cpu.attention:CpuPagedAttention"),
     (KVTierTests, "", "tier_name", "engine.kv_tiers.cpu:CpuKVTier"),
+    (PlatformTests, "cpu", "platform_name", "engine_cpu.platform:CpuPlatform"),
     (QuantizerTests, "bitsandbytes", "quantizer_name", "engine_bitsandbytes.quantizer:BitsAndBytesQuantizer"),
     (SpecProposerTests, "", "proposer_name", "engine.spec_decode.ngram:NgramProposer"),
     (StructuredOutputBackendTests, "engine_xgrammar.plugin", "backend_name", "engine_xgrammar.backend:XGrammarBackend"),

@@ -1,7 +1,10 @@
 """``ModelTests``: a model plugin's network checked against HF transformers and itself.
 
 Every check runs the real engine (``LLM``) on a tiny random-weight checkpoint of
-the architecture, in fp32 on the cpu platform by default:
+the architecture, in fp32 on the cpu platform by default. Where the tiny config keeps
+transformers' plain rope base of 10000, the checkpoint uses 2500 instead (unless
+``config_overrides`` sets a rope field), so a model that hard-codes the default instead of
+reading the config fails:
 
 - the model class is registered as an engine ``Model``;
 - prompt logits equal HF transformers' forward on the same weights;
@@ -29,6 +32,25 @@ from engine.testing.kit.base import KitTests, capability_skip
 PROMPT_LENGTHS = (3, 8, 17, 30)
 NUM_GENERATED = 12
 NUM_TOP_LOGPROBS = 5
+
+
+# transformers' default rope base, which a model might hard-code instead of reading the config,
+# and the base the kit's checkpoints use instead
+DEFAULT_ROPE_THETA, MOVED_ROPE_THETA = 10000.0, 2500.0
+ROPE_FIELDS = ("rope_parameters", "rope_theta", "rope_scaling")
+
+
+def moved_defaults(config: Any, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Config overrides that move a plain rope base (``rope_parameters["rope_theta"]``,
+    10000 -> 2500) off transformers' default where the tiny config keeps it and ``overrides``
+    sets no rope field, so a model that hard-codes the default instead of reading the config
+    differs from transformers."""
+    rope = getattr(config, "rope_parameters", None)
+    if any(field in overrides for field in ROPE_FIELDS) or not isinstance(rope, dict):
+        return {}
+    if rope.get("rope_theta") != DEFAULT_ROPE_THETA:
+        return {}
+    return {"rope_parameters": {**rope, "rope_theta": MOVED_ROPE_THETA}}
 
 
 def tolerance(reference: Any, atol: float) -> float:
@@ -81,9 +103,15 @@ class ModelTests(KitTests):
                 f"{cls.__name__}: engine.testing.checkpoints has no tiny config for {architecture}; "
                 f"override the `checkpoint` fixture to make a tiny checkpoint of {architecture}."
             )
+        import transformers
+
+        config_class = getattr(transformers, architecture).config_class
+        moved = moved_defaults(
+            config_class(**{**TINY_CONFIGS[architecture], **cls.config_overrides}), cls.config_overrides
+        )
         path = tmp_path_factory.mktemp(architecture)
         # norm weights and biases are random too, so unloaded ones show in the logits
-        hf_model = make_tiny_checkpoint(architecture, path, dtype=cls.dtype, **cls.config_overrides)
+        hf_model = make_tiny_checkpoint(architecture, path, dtype=cls.dtype, **cls.config_overrides, **moved)
         return path, hf_model
 
     def make_llm(self, path: Path, **kwargs: Any) -> Any:

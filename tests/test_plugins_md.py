@@ -48,3 +48,40 @@ def test_hook_is_exercised_by_a_test(fn):
     test_files += [p for p in ROOT.glob("tests/*helpers*.py")]
     users = [p for p in test_files if fn.__name__ in p.read_text(encoding="utf-8")]
     assert users, f"no test exercises the hook {fn.__name__}"
+
+
+KIT_CLASS_OF_KIND = {
+    "platforms": "PlatformTests",
+    "models": "ModelTests",
+    "attention_backends": "AttentionBackendTests",
+    "quantizers": "QuantizerTests",
+    "spec_proposers": "SpecProposerTests",
+    "kv_tiers": "KVTierTests",
+    "structured_output_backends": "StructuredOutputBackendTests",
+    "tool_parsers": "ToolParserTests",
+    "reasoning_parsers": "ReasoningParserTests",
+}
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_kind_has_a_tutorial_and_a_kit_class_in_the_contents():
+    from engine.plugins.components import KINDS
+    from engine.testing import kit
+
+    text = (ROOT / "PLUGINS.md").read_text(encoding="utf-8")
+    anchors = {github_anchor(line.lstrip("#")) for line in text.splitlines() if line.startswith("## ")}
+    rows = re.findall(r"^\| [^|]+ \| \[[^\]]+\]\(#([\w-]+)\) \| (.+) \|$", text, flags=re.MULTILINE)
+    assert rows, "PLUGINS.md has no contents table of tutorials"
+    for anchor, classes in rows:
+        assert anchor in anchors, f"the contents link #{anchor} names no section"
+        assert anchor.startswith("tutorial-")
+        for name in re.findall(r"`(\w+)`", classes):
+            assert hasattr(kit, name), f"the contents name a kit class engine.testing.kit lacks: {name}"
+    listed = {name for _, classes in rows for name in re.findall(r"`(\w+)`", classes)}
+    assert {kind.attr for kind in KINDS} == set(KIT_CLASS_OF_KIND)
+    missing = {kind for kind, cls in KIT_CLASS_OF_KIND.items() if cls not in listed}
+    assert not missing, f"kinds without a tutorial in PLUGINS.md's contents: {sorted(missing)}"

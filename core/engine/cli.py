@@ -266,10 +266,16 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from engine.plugins.components import KINDS
     from engine.plugins.manager import PluginLoadWarning, get_plugin_manager
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PluginLoadWarning)  # reported below instead
-        pm = get_plugin_manager(getattr(args, "plugins", None))
-    components = pm.components()
+    plugin_logger = logging.getLogger("engine.plugins")
+    skipped_warnings = _DropWarnings()  # each is listed below under its plugin instead
+    plugin_logger.addFilter(skipped_warnings)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PluginLoadWarning)
+            pm = get_plugin_manager(getattr(args, "plugins", None))
+            components = pm.components()
+    finally:
+        plugin_logger.removeFilter(skipped_warnings)
     report: dict[str, Any] = {
         "engine": __version__,
         "plugin_api": PLUGIN_API_VERSION,
@@ -323,6 +329,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         state = "available" if probe["available"] else "not available"
         print(f"platform {probe['name']}: {state} ({probe['reason']})")
     return 0
+
+
+class _DropWarnings(logging.Filter):
+    """Drops warning records (``engine plugins`` lists what they say under each plugin)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno != logging.WARNING
 
 
 def _probe_platforms(components: Any) -> list[dict[str, Any]]:

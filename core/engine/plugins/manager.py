@@ -412,7 +412,7 @@ def _fail(pm: EnginePluginManager, info: PluginInfo, reason: str, cause: BaseExc
     info.error = reason
     who = f"Plugin {info.name!r} ({info.distribution_label})"
     if pm.trace_enabled:
-        logger.warning("%s: traceback of its failure\n%s", who, "".join(traceback.format_exception(cause)).rstrip())
+        logger.info("%s: traceback of its failure\n%s", who, "".join(traceback.format_exception(cause)).rstrip())
     if info.requested:
         raise PluginLoadError(f"{who} could not be loaded: {reason}.") from cause
     message = f"{who} failed to load and was skipped: {reason}. Run `engine plugins` for details."

@@ -112,7 +112,7 @@ def test_plugins_json_lists_the_installed_plugins_and_their_components(capsys):
     assert cpu["hooks"] == ["register_attention_backends", "register_platforms"]
     assert cpu["components"] == {
         "platforms": ["cpu"],
-        "attention_backends": ["cpu_indexer", "cpu_kda", "cpu_mla", "cpu_paged"],
+        "attention_backends": ["cpu_indexer", "cpu_kda", "cpu_mamba2", "cpu_mla", "cpu_paged"],
     }
     assert llama["hooks"] == ["register_models", "register_reasoning_parsers", "register_tool_parsers"]
     assert llama["components"] == {
@@ -151,9 +151,9 @@ def test_plugins_text_lists_plugins_hooks_and_components(capsys):
         f"cpu  (engine-cpu {md.version('engine-cpu')}, entry_point) loaded",
         "  hooks: register_attention_backends, register_platforms",
         "  platforms: cpu",
-        "  attention_backends: cpu_indexer, cpu_kda, cpu_mla, cpu_paged",
+        "  attention_backends: cpu_indexer, cpu_kda, cpu_mamba2, cpu_mla, cpu_paged",
         "built into the engine:",
-        "  attention_backends: triton_kda, triton_mla, triton_paged",
+        "  attention_backends: triton_kda, triton_mamba2, triton_mla, triton_paged",
         "  spec_proposers: draft, ngram",
         "  kv_tiers: cpu",
     ]
@@ -285,7 +285,7 @@ def test_plugins_with_an_empty_selection_loads_none(capsys, monkeypatch, how):
     assert report["plugins"] == []
     # only what the engine itself provides: the Triton backends, the cpu KV tier, the ngram and draft proposers
     assert {kind: [e["name"] for e in entries] for kind, entries in report["components"].items() if entries} == {
-        "attention_backends": ["triton_kda", "triton_mla", "triton_paged"],
+        "attention_backends": ["triton_kda", "triton_mamba2", "triton_mla", "triton_paged"],
         "kv_tiers": ["cpu"],
         "spec_proposers": ["draft", "ngram"],
     }
@@ -293,6 +293,6 @@ def test_plugins_with_an_empty_selection_loads_none(capsys, monkeypatch, how):
 
     rc, out, _ = run_engine_plugins(capsys, "--plugins", "")
     assert out == (
-        "No plugins loaded.\nbuilt into the engine:\n  attention_backends: triton_kda, triton_mla, triton_paged\n"
+        "No plugins loaded.\nbuilt into the engine:\n  attention_backends: triton_kda, triton_mamba2, triton_mla, triton_paged\n"
         "  spec_proposers: draft, ngram\n  kv_tiers: cpu\n"
     )

@@ -116,7 +116,7 @@ def test_empty_selection_loads_no_plugin(factory, monkeypatch, form):
     built_in = {
         "kv_tiers": ["cpu"],
         "spec_proposers": ["draft", "ngram"],
-        "attention_backends": ["triton_kda", "triton_mla", "triton_paged"],
+        "attention_backends": ["triton_kda", "triton_mamba2", "triton_mla", "triton_paged"],
     }
     for kind in KINDS:  # only what the engine ships itself
         assert components.registry(kind.attr).names() == built_in.get(kind.attr, []), kind.attr

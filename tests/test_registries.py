@@ -27,7 +27,7 @@ KV_TIER = "engine.interfaces.kv_tier:KVTier"
 BUILT_INS = {
     "kv_tiers": ["cpu"],
     "spec_proposers": ["draft", "ngram"],  # what the engine registers itself, with no plugin
-    "attention_backends": ["triton_kda", "triton_mla", "triton_paged"],
+    "attention_backends": ["triton_kda", "triton_mamba2", "triton_mla", "triton_paged"],
 }
 
 

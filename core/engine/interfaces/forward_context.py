@@ -55,6 +55,23 @@ class ForwardContext:
             mixed_qkv, conv_weight, g, beta, self.kv_caches[layer_index], self.metadata[layer_index]
         )
 
+    def mamba2(
+        self,
+        layer_index: int,
+        xbc: torch.Tensor,
+        conv_weight: torch.Tensor,
+        conv_bias: torch.Tensor | None,
+        dt: torch.Tensor,
+        dt_bias: torch.Tensor,
+        A: torch.Tensor,
+        D: torch.Tensor,
+    ) -> torch.Tensor:
+        """The Mamba-2 selective scan continuing each request's state (see
+        ``AttentionBackend.forward_mamba2``)."""
+        return self.backends[layer_index].forward_mamba2(
+            xbc, conv_weight, conv_bias, dt, dt_bias, A, D, self.kv_caches[layer_index], self.metadata[layer_index]
+        )
+
     def store(self, layer_index: int, values: torch.Tensor) -> None:
         """Write each new token's values [T, head_size] into token-state layer ``layer_index``
         (see ``engine.runtime.token_state.TokenStateCache``)."""

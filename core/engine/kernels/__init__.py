@@ -9,4 +9,5 @@ BUILTIN_ATTENTION_BACKENDS = {
     "triton_paged": "engine.kernels.paged_attention:TritonPagedAttention",
     "triton_mla": "engine.kernels.paged_attention:TritonMlaAttention",
     "triton_kda": "engine.kernels.kda:TritonKdaAttention",
+    "triton_mamba2": "engine.kernels.mamba2:TritonMamba2",
 }

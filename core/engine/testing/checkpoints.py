@@ -193,6 +193,35 @@ TINY_CONFIGS["KimiLinearForCausalLM"] = dict(
     eos_token_id=2,
 )
 
+# Nemotron-H: Mamba-2 layers (eight heads in two groups) around an attention layer without positional
+# encoding, a relu² MLP and routed relu² experts (two groups of four, one group chosen)
+TINY_CONFIGS["NemotronHForCausalLM"] = dict(
+    hidden_size=64,
+    vocab_size=320,
+    layers_block_type=["linear_attention", "mlp", "full_attention", "moe", "linear_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    ssm_state_size=16,
+    n_groups=2,
+    conv_kernel=4,
+    chunk_size=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    moe_intermediate_size=32,
+    moe_shared_expert_intermediate_size=48,
+    layer_norm_epsilon=1e-6,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
 _CONFIG_CLASSES = {
     "DeepseekV3ForCausalLM": "DeepseekV3Config",
     "DeepseekV32ForCausalLM": "DeepseekV32Config",
@@ -200,6 +229,7 @@ _CONFIG_CLASSES = {
     "KimiLinearForCausalLM": "KimiLinearConfig",
     "LlamaForCausalLM": "LlamaConfig",
     "MistralForCausalLM": "MistralConfig",
+    "NemotronHForCausalLM": "NemotronHConfig",
     "Qwen2ForCausalLM": "Qwen2Config",
     "Qwen3ForCausalLM": "Qwen3Config",
     "Qwen3_5ForCausalLM": "Qwen3_5TextConfig",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from engine.interfaces.attention import INDEXER, LINEAR, MHA, MLA, SLIDING_WINDOW, SPARSE_MLA
+from engine.interfaces.attention import INDEXER, LINEAR, MAMBA2, MHA, MLA, SLIDING_WINDOW, SPARSE_MLA
 from engine.interfaces.platform import Availability, MemoryInfo, Platform
 
 DEFAULT_KV_CACHE_CAP = 4 * 2**30
@@ -25,6 +25,7 @@ class CpuPlatform(Platform):
         SPARSE_MLA: ("cpu_mla",),
         INDEXER: ("cpu_indexer",),
         LINEAR: ("cpu_kda",),
+        MAMBA2: ("cpu_mamba2",),
     }
 
     @classmethod

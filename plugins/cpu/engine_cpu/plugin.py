@@ -14,3 +14,4 @@ def register_attention_backends(register):
     register("cpu_mla", "engine_cpu.mla:CpuMlaAttention")
     register("cpu_indexer", "engine_cpu.indexer:CpuIndexer")
     register("cpu_kda", "engine_cpu.kda:CpuKdaAttention")
+    register("cpu_mamba2", "engine_cpu.mamba2:CpuMamba2")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from engine.interfaces.attention import LINEAR, MHA, MLA, SLIDING_WINDOW
+from engine.interfaces.attention import LINEAR, MAMBA2, MHA, MLA, SLIDING_WINDOW
 from engine.interfaces.platform import Availability, TorchCudaPlatform
 from engine_cuda.attention_libraries import FLASH_ATTN, FLASHINFER, Library, usable
 from engine_cuda.capability import CudaCapability
@@ -62,6 +62,7 @@ class CudaPlatform(TorchCudaPlatform):
         SLIDING_WINDOW: ("triton_paged",),
         MLA: ("triton_mla",),
         LINEAR: ("triton_kda",),
+        MAMBA2: ("triton_mamba2",),
     }
     # the optional libraries' backends, first where they import and are recent enough
     # (engine_cuda.attention_libraries), FlashInfer before flash-attn: it reads the paged cache

@@ -177,6 +177,7 @@ def test_device_methods_raise_the_reason_when_unavailable(fake_cuda, monkeypatch
     assert platform.attention_backend_preferences("mha") == ("triton_paged",)  # needs no device
     assert platform.attention_backend_preferences("mla") == ("triton_mla",)
     assert platform.attention_backend_preferences("linear") == ("triton_kda",)
+    assert platform.attention_backend_preferences("mamba2") == ("triton_mamba2",)
 
 
 # forcing, choosing and probing from the command line

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from engine.interfaces.attention import LINEAR, MHA, MLA, SLIDING_WINDOW
+from engine.interfaces.attention import LINEAR, MAMBA2, MHA, MLA, SLIDING_WINDOW
 from engine.interfaces.platform import Availability, TorchCudaPlatform
 from engine_rocm.arch import ArchCapabilities, arch_capabilities, fp8_capable_archs, is_fp8_method
 from engine_rocm.detect import aiter_importable, device_arch, probe_availability
@@ -55,6 +55,7 @@ class RocmPlatform(TorchCudaPlatform):
         SLIDING_WINDOW: ("triton_paged",),
         MLA: ("triton_mla",),
         LINEAR: ("triton_kda",),
+        MAMBA2: ("triton_mamba2",),
     }
     # engine-rocm's AITER backends (engine_rocm.aiter_attention); MLA stays on triton_mla
     aiter_attention_backends: Mapping[str, tuple[str, ...]] = {MHA: ("aiter_mha",), SLIDING_WINDOW: ("aiter_mha",)}

@@ -8,7 +8,7 @@ import types
 
 import pytest
 
-from engine.interfaces.attention import INDEXER, LINEAR, MHA, MLA, SLIDING_WINDOW, SPARSE_MLA
+from engine.interfaces.attention import INDEXER, LINEAR, MAMBA2, MHA, MLA, SLIDING_WINDOW, SPARSE_MLA
 from engine.plugins.manager import get_plugin_manager
 from engine_rocm.platform import RocmPlatform
 
@@ -17,6 +17,7 @@ TRITON = {
     SLIDING_WINDOW: ("triton_paged",),
     MLA: ("triton_mla",),
     LINEAR: ("triton_kda",),
+    MAMBA2: ("triton_mamba2",),
     SPARSE_MLA: (),
     INDEXER: (),
 }
@@ -25,6 +26,7 @@ WITH_AITER = {
     SLIDING_WINDOW: ("aiter_mha", "triton_paged"),
     MLA: ("triton_mla",),
     LINEAR: ("triton_kda",),
+    MAMBA2: ("triton_mamba2",),
     SPARSE_MLA: (),
     INDEXER: (),
 }

@@ -11,7 +11,7 @@ from functools import cached_property
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from engine.interfaces.attention import LINEAR, MHA, MLA, SLIDING_WINDOW
+from engine.interfaces.attention import LINEAR, MAMBA2, MHA, MLA, SLIDING_WINDOW
 from engine.interfaces.platform import Availability, MemoryInfo, Platform
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class XpuPlatform(Platform):
         SLIDING_WINDOW: ("triton_paged",),
         MLA: ("triton_mla",),
         LINEAR: ("triton_kda",),
+        MAMBA2: ("triton_mamba2",),
     }
 
     @classmethod

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.interfaces.attention import LINEAR, MHA, MLA, SLIDING_WINDOW
+from engine.interfaces.attention import LINEAR, MAMBA2, MHA, MLA, SLIDING_WINDOW
 from engine.plugins.manager import get_plugin_manager
 from engine.selection import SelectionError, select_platform
 from engine_xpu.platform import XpuPlatform
@@ -45,6 +45,7 @@ def test_declared_capabilities():
     assert platform.attention_backend_preferences(SLIDING_WINDOW) == ("triton_paged",)
     assert platform.attention_backend_preferences(MLA) == ("triton_mla",)
     assert platform.attention_backend_preferences(LINEAR) == ("triton_kda",)
+    assert platform.attention_backend_preferences(MAMBA2) == ("triton_mamba2",)
 
 
 def test_unavailable_without_torch_xpu(monkeypatch):

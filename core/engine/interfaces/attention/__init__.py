@@ -17,6 +17,7 @@ AttentionBackend, MHA``.
 from engine.interfaces.attention.backend import AttentionBackend, AttentionCapabilities
 from engine.interfaces.attention.indexer import IndexerBackend
 from engine.interfaces.attention.linear import LinearAttentionBackend
+from engine.interfaces.attention.mamba2 import Mamba2Backend
 from engine.interfaces.attention.metadata import CommonAttentionMetadata
 from engine.interfaces.attention.mla import MLAAttentionBackend, SparseMLAAttentionBackend
 from engine.interfaces.attention.paged import PagedAttentionBackend
@@ -24,8 +25,10 @@ from engine.interfaces.attention.spec import (
     ATTENTION_KINDS,
     INDEXER,
     LINEAR,
+    MAMBA2,
     MHA,
     MLA,
+    RECURRENT_KINDS,
     SLIDING_WINDOW,
     SPARSE_MLA,
     TOKEN_STATE,
@@ -38,8 +41,10 @@ __all__ = [
     "ATTENTION_KINDS",
     "INDEXER",
     "LINEAR",
+    "MAMBA2",
     "MHA",
     "MLA",
+    "RECURRENT_KINDS",
     "SLIDING_WINDOW",
     "SPARSE_MLA",
     "TOKEN_STATE",
@@ -50,6 +55,7 @@ __all__ = [
     "IndexerBackend",
     "LinearAttentionBackend",
     "MLAAttentionBackend",
+    "Mamba2Backend",
     "PagedAttentionBackend",
     "SparseMLAAttentionBackend",
     "TokenStateBackend",

@@ -51,7 +51,8 @@ class AttentionBackend(ABC):
     :meth:`forward_sparse`), :class:`~engine.interfaces.attention.indexer.IndexerBackend`
     (``indexer``: :meth:`forward_index`) and
     :class:`~engine.interfaces.attention.linear.LinearAttentionBackend` (``linear``:
-    :meth:`forward_linear`). A backend subclasses the ABC of each kind it declares in
+    :meth:`forward_linear`) and :class:`~engine.interfaces.attention.mamba2.Mamba2Backend`
+    (``mamba2``: :meth:`forward_mamba2`). A backend subclasses the ABC of each kind it declares in
     ``capabilities.kinds`` (those that attend, paged and MLA, first: their abstract
     :meth:`forward` is then the one it must define), or this class directly, defining
     :meth:`forward` in any case and the other methods of its kinds.
@@ -116,12 +117,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of one layer's cache tensor for ``num_blocks`` blocks (linear attention: for
+        """Shape of one layer's cache tensor for ``num_blocks`` blocks (recurrent kinds, linear and mamba2: for
         ``num_blocks`` request state slots)."""
 
     def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype of this backend's cache tensors for compute dtype ``dtype`` (linear attention
-        keeps its states in float32)."""
+        """The dtype of this backend's cache tensors for compute dtype ``dtype`` (linear attention and
+        Mamba-2 keep their states in float32)."""
         return dtype
 
     def gather_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,6 +190,25 @@ class AttentionBackend(ABC):
         declaring ``linear`` implement this."""
         raise NotImplementedError(
             f"attention backend {self.name!r} does not implement linear attention (forward_linear)"
+        )
+
+    def forward_mamba2(
+        self,
+        xbc: torch.Tensor,
+        conv_weight: torch.Tensor,
+        conv_bias: torch.Tensor | None,
+        dt: torch.Tensor,
+        dt_bias: torch.Tensor,
+        A: torch.Tensor,
+        D: torch.Tensor,
+        state: torch.Tensor,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """The Mamba-2 selective scan (kind ``mamba2``), contract :meth:`Mamba2Backend.forward_mamba2
+        <engine.interfaces.attention.mamba2.Mamba2Backend.forward_mamba2>`. Backends declaring
+        ``mamba2`` implement this."""
+        raise NotImplementedError(
+            f"attention backend {self.name!r} does not implement the Mamba-2 scan (forward_mamba2)"
         )
 
     def forward_index(

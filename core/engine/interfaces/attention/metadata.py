@@ -23,8 +23,8 @@ class CommonAttentionMetadata:
     - ``block_tables``: [B, max_blocks] physical block ids (padding entries are 0
       and never read for positions < seq_lens)
     - ``slot_mapping``: [T] cache slot (block * block_size + offset) of each new token
-    - ``state_slots``: [B] each sequence's recurrent-state slot (models with linear attention
-      layers; None otherwise)
+    - ``state_slots``: [B] each sequence's recurrent-state slot (models with recurrent layers,
+      linear attention or Mamba-2; None otherwise)
 
     Per token, computed on first use and shared by every backend of the step: ``token_seq``
     [T] its sequence, ``token_row`` [T] its index among its sequence's new tokens,

@@ -5,14 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Attention kinds. A model declares one per layer; platforms list backends per kind. Each kind's
-# forward method and its contract: engine.interfaces.attention.{paged,mla,indexer,linear}.
+# forward method and its contract: engine.interfaces.attention.{paged,mla,indexer,linear,mamba2}.
 MHA = "mha"  # multi-head, grouped-query and multi-query attention
 SLIDING_WINDOW = "sliding_window"  # MHA/GQA restricted to the last `sliding_window` keys
 MLA = "mla"  # multi-head latent attention (DeepSeek)
 SPARSE_MLA = "sparse_mla"  # MLA over the positions an indexer selected for each query
 INDEXER = "indexer"  # DeepSeek sparse attention's lightning indexer: caches keys, returns top-k positions
 LINEAR = "linear"  # Kimi delta attention: a gated delta rule with a fixed-size per-request state
-ATTENTION_KINDS = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, INDEXER, LINEAR)
+MAMBA2 = "mamba2"  # the Mamba-2 (SSD) mixer's selective scan: a fixed-size per-request state
+ATTENTION_KINDS = (MHA, SLIDING_WINDOW, MLA, SPARSE_MLA, INDEXER, LINEAR, MAMBA2)
+RECURRENT_KINDS = (LINEAR, MAMBA2)
 # Not attention: per-token values a model stores and reads back itself (DeepSeek-V4's compressor
 # inputs), paged like the KV caches. The core serves it (engine.runtime.token_state, the contract
 # engine.interfaces.attention.token_state); platforms list no backend for it.
@@ -37,6 +39,13 @@ class AttentionSpec:
     value_size]; see :meth:`LinearAttentionBackend.forward_linear`. ``scale`` multiplies the
     normalised queries.
 
+    A Mamba-2 mixer (``kind`` mamba2) keeps, like linear attention, one state per running
+    request: the last ``conv_kernel - 1`` inputs of its short convolution (``num_heads ·
+    head_size + 2 · num_groups · state_size`` channels: x, B and C) and the SSM state
+    [num_heads, head_size, state_size]; ``num_kv_heads`` equals ``num_heads``, ``scale`` is
+    unused (1.0) and ``dt_limit`` bounds the time steps; see
+    :meth:`Mamba2Backend.forward_mamba2 <engine.interfaces.attention.mamba2.Mamba2Backend.forward_mamba2>`.
+
     An indexer (``kind`` indexer) caches one key per token (``num_kv_heads`` 1,
     ``head_size`` the indexer's head dim), scored by ``num_heads`` query heads with
     ``scale``; ``index_topk`` is how many positions it selects for each query (see
@@ -53,7 +62,10 @@ class AttentionSpec:
     latent_size: int | None = None  # MLA: the leading part of a cache entry that is the value
     index_topk: int | None = None  # indexer: positions selected for each query
     value_size: int | None = None  # linear: the recurrent state's value width
-    conv_kernel: int | None = None  # linear: the short convolution's kernel size
+    conv_kernel: int | None = None  # linear, mamba2: the short convolution's kernel size
+    state_size: int | None = None  # mamba2: the SSM state's width per head channel (d_state)
+    num_groups: int | None = None  # mamba2: groups of heads sharing B and C (n_groups)
+    dt_limit: tuple[float, float] | None = None  # mamba2: time steps clamped to [low, high]
     # tensor parallelism: the layer's KV heads in all, when this rank's num_kv_heads are a part of
     # them (see engine.distributed.TensorParallel.kv_heads); KV tiers store blocks with all of them
     total_kv_heads: int | None = None
@@ -65,22 +77,29 @@ class AttentionSpec:
     @property
     def has_values(self) -> bool:
         """Whether the cache keeps values beside the keys (MLA entries, indexer keys and token
-        states do not; linear attention keeps no per-token cache at all)."""
-        return self.kind not in (MLA, SPARSE_MLA, INDEXER, TOKEN_STATE, LINEAR)
+        states do not; recurrent layers keep no per-token cache at all)."""
+        return self.kind not in (MLA, SPARSE_MLA, INDEXER, TOKEN_STATE, *RECURRENT_KINDS)
 
     @property
     def is_recurrent(self) -> bool:
-        """Whether the layer keeps one state per request instead of paged per-token entries."""
-        return self.kind == LINEAR
+        """Whether the layer keeps one state per request instead of paged per-token entries
+        (linear attention, Mamba-2)."""
+        return self.kind in RECURRENT_KINDS
 
     @property
     def conv_channels(self) -> int:
-        """Linear: the short convolution's channels, queries, keys and values."""
+        """The short convolution's channels: linear attention's queries, keys and values;
+        Mamba-2's x, B and C."""
+        if self.kind == MAMBA2:
+            return self.num_heads * self.head_size + 2 * self.num_groups * self.state_size
         return self.num_heads * (2 * self.head_size + self.value_size)
 
     def state_numel(self) -> int:
-        """Linear: the elements of one request's state (convolution inputs, recurrent matrix)."""
-        return (self.conv_kernel - 1) * self.conv_channels + self.num_heads * self.head_size * self.value_size
+        """Recurrent kinds: the elements of one request's state (convolution inputs, then the
+        recurrent matrix [num_heads, head_size, value_size] or Mamba-2's SSM state
+        [num_heads, head_size, state_size])."""
+        width = self.state_size if self.kind == MAMBA2 else self.value_size
+        return (self.conv_kernel - 1) * self.conv_channels + self.num_heads * self.head_size * width
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         if self.is_recurrent:
@@ -91,7 +110,7 @@ class AttentionSpec:
 
 def spec_field_reasons(spec: AttentionSpec) -> list[str]:
     """Why ``spec`` lacks what its kind needs: MLA one entry per token with its value part,
-    an indexer one key per token and a top-k, linear attention its state's sizes."""
+    an indexer one key per token and a top-k, linear attention and Mamba-2 their state's sizes."""
     reasons = []
     if spec.is_latent or spec.kind == INDEXER:
         if spec.num_kv_heads != 1:
@@ -108,4 +127,21 @@ def spec_field_reasons(spec: AttentionSpec) -> list[str]:
             reasons.append(f"value_size must be set (got {spec.value_size})")
         if spec.conv_kernel is None or spec.conv_kernel < 2:
             reasons.append(f"conv_kernel must be at least 2 (got {spec.conv_kernel})")
+    if spec.kind == MAMBA2:
+        reasons += mamba2_field_reasons(spec)
+    return reasons
+
+
+def mamba2_field_reasons(spec: AttentionSpec) -> list[str]:
+    reasons = []
+    if spec.state_size is None or spec.state_size < 1:
+        reasons.append(f"state_size must be set (got {spec.state_size})")
+    if spec.num_groups is None or spec.num_groups < 1 or spec.num_heads % spec.num_groups:
+        reasons.append(f"num_groups must divide num_heads {spec.num_heads} (got {spec.num_groups})")
+    if spec.num_kv_heads != spec.num_heads:
+        reasons.append(f"mamba2 has no separate KV heads: num_kv_heads must equal num_heads {spec.num_heads}")
+    if spec.conv_kernel is None or spec.conv_kernel < 2:
+        reasons.append(f"conv_kernel must be at least 2 (got {spec.conv_kernel})")
+    if spec.dt_limit is None or len(spec.dt_limit) != 2 or not 0.0 <= spec.dt_limit[0] <= spec.dt_limit[1]:
+        reasons.append(f"dt_limit must be (low, high) with 0 <= low <= high (got {spec.dt_limit})")
     return reasons

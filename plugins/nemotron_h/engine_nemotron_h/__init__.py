@@ -1,0 +1,1 @@
+"""engine-nemotron-h: NVIDIA's Nemotron-H hybrid Mamba-2 models for engine."""

@@ -1,6 +1,6 @@
 """``example_sqlite``: a persistent KV tier in one SQLite file.
 
-Each block is a row ``(digest, key, data, used)``; ``used`` orders the rows for
+Each block is a row ``(digest, key, data, used)``; ``used`` (set by a store, a lookup hit and a load) orders the rows for
 least-recently-used eviction and survives a restart. Blocks of another spec digest
 share the file but are never served. Every call runs in the caller's thread under
 one lock (SQLite serialises writes anyway), so the futures it returns are complete.
@@ -81,14 +81,13 @@ class SqliteKVTier(KVTier):
             self._check_open()
             n = 0
             for key in keys:
-                if (
-                    self._db.execute(
-                        "SELECT 1 FROM blocks WHERE digest = ? AND key = ?", (self.spec.digest, key)
-                    ).fetchone()
-                    is None
-                ):
+                found = self._db.execute(
+                    "UPDATE blocks SET used = ? WHERE digest = ? AND key = ?", (self._tick(), self.spec.digest, key)
+                )
+                if found.rowcount == 0:  # a hit is a use: it moves the block to the back of the eviction order
                     break
                 n += 1
+            self._db.commit()
             self._stats.hits += n
             self._stats.misses += int(n < len(keys))
             return n

@@ -101,6 +101,31 @@ def check_kda(device) -> bool:
     return ok
 
 
+def check_mamba2(device) -> bool:
+    from engine.kernels.mamba2 import mamba2_chunked, mamba2_recurrent
+    from engine.kernels.mamba2_torch import chunked
+
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    num_seqs, rows, heads, head_size, state_size, groups = 4, 512, 24, 64, 128, 1
+    x = torch.randn(num_seqs, rows, heads, head_size, generator=gen).to(device)
+    delta = (0.1 * torch.rand(num_seqs, rows, heads, generator=gen) + 0.001).to(device)
+    A = -(torch.rand(heads, generator=gen) * 4 + 0.5).to(device)
+    b = torch.randn(num_seqs, rows, groups, state_size, generator=gen).to(device)
+    c = torch.randn(num_seqs, rows, groups, state_size, generator=gen).to(device)
+    D = torch.randn(heads, generator=gen).to(device)
+    state = torch.zeros(num_seqs, heads, head_size, state_size, device=device)
+    lengths = torch.full((num_seqs,), rows, device=device)
+    expected, ref_ms = timed(lambda: chunked(x, delta, A, b, c, D, state.clone())[0], repeat=5)
+    ok = True
+    for name, kernel in (
+        ("Mamba-2 chunked prefill (4 x 512, 24 heads)", mamba2_chunked),
+        ("Mamba-2 recurrent (4 x 512, 24 heads)", mamba2_recurrent),
+    ):
+        got, ms = timed(lambda kernel=kernel: kernel(x, delta, A, b, c, D, state.clone(), lengths), repeat=5)
+        ok &= report(name, got, expected, ms, ref_ms)
+    return ok
+
+
 def check_moe(device) -> bool:
     from engine.kernels.moe import fused_moe
     from engine.layers.moe import Experts
@@ -394,7 +419,7 @@ def main() -> int:
         "runtime": runtime,
     }
     started = time.perf_counter()
-    checks = (check_paged_attention, check_kda, check_moe, check_fp8_gemm, check_attention_bandwidth)
+    checks = (check_paged_attention, check_kda, check_mamba2, check_moe, check_fp8_gemm, check_attention_bandwidth)
     with torch.inference_mode():
         results = [check(device) for check in checks]
     platform = "rocm" if torch.version.hip else "cuda"

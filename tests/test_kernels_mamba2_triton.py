@@ -20,6 +20,7 @@ from test_kernels_mamba2 import check_backend_steps, random_scan_inputs  # noqa:
 
 from engine.kernels.mamba2 import TritonMamba2, mamba2_chunked, mamba2_recurrent  # noqa: E402
 from engine.kernels.mamba2_torch import chunked  # noqa: E402
+from engine.testing.kit import AttentionBackendTests  # noqa: E402
 
 
 @pytest.mark.parametrize("kernel", ["recurrent", "chunked"])
@@ -67,3 +68,15 @@ class InterpretedTritonMamba2(TritonMamba2):
 @pytest.mark.parametrize("with_bias, dt_limit", [(True, (0.0, math.inf)), (False, (0.05, 0.8))])
 def test_triton_mamba2_serves_steps_of_prefill_chunks_and_decodes(with_bias, dt_limit):
     check_backend_steps(InterpretedTritonMamba2, torch.float32, with_bias, dt_limit)
+
+
+class TestTritonMamba2Kit(AttentionBackendTests):
+    """The kit's checks of triton_mamba2 (registered by the engine itself), run through the
+    interpreter: test_mamba2 and test_mamba2_state against the token-by-token oracle."""
+
+    plugin = "cpu"
+    backend_name = "triton_mamba2"
+    dtypes = ("float32",)
+
+    def backend_class(self):
+        return InterpretedTritonMamba2

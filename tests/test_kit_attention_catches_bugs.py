@@ -4,7 +4,8 @@ catch each bug in the checks meant for it, while a correct backend passes it all
 The backends live in a throwaway plugin module (``PLUGIN_SOURCE``): small
 pure-torch paged backends for MHA and for MLA, each with its own cache layout
 (correct), and copies with one bug each, plus subclasses of the real ``cpu_paged``
-and ``cpu_mla`` with a wrong scale. Each
+and ``cpu_mla`` with a wrong scale and of ``cpu_indexer``, ``cpu_kda`` and ``cpu_mamba2``
+with one bug each. Each
 variant gets a generated kit class; all run in one pytest subprocess. (In-process
 ``pytester`` runs drop the modules they imported from ``sys.modules`` afterwards;
 the second such run, re-importing engine-cpu, died with a segfault.)
@@ -35,6 +36,7 @@ from engine.interfaces.attention import (
 from engine_cpu.attention import CpuPagedAttention
 from engine_cpu.indexer import CpuIndexer
 from engine_cpu.kda import CpuKdaAttention
+from engine_cpu.mamba2 import CpuMamba2
 from engine_cpu.mla import CpuMlaAttention
 
 
@@ -394,6 +396,71 @@ class KdaNoConvolution(CpuKdaAttention):
         return super().forward_linear(mixed_qkv, only_last, g, beta, state, metadata)
 
 
+class Mamba2Reference(CpuMamba2):
+    """The real cpu_mamba2 under the zoo's name."""
+
+    name = "kit_mamba2_ref"
+
+
+class Mamba2IgnoresD(CpuMamba2):
+    """cpu_mamba2 leaving out the skip term D · x (the states are still right)."""
+
+    name = "kit_bug_mamba2_no_d"
+
+    def forward_mamba2(self, xbc, conv_weight, conv_bias, dt, dt_bias, A, D, state, metadata):
+        return super().forward_mamba2(xbc, conv_weight, conv_bias, dt, dt_bias, A, torch.zeros_like(D), state, metadata)
+
+
+class Mamba2IgnoresDtLimit(CpuMamba2):
+    """cpu_mamba2 that never clamps the time steps to spec.dt_limit."""
+
+    name = "kit_bug_mamba2_no_dt_limit"
+
+    def __init__(self, spec, block_size, dtype, device):
+        super().__init__(spec, block_size, dtype, device)
+        self.spec = dataclasses.replace(spec, dt_limit=(0.0, float("inf")))
+
+
+class Mamba2IgnoresFresh(CpuMamba2):
+    """cpu_mamba2 continuing whatever a slot held, even for a sequence with no cached tokens."""
+
+    name = "kit_bug_mamba2_stale_state"
+
+    def build_metadata(self, common):
+        metadata = super().build_metadata(common)
+        metadata.fresh = torch.zeros_like(metadata.fresh)
+        return metadata
+
+
+class Mamba2WrongGroup(CpuMamba2):
+    """cpu_mamba2 whose heads read B and C from the groups in reverse order (group G - 1 - g)."""
+
+    name = "kit_bug_mamba2_wrong_group"
+
+    def forward_mamba2(self, xbc, conv_weight, conv_bias, dt, dt_bias, A, D, state, metadata):
+        spec = self.spec
+        x_channels, width = spec.num_heads * spec.head_size, spec.state_size
+        groups = torch.arange(spec.num_groups).flip(0)[:, None] * width + torch.arange(width)  # [G, N]
+        perm = torch.cat([torch.arange(x_channels), x_channels + groups.flatten(),
+                          x_channels + spec.num_groups * width + groups.flatten()])
+        bias = None if conv_bias is None else conv_bias[perm]
+        return super().forward_mamba2(xbc[:, perm], conv_weight[perm], bias, dt, dt_bias, A, D, state, metadata)
+
+
+class Mamba2PrivateState(CpuMamba2):
+    """cpu_mamba2 continuing from its own copy of the states and copying that into the slots
+    after each step: slot rows copied between steps (snapshots, rewinds) are lost."""
+
+    name = "kit_bug_mamba2_private_state"
+
+    def forward_mamba2(self, xbc, conv_weight, conv_bias, dt, dt_bias, A, D, state, metadata):
+        if not hasattr(self, "own_state"):
+            self.own_state = state.clone()
+        y = super().forward_mamba2(xbc, conv_weight, conv_bias, dt, dt_bias, A, D, self.own_state, metadata)
+        state.copy_(self.own_state)
+        return y
+
+
 @engine.hookimpl
 def register_attention_backends(register):
     for cls in (ReferencePaged, WrongScale, DefaultScale, CausalSeesNextKey, CausalDropsDiagonal, IgnoresWindow,
@@ -401,7 +468,8 @@ def register_attention_backends(register):
                 MlaDefaultScale, MlaCausalSeesNextKey, MlaNoCacheWrite, CpuMlaWrongScale, SparseIgnoresIndices,
                 SparsePaddingIsPositionZero, SparseNoLse, ReferenceIndexer, IndexerSeesNextKey, IndexerNoCacheWrite,
                 IndexerIgnoresWeights, IndexerAlwaysAll, KdaReference, KdaIgnoresFresh, KdaForgetsState,
-                KdaNoConvolution):
+                KdaNoConvolution, Mamba2Reference, Mamba2IgnoresD, Mamba2IgnoresDtLimit, Mamba2IgnoresFresh,
+                Mamba2WrongGroup, Mamba2PrivateState):
         register(cls)
 '''
 
@@ -413,6 +481,7 @@ ATTENTION_CHECKS = ATTENTION_OUTPUTS | WRITE_CHECK
 MLA_CHECKS = {"test_mla"} | WRITE_CHECK
 OTHER_CHECKS = {"test_discoverable", "test_validate"}
 INDEXER_CHECKS = {"test_indexer"} | WRITE_CHECK
+MAMBA2_CHECKS = {"test_mamba2", "test_mamba2_state"}
 VARIANTS = {
     "kit_ref": ("none: the correct reference", set(), ATTENTION_CHECKS | OTHER_CHECKS),
     "kit_bug_scale": (
@@ -499,6 +568,20 @@ VARIANTS = {
     ),
     "kit_bug_kda_no_state": ("KDA never writes its state back", {"test_linear"}, OTHER_CHECKS),
     "kit_bug_kda_no_conv": ("KDA's short convolution sees only the current token", {"test_linear"}, OTHER_CHECKS),
+    "kit_mamba2_ref": ("none: the real cpu_mamba2", set(), MAMBA2_CHECKS | OTHER_CHECKS),
+    "kit_bug_mamba2_no_d": ("Mamba-2 leaves out D · x", {"test_mamba2"}, {"test_mamba2_state"} | OTHER_CHECKS),
+    "kit_bug_mamba2_no_dt_limit": ("Mamba-2 never clamps the time steps to dt_limit", MAMBA2_CHECKS, OTHER_CHECKS),
+    "kit_bug_mamba2_stale_state": (
+        "Mamba-2 continues a slot's stale state for a fresh sequence",
+        MAMBA2_CHECKS,
+        OTHER_CHECKS,
+    ),
+    "kit_bug_mamba2_wrong_group": ("Mamba-2 heads read B and C from the wrong group", MAMBA2_CHECKS, OTHER_CHECKS),
+    "kit_bug_mamba2_private_state": (
+        "Mamba-2 continues from its own copy of the states, losing copies of slot rows",
+        MAMBA2_CHECKS,
+        OTHER_CHECKS,
+    ),
 }
 
 

@@ -30,6 +30,12 @@ class TestCpuKdaKit(AttentionBackendTests):
     dtypes = ("float32", "bfloat16")
 
 
+class TestCpuMamba2Kit(AttentionBackendTests):
+    plugin = "cpu"
+    backend_name = "cpu_mamba2"
+    dtypes = ("float32", "bfloat16")
+
+
 # platform
 
 

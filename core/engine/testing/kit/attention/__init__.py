@@ -13,9 +13,15 @@ MLA: over the positions the kit selected for each query). An indexer's selection
 are checked against :func:`engine.testing.oracles.naive_index_scores`: the right
 number of distinct causal positions, none scoring below one left out.
 
+A recurrent kind (one state per request, in slots) runs steps
+that continue each request's state, every output compared with a token-by-token oracle over
+the whole sequence: :func:`engine.testing.oracles.naive_kda` for linear attention,
+:func:`engine.testing.kit.attention.mamba2.naive_mamba2` for Mamba-2 (and the states left
+in the slots with it).
+
 One module per kind holds that kind's checks (``paged``, ``mla``, ``indexer``,
-``linear``), ``common`` the checks every backend runs, ``base`` and ``steps`` what they
-share; :class:`AttentionBackendTests` composes them.
+``linear``, ``mamba2``), ``common`` the checks every backend runs, ``base`` and ``steps``
+what they share; :class:`AttentionBackendTests` composes them.
 """
 
 from __future__ import annotations
@@ -48,6 +54,15 @@ from engine.testing.kit.attention.base import (
 from engine.testing.kit.attention.common import CommonChecks
 from engine.testing.kit.attention.indexer import INDEXER_NUM_HEADS, INDEXER_TOPKS, IndexerChecks
 from engine.testing.kit.attention.linear import LINEAR_SHAPES, LONG_CHUNKS, LinearChecks
+from engine.testing.kit.attention.mamba2 import (
+    MAMBA2_BATCHES,
+    MAMBA2_SHAPES,
+    REWIND_AT,
+    REWIND_STEPS,
+    Mamba2Case,
+    Mamba2Checks,
+    naive_mamba2,
+)
 from engine.testing.kit.attention.mla import MLA_NUM_HEADS, SPARSE_WIDTHS, MLAChecks, random_selections
 from engine.testing.kit.attention.paged import HEAD_LAYOUTS, WINDOWS, PagedChecks
 from engine.testing.kit.attention.steps import PagedCacheSteps, PagedCase
@@ -55,7 +70,7 @@ from engine.testing.kit.base import KitTests, capability_skip  # noqa: F401
 from engine.testing.oracles import naive_attention, naive_index_scores, naive_kda, naive_mla_attention  # noqa: F401
 
 
-class AttentionBackendTests(LinearChecks, IndexerChecks, MLAChecks, PagedChecks, CommonChecks):
+class AttentionBackendTests(Mamba2Checks, LinearChecks, IndexerChecks, MLAChecks, PagedChecks, CommonChecks):
     """Kit for an attention backend. Set ``plugin`` and ``backend_name``; ``dtypes`` lists the
     compute dtypes to check (default float32 only): each listed dtype the backend declares in
     ``capabilities.dtypes`` is checked, a listed one it does not declare skips, and a declared
@@ -75,6 +90,8 @@ __all__ = [
     "KIT_HEAD_SIZES",
     "LINEAR_SHAPES",
     "LONG_CHUNKS",
+    "MAMBA2_BATCHES",
+    "MAMBA2_SHAPES",
     "MLA_NUM_HEADS",
     "MLA_SIZES",
     "SPARSE_WIDTHS",
@@ -85,11 +102,16 @@ __all__ = [
     "IndexerChecks",
     "LinearChecks",
     "MLAChecks",
+    "Mamba2Case",
+    "Mamba2Checks",
     "PagedCacheSteps",
     "PagedCase",
     "PagedChecks",
+    "REWIND_AT",
+    "REWIND_STEPS",
     "bits",
     "make_common_metadata",
+    "naive_mamba2",
     "random_batch",
     "random_selections",
     "shuffled_block_tables",

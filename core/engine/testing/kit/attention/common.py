@@ -1,6 +1,6 @@
 """Checks every attention backend runs, whatever kinds it declares: it is discoverable, its
 ``validate`` agrees with its capabilities, and its cache writes land where later steps read
-them (the first declared kind with a per-token cache)."""
+them (the first declared kind with a per-token cache; recurrent kinds keep none)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from engine.interfaces.attention import (
     ATTENTION_KINDS,
     INDEXER,
     LINEAR,
+    MAMBA2,
     MHA,
     MLA,
+    RECURRENT_KINDS,
     SLIDING_WINDOW,
     SPARSE_MLA,
     AttentionBackend,
@@ -48,11 +50,16 @@ class CommonChecks(PagedCacheSteps):
 
         Only the cache is checked here, not the attention outputs: those are the kind's
         checks (``test_mha``, ``test_sliding_window``, ``test_mla``, ``test_sparse_mla``,
-        ``test_indexer``), whose second step reads what the first one wrote."""
+        ``test_indexer``), whose second step reads what the first one wrote. A backend of
+        recurrent kinds alone (``linear``, ``mamba2``: no per-token cache) skips it."""
         kinds = self.backend_class().capabilities.kinds
-        kind = next((k for k in ATTENTION_KINDS if k in kinds and k != LINEAR), None)
-        if kind is None and LINEAR in kinds:
-            pytest.skip("linear attention keeps one state per request, no per-token cache (test_linear checks it)")
+        kind = next((k for k in ATTENTION_KINDS if k in kinds and k not in RECURRENT_KINDS), None)
+        if kind is None and kinds & set(RECURRENT_KINDS):
+            recurrent = ", ".join(sorted(kinds & set(RECURRENT_KINDS)))
+            pytest.skip(
+                f"recurrent kinds ({recurrent}) keep one state per request, no per-token cache "
+                "(test_linear, test_mamba2 and test_mamba2_state check it)"
+            )
         kind = kind or MHA
         cls, device = self.setup_backend(kind, dtype, engine_device, block_size)
         gen = torch.Generator().manual_seed(zlib.crc32(f"write/{block_size}/{dtype}".encode()))
@@ -126,6 +133,10 @@ class CommonChecks(PagedCacheSteps):
             spec = AttentionSpec(kind, 4, 1, self.head_size(0), 0.25, index_topk=8)
         elif kind == LINEAR:  # a state per request
             spec = AttentionSpec(kind, 4, 4, self.head_size(0), 0.25, value_size=self.head_size(0), conv_kernel=4)
+        elif kind == MAMBA2:  # a state per request, B and C in groups, clamped time steps
+            spec = AttentionSpec(
+                kind, 4, 4, self.head_size(0), 1.0, conv_kernel=4, state_size=16, num_groups=2, dt_limit=(0.0, 8.0)
+            )
         reasons = cls.validate(spec, platform=platform, dtype=dtype, block_size=block_size)
         assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons), reasons
         request = f"{spec}, platform {platform}, dtype {dtype}, block size {block_size}"

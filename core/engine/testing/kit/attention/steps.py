@@ -1,7 +1,7 @@
-"""One engine step over a backend that caches per token (every kind but linear): a
-:class:`PagedCase` holds the backend, its cache and every sequence's inputs by position, and
-:meth:`PagedCacheSteps.run_step` runs a step through the kind's forward method and checks the
-result against the oracle."""
+"""One engine step over a backend that caches per token (every kind but the recurrent ones,
+linear attention and Mamba-2): a :class:`PagedCase` holds the backend, its cache and every
+sequence's inputs by position, and :meth:`PagedCacheSteps.run_step` runs a step through the
+kind's forward method and checks the result against the oracle."""
 
 from __future__ import annotations
 

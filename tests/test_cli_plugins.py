@@ -154,7 +154,7 @@ def test_plugins_text_lists_plugins_hooks_and_components(capsys):
         "  attention_backends: cpu_indexer, cpu_kda, cpu_mamba2, cpu_mla, cpu_paged",
         "built into the engine:",
         "  attention_backends: triton_kda, triton_mamba2, triton_mla, triton_paged",
-        "  spec_proposers: draft, ngram",
+        "  spec_proposers: draft, mtp, ngram",
         "  kv_tiers: cpu",
     ]
 
@@ -287,12 +287,12 @@ def test_plugins_with_an_empty_selection_loads_none(capsys, monkeypatch, how):
     assert {kind: [e["name"] for e in entries] for kind, entries in report["components"].items() if entries} == {
         "attention_backends": ["triton_kda", "triton_mamba2", "triton_mla", "triton_paged"],
         "kv_tiers": ["cpu"],
-        "spec_proposers": ["draft", "ngram"],
+        "spec_proposers": ["draft", "mtp", "ngram"],
     }
     assert report["components"]["kv_tiers"][0]["plugin"] == "engine"
 
     rc, out, _ = run_engine_plugins(capsys, "--plugins", "")
     assert out == (
         "No plugins loaded.\nbuilt into the engine:\n  attention_backends: triton_kda, triton_mamba2, triton_mla, triton_paged\n"
-        "  spec_proposers: draft, ngram\n  kv_tiers: cpu\n"
+        "  spec_proposers: draft, mtp, ngram\n  kv_tiers: cpu\n"
     )

@@ -115,7 +115,7 @@ def test_empty_selection_loads_no_plugin(factory, monkeypatch, form):
     components = pm.components()
     built_in = {
         "kv_tiers": ["cpu"],
-        "spec_proposers": ["draft", "ngram"],
+        "spec_proposers": ["draft", "mtp", "ngram"],
         "attention_backends": ["triton_kda", "triton_mamba2", "triton_mla", "triton_paged"],
     }
     for kind in KINDS:  # only what the engine ships itself

@@ -26,7 +26,7 @@ from plugin_helpers import PluginFactory, hooks_source  # noqa: E402
 KV_TIER = "engine.interfaces.kv_tier:KVTier"
 BUILT_INS = {
     "kv_tiers": ["cpu"],
-    "spec_proposers": ["draft", "ngram"],  # what the engine registers itself, with no plugin
+    "spec_proposers": ["draft", "mtp", "ngram"],  # what the engine registers itself, with no plugin
     "attention_backends": ["triton_kda", "triton_mamba2", "triton_mla", "triton_paged"],
 }
 

@@ -117,8 +117,9 @@ class EngineConfig(BaseModel):
     speculative_method: str | None = Field(
         None,
         description="Speculative decoding: a proposer drafts tokens, the model verifies them in one pass "
-        "(outputs are unchanged): ngram (prompt lookup), draft (a small model, see speculative_config), a plugin's "
-        "proposer or module.path:Class.",
+        "(outputs are unchanged): ngram (prompt lookup), draft (a small model, see speculative_config), mtp (the "
+        "checkpoint's own multi-token-prediction block: DeepSeek, Qwen3.5, Qwen3-Next), a plugin's proposer or "
+        "module.path:Class.",
     )
     num_speculative_tokens: int = Field(
         4, ge=1, le=64, description="Most draft tokens per request and step (fewer when acceptance or load says so)."

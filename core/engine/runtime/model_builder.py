@@ -1,5 +1,5 @@
 """Building a model and its paged KV cache the way the engine does (also used by
-proposers that load a model of their own: ``draft``, DeepSeek's ``mtp``)."""
+proposers that load a model of their own: ``draft``, ``mtp``)."""
 
 from __future__ import annotations
 

@@ -5,4 +5,5 @@ request gets. Proposers that ship with the engine are registered without a plugi
 BUILTIN_SPEC_PROPOSERS = {
     "ngram": "engine.spec_decode.ngram:NgramProposer",
     "draft": "engine.spec_decode.draft:DraftModelProposer",
+    "mtp": "engine.spec_decode.mtp:MtpProposer",
 }

@@ -1,5 +1,6 @@
-"""Hook implementations of engine-deepseek-v4: the three models, the ``mtp`` proposer, the
-family's tool-call parsers and its reasoning parser. Imports nothing heavy."""
+"""Hook implementations of engine-deepseek-v4: the three models and their multi-token-prediction
+blocks (``"<Architecture>.mtp"``, which the engine's ``mtp`` proposer drafts with), the family's
+tool-call parsers and its reasoning parser. Imports nothing heavy."""
 
 import engine
 
@@ -9,11 +10,10 @@ def register_models(register):
     register("DeepseekV3ForCausalLM", "engine_deepseek_v4.deepseek_v3:DeepseekV3ForCausalLM")
     register("DeepseekV32ForCausalLM", "engine_deepseek_v4.deepseek_v3:DeepseekV32ForCausalLM")
     register("DeepseekV4ForCausalLM", "engine_deepseek_v4.deepseek_v4:DeepseekV4ForCausalLM")
-
-
-@engine.hookimpl
-def register_spec_proposers(register):
-    register("mtp", "engine_deepseek_v4.mtp:MtpProposer")
+    # the blocks the engine's mtp proposer drafts with (engine.spec_decode.mtp)
+    register("DeepseekV3ForCausalLM.mtp", "engine_deepseek_v4.mtp:MtpLayer")
+    register("DeepseekV32ForCausalLM.mtp", "engine_deepseek_v4.mtp:MtpLayer")
+    register("DeepseekV4ForCausalLM.mtp", "engine_deepseek_v4.mtp:MtpV4Module")
 
 
 @engine.hookimpl

@@ -374,7 +374,9 @@ class Qwen3_5ForCausalLM(Model):
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
-    def make_mlp(self, config: HFConfig, d: Dims, index: int, dtype: torch.dtype, tp) -> nn.Module:
+    @classmethod
+    def make_mlp(cls, config: HFConfig, d: Dims, index: int, dtype: torch.dtype, tp) -> nn.Module:
+        """Layer ``index``'s MLP (the multi-token-prediction block's layers count from 0 too)."""
         return GatedMLP(d.hidden_size, d.intermediate_size, False, dtype, tp=tp)
 
     def kv_cache_specs(self) -> list[AttentionSpec]:
@@ -394,7 +396,7 @@ class Qwen3_5ForCausalLM(Model):
         def renamed():
             for name, tensor in weights:
                 if name.startswith("mtp."):
-                    continue  # the multi-token-prediction layer: not a proposer here yet
+                    continue  # the multi-token-prediction block: the mtp proposer's (engine_qwen.mtp)
                 if name.startswith("lm_head.") and self.tie_word_embeddings:
                     continue
                 name = name.replace(".linear_attn.", ".mixer.").replace(".self_attn.", ".mixer.")
@@ -422,7 +424,8 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """Qwen3.5-MoE: every layer's MLP is routed experts (softmax top-k, renormalised) and a
     gated shared expert."""
 
-    def make_mlp(self, config: HFConfig, d: Dims, index: int, dtype: torch.dtype, tp) -> nn.Module:
+    @classmethod
+    def make_mlp(cls, config: HFConfig, d: Dims, index: int, dtype: torch.dtype, tp) -> nn.Module:
         return SparseMoE(config, d.hidden_size, dtype, tp)
 
 
@@ -436,7 +439,8 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
 
     tool_parser = "hermes"  # Qwen3-Next-Instruct writes <tool_call> JSON
 
-    def make_mlp(self, config: HFConfig, d: Dims, index: int, dtype: torch.dtype, tp) -> nn.Module:
+    @classmethod
+    def make_mlp(cls, config: HFConfig, d: Dims, index: int, dtype: torch.dtype, tp) -> nn.Module:
         sparse = (
             index not in (config.get("mlp_only_layers") or ())
             and config.get("num_experts", 0) > 0

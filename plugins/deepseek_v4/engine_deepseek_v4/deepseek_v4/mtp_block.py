@@ -1,5 +1,5 @@
 """DeepSeek-V4's multi-token-prediction block (``mtp.0.*``) as a model of its own, which the
-``mtp`` proposer (``engine_deepseek_v4.mtp``) builds, loads and drafts with. It is built of
+engine's ``mtp`` proposer (``engine.spec_decode.mtp``) builds, loads and drafts with. It is built of
 V4's own layers, so it sits with them; V3's MTP layer is ``mtp.MtpLayer``."""
 
 from __future__ import annotations

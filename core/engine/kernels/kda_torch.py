@@ -22,24 +22,67 @@ CHUNK = 64
 
 
 @dataclass
-class KdaMetadata:
+class StateMetadata:
+    """A step's metadata for the kinds that keep a state per request (KDA, and Mamba-2 too)."""
+
     common: CommonAttentionMetadata
     token_seq: torch.Tensor  # [T] the sequence of each new token
     token_row: torch.Tensor  # [T] its row within the sequence's new tokens
     fresh: torch.Tensor  # [B] True where the sequence starts from a zero state
 
 
-def build_metadata(common: CommonAttentionMetadata) -> KdaMetadata:
-    return KdaMetadata(common, common.token_seq, common.token_row, common.context_lens == 0)
+KdaMetadata = StateMetadata
 
 
-def split_state(spec: AttentionSpec, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def build_metadata(common: CommonAttentionMetadata) -> StateMetadata:
+    return StateMetadata(common, common.token_seq, common.token_row, common.context_lens == 0)
+
+
+def split_state(
+    spec: AttentionSpec, states: torch.Tensor, last: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of every slot's flat float32 state: (conv inputs [slots, kernel - 1, channels], S
-    [slots, H, head_size, value_size])."""
+    [slots, H, head_size, last]); ``last`` is the spec's value_size unless given (Mamba-2 passes
+    its state_size)."""
     conv_numel = (spec.conv_kernel - 1) * spec.conv_channels
     conv = states[:, :conv_numel].view(-1, spec.conv_kernel - 1, spec.conv_channels)
-    recurrent = states[:, conv_numel:].view(-1, spec.num_heads, spec.head_size, spec.value_size)
+    recurrent = states[:, conv_numel:].view(-1, spec.num_heads, spec.head_size, last or spec.value_size)
     return conv, recurrent
+
+
+def convolve_padded(
+    spec: AttentionSpec,
+    inputs: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    state: torch.Tensor,
+    metadata: StateMetadata,
+    last: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The short convolution of a step's sequences padded to [sequences, rows]: each sequence's
+    kept inputs (zeros for fresh sequences) first, then its new tokens' ``inputs`` [T, channels].
+    Saves each sequence's last ``kernel - 1`` inputs back to its slot. Returns the convolution
+    [B, rows, channels] (float32, before the activation) and the initial S [B, H, head_size,
+    last] (zeros for fresh sequences); ``last`` as for :func:`split_state`."""
+    common = metadata.common
+    width = spec.conv_kernel - 1
+    slots = common.state_slots
+    conv_states, recurrent_states = split_state(spec, state, last)
+    fresh = metadata.fresh[:, None, None]
+    kept = conv_states[slots].masked_fill(fresh, 0.0)  # [B, kernel - 1, C]
+    initial = recurrent_states[slots].masked_fill(fresh[..., None], 0.0)  # [B, H, head_size, last]
+    num_seqs, rows = common.num_seqs, common.max_query_len
+    padded = inputs.new_zeros(num_seqs, width + rows, spec.conv_channels, dtype=torch.float32)
+    padded[:, :width] = kept
+    padded[metadata.token_seq, width + metadata.token_row] = inputs.float()
+    windows = padded.unfold(1, spec.conv_kernel, 1)  # [B, rows, C, kernel]
+    convolved = torch.einsum("btck,ck->btc", windows, conv_weight.float())
+    if conv_bias is not None:
+        convolved = convolved + conv_bias.float()
+    # the convolution inputs kept for the next step: each sequence's last kernel - 1
+    ends = common.query_lens[:, None] + torch.arange(width, device=state.device)[None, :]
+    conv_states[slots] = padded[torch.arange(num_seqs, device=state.device)[:, None], ends]
+    return convolved, initial
 
 
 def prepare(
@@ -49,28 +92,16 @@ def prepare(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    metadata: KdaMetadata,
+    metadata: StateMetadata,
 ):
     """The step's inputs padded per sequence and convolved, the convolution inputs saved back to
     the slots. Returns q, k, g [B, rows, H, head_size], v [B, rows, H, value_size], beta [B, rows,
     H] (float32) and the initial S [B, H, head_size, value_size] (zeros for fresh sequences)."""
-    common = metadata.common
-    heads, dk, dv, width = spec.num_heads, spec.head_size, spec.value_size, spec.conv_kernel - 1
-    slots = common.state_slots
-    conv_states, recurrent_states = split_state(spec, state)
-    fresh = metadata.fresh[:, None, None]
-    kept = conv_states[slots].masked_fill(fresh, 0.0)  # [B, kernel - 1, C]
-    initial = recurrent_states[slots].masked_fill(fresh[..., None], 0.0)  # [B, H, dk, dv]
-    num_seqs, rows = common.num_seqs, common.max_query_len
+    heads, dk, dv = spec.num_heads, spec.head_size, spec.value_size
+    convolved, initial = convolve_padded(spec, mixed_qkv, conv_weight, None, state, metadata)
+    activated = F.silu(convolved)  # [B, rows, C]
+    num_seqs, rows = metadata.common.num_seqs, metadata.common.max_query_len
     seq, row = metadata.token_seq, metadata.token_row
-    inputs = mixed_qkv.new_zeros(num_seqs, width + rows, spec.conv_channels, dtype=torch.float32)
-    inputs[:, :width] = kept
-    inputs[seq, width + row] = mixed_qkv.float()
-    windows = inputs.unfold(1, spec.conv_kernel, 1)  # [B, rows, C, kernel]
-    activated = F.silu(torch.einsum("btck,ck->btc", windows, conv_weight.float()))  # [B, rows, C]
-    # the convolution inputs kept for the next step: each sequence's last kernel - 1
-    ends = common.query_lens[:, None] + torch.arange(width, device=state.device)[None, :]
-    conv_states[slots] = inputs[torch.arange(num_seqs, device=state.device)[:, None], ends]
     q, k, v = activated.split([heads * dk, heads * dk, heads * dv], dim=-1)
     q = l2_normalize(q.view(num_seqs, rows, heads, dk)) * spec.scale
     k = l2_normalize(k.view(num_seqs, rows, heads, dk))

@@ -23,6 +23,28 @@ from engine.kernels.mamba2_torch import Mamba2Metadata, build_metadata, prepare,
 
 
 @triton.jit
+def _program_head(A, D, lengths, heads, groups):
+    """This program's sequence and head, the head's group of B and C, its A and D, and the
+    sequence's length (both kernels start from them)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    return seq, head, head // (heads // groups), tl.load(A + head), tl.load(D + head), tl.load(lengths + seq)
+
+
+@triton.jit
+def _head_state(state, seq, head, head_size, state_size, state_stride, BP: tl.constexpr, BN: tl.constexpr):
+    """The offsets over head_size and state_size with their masks, and the head's state: its
+    pointers and mask (to store it back to at the end) and the [BP, BN] tile loaded from them."""
+    offs_p = tl.arange(0, BP)
+    offs_n = tl.arange(0, BN)
+    mask_p = offs_p < head_size
+    mask_n = offs_n < state_size
+    mask_s = mask_p[:, None] & mask_n[None, :]
+    s_ptr = state + seq * state_stride + head * head_size * state_size + offs_p[:, None] * state_size + offs_n[None, :]
+    return offs_p, mask_p, offs_n, mask_n, s_ptr, mask_s, tl.load(s_ptr, mask=mask_s, other=0.0)
+
+
+@triton.jit
 def _mamba2_recurrent(
     x,
     delta,
@@ -44,19 +66,10 @@ def _mamba2_recurrent(
 ):
     """x, out: [B, rows, H, P]; Δ [B, rows, H]; b, c [B, rows, G, N]; A, D [H] (contiguous,
     fp32); state [B, H, P, N] with ``state_stride`` between sequences; lengths [B]."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    group = head // (heads // groups)
-    offs_p = tl.arange(0, BP)
-    offs_n = tl.arange(0, BN)
-    mask_p = offs_p < head_size
-    mask_n = offs_n < state_size
-    mask_s = mask_p[:, None] & mask_n[None, :]
-    s_ptr = state + seq * state_stride + head * head_size * state_size + offs_p[:, None] * state_size + offs_n[None, :]
-    s = tl.load(s_ptr, mask=mask_s, other=0.0)
-    a_h = tl.load(A + head)
-    d_h = tl.load(D + head)
-    length = tl.load(lengths + seq)
+    seq, head, group, a_h, d_h, length = _program_head(A, D, lengths, heads, groups)
+    offs_p, mask_p, offs_n, mask_n, s_ptr, mask_s, s = _head_state(
+        state, seq, head, head_size, state_size, state_stride, BP, BN
+    )
     for t in range(0, length):
         token = seq * rows + t
         x_t = tl.load(x + (token * heads + head) * head_size + offs_p, mask=mask_p, other=0.0)
@@ -96,20 +109,11 @@ def _mamba2_chunked(
     it: ``y = (C Bᵀ ∘ L) (Δ x) + (C ∘ e^a) Sᵀ + D x`` where ``L_ij = e^{a_i - a_j}`` for ``j <=
     i`` and 0 above, then ``S ← e^{a_last} S + (Δ x ∘ e^{a_last - a})ᵀ B``. Every exponent is a
     difference ``<= 0`` (or a cumulative sum ``<= 0``), so nothing overflows."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    group = head // (heads // groups)
+    seq, head, group, a_h, d_h, length = _program_head(A, D, lengths, heads, groups)
+    offs_p, mask_p, offs_n, mask_n, s_ptr, mask_s, s = _head_state(
+        state, seq, head, head_size, state_size, state_stride, BP, BN
+    )  # s: [BP, BN]
     t = tl.arange(0, C)
-    offs_p = tl.arange(0, BP)
-    offs_n = tl.arange(0, BN)
-    mask_p = offs_p < head_size
-    mask_n = offs_n < state_size
-    mask_s = mask_p[:, None] & mask_n[None, :]
-    s_ptr = state + seq * state_stride + head * head_size * state_size + offs_p[:, None] * state_size + offs_n[None, :]
-    s = tl.load(s_ptr, mask=mask_s, other=0.0)  # [BP, BN]
-    a_h = tl.load(A + head)
-    d_h = tl.load(D + head)
-    length = tl.load(lengths + seq)
     causal = t[:, None] >= t[None, :]
     for start in range(0, length, C):
         token = seq * rows + start + t  # [C]

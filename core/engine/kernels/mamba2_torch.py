@@ -12,35 +12,24 @@ backends share and the Triton kernels are checked against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
-from engine.interfaces.attention import AttentionSpec, CommonAttentionMetadata
+from engine.interfaces.attention import AttentionSpec
+from engine.kernels import kda_torch
+from engine.kernels.kda_torch import StateMetadata
+from engine.kernels.kda_torch import build_metadata as build_metadata
 
 CHUNK = 64
 
-
-@dataclass
-class Mamba2Metadata:
-    common: CommonAttentionMetadata
-    token_seq: torch.Tensor  # [T] the sequence of each new token
-    token_row: torch.Tensor  # [T] its row within the sequence's new tokens
-    fresh: torch.Tensor  # [B] True where the sequence starts from a zero state
-
-
-def build_metadata(common: CommonAttentionMetadata) -> Mamba2Metadata:
-    return Mamba2Metadata(common, common.token_seq, common.token_row, common.context_lens == 0)
+# a step's metadata, and how it is built, are KDA's: both kinds keep a state per request
+Mamba2Metadata = StateMetadata
 
 
 def split_state(spec: AttentionSpec, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of every slot's flat float32 state: (conv inputs [slots, kernel - 1, channels], S
     [slots, H, head_size, state_size])."""
-    conv_numel = (spec.conv_kernel - 1) * spec.conv_channels
-    conv = states[:, :conv_numel].view(-1, spec.conv_kernel - 1, spec.conv_channels)
-    ssm = states[:, conv_numel:].view(-1, spec.num_heads, spec.head_size, spec.state_size)
-    return conv, ssm
+    return kda_torch.split_state(spec, states, spec.state_size)
 
 
 def time_steps(spec: AttentionSpec, dt: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
@@ -75,26 +64,12 @@ def prepare(
     to the slots. Returns x [B, rows, H, head_size], B and C [B, rows, G, state_size], Δ [B,
     rows, H] (float32, 0 on padding) and the initial S [B, H, head_size, state_size] (zeros for
     fresh sequences)."""
-    common = metadata.common
-    width = spec.conv_kernel - 1
-    slots = common.state_slots
-    conv_states, ssm_states = split_state(spec, state)
-    fresh = metadata.fresh[:, None, None]
-    kept = conv_states[slots].masked_fill(fresh, 0.0)  # [B, kernel - 1, C]
-    initial = ssm_states[slots].masked_fill(fresh[..., None], 0.0)  # [B, H, P, N]
-    num_seqs, rows = common.num_seqs, common.max_query_len
-    seq, row = metadata.token_seq, metadata.token_row
-    inputs = xbc.new_zeros(num_seqs, width + rows, spec.conv_channels, dtype=torch.float32)
-    inputs[:, :width] = kept
-    inputs[seq, width + row] = xbc.float()
-    windows = inputs.unfold(1, spec.conv_kernel, 1)  # [B, rows, C, kernel]
-    convolved = torch.einsum("btck,ck->btc", windows, conv_weight.float())
-    if conv_bias is not None:
-        convolved = convolved + conv_bias.float()
+    convolved, initial = kda_torch.convolve_padded(
+        spec, xbc, conv_weight, conv_bias, state, metadata, last=spec.state_size
+    )
     activated = F.silu(convolved).to(xbc.dtype).float()  # [B, rows, C]
-    # the convolution inputs kept for the next step: each sequence's last kernel - 1
-    ends = common.query_lens[:, None] + torch.arange(width, device=state.device)[None, :]
-    conv_states[slots] = inputs[torch.arange(num_seqs, device=state.device)[:, None], ends]
+    num_seqs, rows = metadata.common.num_seqs, metadata.common.max_query_len
+    seq, row = metadata.token_seq, metadata.token_row
     x, b, c = split_activated(spec, activated)
     delta = dt.new_zeros(num_seqs, rows, spec.num_heads, dtype=torch.float32)
     delta[seq, row] = time_steps(spec, dt, dt_bias)

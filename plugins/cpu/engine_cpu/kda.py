@@ -27,10 +27,12 @@ from engine.interfaces.attention import (
     LINEAR,
     AttentionBackend,
     AttentionCapabilities,
+    AttentionSpec,
     CommonAttentionMetadata,
 )
 from engine.kernels.kda_torch import (
     KdaMetadata,
+    StateMetadata,
     build_metadata,
     chunked,
     l2_normalize,
@@ -40,23 +42,29 @@ from engine.kernels.kda_torch import (
 )
 
 
-class CpuKdaAttention(AttentionBackend):
+class StateSlots:
+    """The cache and step metadata of a backend that keeps one flat float32 state per request
+    slot (this one and ``cpu_mamba2``)."""
+
+    spec: AttentionSpec
+
+    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.spec.state_numel())
+
+    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> StateMetadata:
+        return build_metadata(common)
+
+
+class CpuKdaAttention(StateSlots, AttentionBackend):
     name = "cpu_kda"
     capabilities = AttentionCapabilities(
         kinds=frozenset({LINEAR}),
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({"float32", "bfloat16"}),
     )
-
-    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        # one flat float32 state per slot
-        return (num_blocks, self.spec.state_numel())
-
-    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return torch.float32
-
-    def build_metadata(self, common: CommonAttentionMetadata) -> KdaMetadata:
-        return build_metadata(common)
 
     def forward(self, q, k, v, kv_cache, metadata):
         """Linear attention runs through :meth:`forward_linear`."""

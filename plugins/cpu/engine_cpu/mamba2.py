@@ -19,27 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from engine.interfaces.attention import MAMBA2, AttentionCapabilities, CommonAttentionMetadata, Mamba2Backend
-from engine.kernels.mamba2_torch import Mamba2Metadata, build_metadata, forward_chunked, forward_decode
+from engine.interfaces.attention import MAMBA2, AttentionCapabilities, Mamba2Backend
+from engine.kernels.mamba2_torch import Mamba2Metadata, forward_chunked, forward_decode
+from engine_cpu.kda import StateSlots
 
 
-class CpuMamba2(Mamba2Backend):
+class CpuMamba2(StateSlots, Mamba2Backend):
     name = "cpu_mamba2"
     capabilities = AttentionCapabilities(
         kinds=frozenset({MAMBA2}),
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({"float32", "bfloat16"}),
     )
-
-    def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        # one flat float32 state per slot
-        return (num_blocks, self.spec.state_numel())
-
-    def cache_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return torch.float32
-
-    def build_metadata(self, common: CommonAttentionMetadata) -> Mamba2Metadata:
-        return build_metadata(common)
 
     def forward_mamba2(
         self,

@@ -6,35 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM
 from engine.model_config import HFConfig
+from engine.testing import recurrent
 from engine.testing.generation import diverges_only_at_a_near_tie
 from engine.testing.generation import greedy_tokens as greedy
 from engine.testing.generation import hf_argmax_tokens as hf_greedy
 from engine.testing.generation import random_prompts as prompts
 
 PLUGINS = ["cpu", "nemotron_h"]
-
-
-def make_llm(path, **kwargs) -> LLM:
-    return LLM(
-        str(path), **{"plugins": PLUGINS, "dtype": "float32", "kv_cache_memory": 0.02, "progress": False, **kwargs}
-    )
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from engine.testing.checkpoints import make_tiny_checkpoint
-
-    path = tmp_path_factory.mktemp("nemotron_h")
-    return path, make_tiny_checkpoint("NemotronHForCausalLM", path)
+checkpoint = recurrent.checkpoint_fixture("NemotronHForCausalLM")
 
 
 def test_24_greedy_tokens_of_a_batch_match_transformers(checkpoint):
     path, hf_model = checkpoint
-    batch = prompts(0)
-    for prompt, tokens in zip(batch, greedy(make_llm(path), batch, 24)):
-        assert tokens == hf_greedy(hf_model, prompt, 24)
+    recurrent.check_greedy_tokens_match_transformers(path, PLUGINS, hf_model, 24)
 
 
 def test_bf16_greedy_tokens_match_transformers_for_32_steps(tmp_path):
@@ -46,7 +31,7 @@ def test_bf16_greedy_tokens_match_transformers_for_32_steps(tmp_path):
 
     hf_model = make_tiny_checkpoint("NemotronHForCausalLM", tmp_path / "bf16", dtype="bfloat16")
     batch = prompts(4, lengths=(6, 29, 40))
-    ours = greedy(make_llm(tmp_path / "bf16", dtype="bfloat16"), batch, 32)
+    ours = greedy(recurrent.make_llm(tmp_path / "bf16", PLUGINS, dtype="bfloat16"), batch, 32)
     theirs = [hf_greedy(hf_model, prompt, 32) for prompt in batch]
     assert all(diverges_only_at_a_near_tie(hf_model, p, a, b) for p, a, b in zip(batch, ours, theirs))
     assert sum(a == b for a, b in zip(ours, theirs)) >= 2
@@ -57,58 +42,22 @@ def test_prefill_in_chunks_equals_whole_prefill(checkpoint, chunk):
     """Prompts (one of 150 tokens, past two 64-token chunks of the scan) prefilled in steps of
     ``chunk`` tokens carry each request's SSM state and convolution inputs from step to step:
     the logits are those of one whole-prompt step, and those of transformers."""
-    import torch
-
     path, hf_model = checkpoint
-    batch = prompts(1, lengths=(9, 150, 33))
-    whole = make_llm(path).prompt_logits(batch)
-    chunked = make_llm(path, max_num_batched_tokens=chunk, max_num_seqs=3).prompt_logits(batch)
-    for prompt, a, b in zip(batch, whole, chunked):
-        assert (a - b).abs().max().item() <= 1e-4 * max(1.0, a.abs().max().item())
-        with torch.no_grad():
-            reference = hf_model(torch.tensor([prompt])).logits[0].float()
-        assert (a - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item())
+    recurrent.check_chunked_prefill_equals_whole(path, PLUGINS, chunk, hf_model=hf_model)
 
 
 @pytest.mark.parametrize("snapshots", [0, 6])
 def test_preemption_returns_state_slots_and_keeps_outputs(checkpoint, snapshots):
     """Requests preempted by recompute give their state slot back and start afresh (with state
     snapshots: from their longest cached prefix); outputs are those of one request at a time."""
-    path, _ = checkpoint
-    batch = prompts(2, lengths=(9, 33, 50, 21, 40))
-    expected = greedy(make_llm(path, max_num_seqs=1), batch, 30)
-    specs = make_llm(path).engine.model.kv_cache_specs()
-    row = sum(spec.state_numel() * 4 for spec in specs if spec.is_recurrent)
-    blocks = 12 * 16 * sum(spec.kv_bytes_per_token(4) for spec in specs)
-    llm = make_llm(
-        path,
-        kv_cache_memory=((5 + snapshots) * row + blocks) / 2**30,
-        max_model_len=128,
-        max_num_seqs=5,
-        num_state_snapshots=snapshots,
-        state_snapshot_interval=16,
-    )
-    manager = llm.engine.kv_manager
-    assert manager.num_blocks == 12
-    assert greedy(llm, batch, 30) == expected
-    assert llm.engine.scheduler.num_preemptions > 0
-    assert sorted(manager.free_state_slots) == list(range(manager.num_state_slots))
-    assert (manager.snapshot_stats.restored > 0) == bool(snapshots)
+    recurrent.check_preemption_keeps_outputs(checkpoint[0], PLUGINS, snapshots)
 
 
 def test_prefix_hits_on_two_tensor_parallel_ranks(checkpoint):
     """Both ranks copy their heads' Mamba-2 state into and out of the snapshot rows: prompts
     sharing a prefix, sent one after another to two ranks, give the greedy tokens of one rank
     without prefix caching."""
-    path, _ = checkpoint
-    prefix = prompts(6, lengths=(40,))[0]
-    batch = [prefix + suffix for suffix in prompts(7, lengths=(5, 12, 9))]
-    expected = greedy(make_llm(path, enable_prefix_caching=False), batch, 12)
-    with make_llm(path, tensor_parallel_size=2, state_snapshot_interval=16) as llm:
-        outputs = [greedy(llm, [p], 12)[0] for p in batch]
-        restored = llm.engine.kv_manager.snapshot_stats.restored
-    assert restored == len(batch) - 1
-    assert outputs == expected
+    recurrent.check_prefix_hits_on_two_tensor_parallel_ranks(checkpoint[0], PLUGINS)
 
 
 def test_the_layer_list_reads_the_pattern_and_refuses_unknown_layers():

@@ -28,7 +28,12 @@ from engine.selection import resolve_dtype, select_platform
 logger = logging.getLogger("engine")
 
 # quantization methods whose plugin is ours to name in an error, by quant_method
-QUANTIZER_DISTRIBUTIONS = {"bitsandbytes": "engine-bitsandbytes", "mxfp8": "engine-xpu", "fp8": "engine-cuda"}
+QUANTIZER_DISTRIBUTIONS = {
+    "bitsandbytes": "engine-bitsandbytes",
+    "gptq": "engine-gptq",
+    "mxfp8": "engine-xpu",
+    "fp8": "engine-cuda",
+}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""engine-gptq: GPTQ checkpoints (4-bit and 8-bit, grouped, act-order) computed from their packed weights."""

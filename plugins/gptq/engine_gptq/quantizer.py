@@ -1,0 +1,280 @@
+"""GPTQ quantization: linear layers computed from their packed integer weights.
+
+Prequantized checkpoints (AutoGPTQ, GPTQModel, optimum: ``quant_method: gptq``) load as
+they are, ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` per linear module (the layout
+is written out in :mod:`engine_gptq.packing`); unquantized checkpoints are quantized
+while loading by round-to-nearest into the same tensors. Each forward unpacks the
+weight a block of input rows at a time, dequantizes that block and multiplies it, so
+the layer never holds a dense copy of its weight.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from engine.interfaces.quantizer import LinearMethod, Quantizer
+from engine_gptq.packing import quantize_rtn, unpack_columns, unpack_rows, values_per_word
+
+logger = logging.getLogger("engine.gptq")
+
+SUPPORTED_BITS = (4, 8)
+CHECKPOINT_FORMATS = ("gptq", "gptq_v2")  # v1 stores zero - 1, v2 the zero itself
+# what --quantization-config takes (quantizing while loading)
+ON_THE_FLY_KEYS = frozenset({"bits", "group_size", "sym", "desc_act", "checkpoint_format"})
+TENSORS = ("qweight", "qzeros", "scales")
+# dequantized elements per block of a forward: a block of input rows times the outputs
+BLOCK_ELEMENTS = 1 << 21
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A validated ``quantization_config``."""
+
+    bits: int = 4
+    group_size: int = 128  # -1: one group over all the inputs
+    sym: bool = True
+    desc_act: bool = False  # act-order: g_idx permutes the input rows' groups
+    checkpoint_format: str = "gptq"
+
+    @property
+    def zeros_minus_one(self) -> bool:
+        return self.checkpoint_format == "gptq"
+
+    @classmethod
+    def parse(cls, config: dict[str, Any], *, prequantized: bool) -> Settings:
+        if not prequantized:
+            unknown = sorted(set(config) - ON_THE_FLY_KEYS - {"quant_method"})
+            if unknown:
+                raise ValueError(
+                    f"Unknown GPTQ --quantization-config key(s): {', '.join(unknown)}. "
+                    f"Known: {', '.join(sorted(ON_THE_FLY_KEYS))}."
+                )
+        where = "the checkpoint's quantization_config" if prequantized else "--quantization-config"
+        bits = config.get("bits", 4)
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(
+                f"GPTQ with bits={bits!r} ({where}) is not supported: engine-gptq computes "
+                f"{' and '.join(f'{b}-bit' for b in SUPPORTED_BITS)} GPTQ weights. Use a checkpoint "
+                f"quantized to {' or '.join(map(str, SUPPORTED_BITS))} bits."
+            )
+        group_size = config.get("group_size", 128)
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or (group_size < 1 and group_size != -1):
+            raise ValueError(f"GPTQ group_size must be -1 or a positive integer, got {group_size!r} ({where}).")
+        checkpoint_format = config.get("checkpoint_format", config.get("format", "gptq"))
+        if checkpoint_format not in CHECKPOINT_FORMATS or config.get("is_marlin_format"):
+            raise ValueError(
+                f"GPTQ checkpoint_format {checkpoint_format!r} ({where}) is not supported; engine-gptq reads "
+                f"{' and '.join(CHECKPOINT_FORMATS)}. Convert the checkpoint back to the gptq format."
+            )
+        if config.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
+            raise ValueError(f"GPTQ pack_dtype {config['pack_dtype']!r} is not supported; only int32 words.")
+        if config.get("lm_head"):
+            raise ValueError("The checkpoint's GPTQ quantization_config quantizes lm_head; engine-gptq does not.")
+        if config.get("dynamic"):
+            raise ValueError(
+                "The checkpoint's GPTQ quantization_config has per-module overrides (dynamic); engine-gptq "
+                "takes one bits / group_size for every layer."
+            )
+        for key in ("sym", "desc_act"):
+            if not isinstance(config.get(key, False), bool):
+                raise ValueError(f"GPTQ {key} must be true or false, got {config[key]!r} ({where}).")
+        return cls(
+            bits=bits,
+            group_size=group_size,
+            sym=config.get("sym", True),
+            desc_act=config.get("desc_act", False),
+            checkpoint_format=checkpoint_format,
+        )
+
+    def describe(self) -> str:
+        group = "one group per row" if self.group_size == -1 else f"groups of {self.group_size}"
+        order = ", act-order" if self.desc_act else ""
+        return f"{self.bits}-bit {'symmetric' if self.sym else 'asymmetric'}, {group}{order} ({self.checkpoint_format})"
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+class GptqLinearMethod(LinearMethod):
+    """The layer holds ``qweight`` [K / pack, N], ``qzeros`` [G, N / pack], ``scales`` [G, N]
+    and ``g_idx`` [K] with the output shards (q/k/v, gate/up) joined along N; shards whose
+    ``g_idx`` differ (act-order, each quantized apart) keep one ``g_idx_<shard>`` each."""
+
+    def __init__(self, settings: Settings, prequantized: bool) -> None:
+        self.settings = settings
+        self.prequantized = prequantized
+        self.block_elements = BLOCK_ELEMENTS
+
+    def create_weights(self, layer, input_size, output_sizes, bias, dtype) -> None:
+        pack = values_per_word(self.settings.bits)
+        odd = [size for size in [input_size, *output_sizes] if size % pack]
+        if odd:
+            raise ValueError(
+                f"A {self.settings.bits}-bit GPTQ layer packs {pack} values a word; this layer's inputs "
+                f"({input_size}) and output shards ({output_sizes}) must be multiples of {pack}."
+            )
+        if not self.prequantized:  # a plain weight, quantized after loading
+            layer.weight = _frozen(torch.empty(sum(output_sizes), input_size, dtype=dtype))
+        layer.bias = _frozen(torch.empty(sum(output_sizes), dtype=dtype)) if bias else None
+        layer.gptq_staged = {}  # prequantized: (name, shard) -> tensor, until loading ends
+        layer.gptq_device = torch.empty(0).device
+
+    def checkpoint_tensors(self, layer) -> tuple[str, ...]:
+        if not self.prequantized:
+            return super().checkpoint_tensors(layer)
+        return (*TENSORS, "bias") if layer.has_bias else TENSORS
+
+    def local_part(self, layer, name, shard, tensor) -> torch.Tensor:
+        if self.prequantized and layer.tp.is_parallel and name != "bias":
+            raise ValueError(
+                f"GPTQ tensor {name!r} of shard {shard} cannot be split across {layer.tp.size} tensor-parallel "
+                f"ranks yet; load this checkpoint with --tensor-parallel-size 1."
+            )
+        return super().local_part(layer, name, shard, tensor)
+
+    def load_weight(self, layer, name, shard, tensor) -> None:
+        if not self.prequantized or name == "bias":
+            super().load_weight(layer, name, shard, tensor)
+            return
+        if name not in (*TENSORS, "g_idx"):
+            raise KeyError(
+                f"A GPTQ checkpoint has no tensor {name!r} for a linear layer; expected "
+                f"{', '.join(self.checkpoint_tensors(layer))} and optionally g_idx."
+            )
+        layer.gptq_staged[(name, shard)] = tensor
+
+    def _shard_tensors(self, layer, shard: int) -> dict[str, torch.Tensor]:
+        """Shard ``shard``'s tensors, checked against the layer's shape and the settings."""
+        bits, pack = self.settings.bits, values_per_word(self.settings.bits)
+        rows, inputs = layer.output_sizes[shard], layer.input_size
+        if not self.prequantized:
+            return self.quantize(layer.weight.data[layer._rows(shard)])
+        tensors = {name: t for (name, s), t in layer.gptq_staged.items() if s == shard}
+        groups = tensors["scales"].shape[0]
+        expected = {
+            "qweight": ((inputs // pack, rows), (torch.int32,)),
+            "qzeros": ((groups, rows // pack), (torch.int32,)),
+            "scales": ((groups, rows), (torch.float16, torch.bfloat16, torch.float32)),
+        }
+        for name, (shape, dtypes) in expected.items():
+            tensor = tensors[name]
+            if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
+                raise ValueError(
+                    f"Shard {shard}'s GPTQ {name} is {tuple(tensor.shape)} {tensor.dtype}; a {bits}-bit layer of "
+                    f"{inputs} inputs and {rows} outputs expects {shape} {dtypes[0]} (is bits in config.json right?)."
+                )
+        size = inputs if self.settings.group_size == -1 else self.settings.group_size
+        if "g_idx" not in tensors:
+            if self.settings.desc_act:
+                raise ValueError(f"Shard {shard} has no g_idx, which an act-order (desc_act) GPTQ checkpoint needs.")
+            tensors["g_idx"] = torch.arange(inputs, dtype=torch.int32) // size
+        g_idx = tensors["g_idx"].to(torch.int32)
+        if tuple(g_idx.shape) != (inputs,) or (
+            g_idx.numel() and not 0 <= int(g_idx.min()) <= int(g_idx.max()) < groups
+        ):
+            raise ValueError(
+                f"Shard {shard}'s GPTQ g_idx must give each of the {inputs} input rows a group in [0, {groups}); "
+                f"got shape {tuple(g_idx.shape)}, values {int(g_idx.min())}..{int(g_idx.max())}."
+            )
+        tensors["g_idx"] = g_idx
+        return tensors
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        s = self.settings
+        return quantize_rtn(weight, s.bits, s.group_size, s.sym, s.desc_act, s.zeros_minus_one)
+
+    def process_weights_after_loading(self, layer) -> None:
+        shards = [self._shard_tensors(layer, shard) for shard in range(len(layer.output_sizes))]
+        del layer.gptq_staged
+        if hasattr(layer, "weight"):
+            del layer.weight
+        device = layer.gptq_device
+        for name in TENSORS:  # shards side by side along the outputs
+            layer.register_parameter(name, _frozen(torch.cat([t[name] for t in shards], dim=1).to(device)))
+        # (first output, end, g_idx) of each run of outputs sharing one g_idx
+        if all(torch.equal(t["g_idx"], shards[0]["g_idx"]) for t in shards):
+            layer.register_parameter("g_idx", _frozen(shards[0]["g_idx"].to(device, copy=True)))
+            layer.gptq_segments = [(0, sum(layer.output_sizes), layer.g_idx)]
+        else:
+            layer.gptq_segments = []
+            for shard, tensors in enumerate(shards):
+                layer.register_parameter(f"g_idx_{shard}", _frozen(tensors["g_idx"].to(device, copy=True)))
+                rows = layer._rows(shard)
+                layer.gptq_segments.append((rows.start, rows.stop, getattr(layer, f"g_idx_{shard}")))
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        bits, pack = self.settings.bits, values_per_word(self.settings.bits)
+        inputs, outputs = layer.input_size, layer.qweight.shape[1]
+        zeros = unpack_columns(layer.qzeros, bits)  # [G, N]
+        if self.settings.zeros_minus_one:
+            zeros = zeros + 1
+        scales = layer.scales.float()
+        # a block of input rows (a whole number of words) whose dequantized weight is at most BLOCK_ELEMENTS
+        block = max(pack, self.block_elements // max(outputs, 1) // pack * pack)
+        y = torch.zeros(x.shape[0], outputs, dtype=torch.float32, device=x.device)
+        for start in range(0, inputs, block):
+            end = min(start + block, inputs)
+            q = unpack_rows(layer.qweight[start // pack : end // pack], bits)  # [end - start, N]
+            xb = x[:, start:end].float()
+            for first, last, g_idx in layer.gptq_segments:
+                groups = g_idx[start:end]
+                # W[n, k] = scale[g_idx[k], n] * (q[k, n] - z[g_idx[k], n]), here transposed: [k, n]
+                w = (q[:, first:last] - zeros[groups, first:last]).float() * scales[groups, first:last]
+                # the weight as the activations' dtype holds it, multiplied in float32: the blocks' partial
+                # sums are not rounded to a 16-bit dtype before they are added
+                y[:, first:last] += xb @ w.to(x.dtype).float()
+        if layer.bias is not None:
+            y += layer.bias.float()
+        return y.to(x.dtype)
+
+    def describe(self) -> str:
+        return f"GPTQ {self.settings.describe()}, dequantized a block of input rows at a time, float32 sums (torch)"
+
+
+class GptqQuantizer(Quantizer):
+    """``quant_method: gptq``: 4-bit or 8-bit integer weights with a scale and zero per group of inputs."""
+
+    name: ClassVar[str] = "gptq"
+    # float16 too: GPTQ checkpoints are mostly float16, which the engine then computes in on a GPU
+    activation_dtypes: ClassVar[frozenset[str]] = frozenset({"bfloat16", "float16", "float32"})
+    # largest relative output error against the unquantized layer, for Gaussian weights and
+    # inputs (the kit's layers, round-to-nearest): measured, then given about 25% headroom
+    ERROR_BOUNDS: ClassVar[dict[tuple[int, bool], float]] = {
+        (4, True): 0.14,  # groups of 128 or fewer
+        (4, False): 0.16,  # one group over the inputs
+        (8, True): 0.01,
+        (8, False): 0.01,
+    }
+
+    def __init__(self, settings: Settings, prequantized: bool) -> None:
+        self.settings = settings
+        self.prequantized = prequantized
+        grouped = settings.group_size != -1 and settings.group_size <= 128
+        self.error_bound = self.ERROR_BOUNDS[(settings.bits, grouped)]
+        logger.info(
+            "GPTQ %s, %s",
+            settings.describe(),
+            "prequantized checkpoint" if prequantized else "quantized while loading (round-to-nearest)",
+        )
+
+    @classmethod
+    def from_config(cls, quantization_config: dict[str, Any], *, prequantized: bool) -> GptqQuantizer:
+        return cls(Settings.parse(quantization_config, prequantized=prequantized), prequantized)
+
+    def get_linear_method(self, layer_name: str) -> LinearMethod | None:
+        if layer_name.split(".")[-1] in ("lm_head", "gate"):  # output head, MoE router
+            return None
+        return GptqLinearMethod(self.settings, self.prequantized)
+
+    def export_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """The tensors of one GPTQ linear module, quantized by round-to-nearest."""
+        tensors = GptqLinearMethod(self.settings, False).quantize(weight)
+        if bias is not None:
+            tensors["bias"] = bias
+        return tensors

@@ -215,16 +215,7 @@ def _skip_duplicate_entry_points(pm: EnginePluginManager, name: str, group: list
         f"Uninstall one of them."
     )
     for ep in group:
-        dist = getattr(ep, "dist", None)
-        info = PluginInfo(
-            name=name,
-            source="entry_point",
-            module=ep.value,
-            distribution=_dist_name(ep),
-            version=dist.version if dist is not None else None,
-            error=message,
-        )
-        pm.plugin_infos.append(info)
+        pm.plugin_infos.append(_entry_point_info(ep, requested=False, error=message))
     warnings.warn(message, PluginLoadWarning, stacklevel=3)
     logger.warning(message)
 
@@ -271,16 +262,22 @@ def _dist_name(ep: md.EntryPoint) -> str | None:
     return dist.metadata["Name"] if dist is not None else None
 
 
-def _load_entry_point(pm: EnginePluginManager, ep: md.EntryPoint, *, requested: bool) -> None:
+def _entry_point_info(ep: md.EntryPoint, *, requested: bool, error: str | None = None) -> PluginInfo:
     dist = getattr(ep, "dist", None)
-    info = PluginInfo(
+    return PluginInfo(
         name=ep.name,
         source="entry_point",
         module=ep.value,
         distribution=_dist_name(ep),
         version=dist.version if dist is not None else None,
         requested=requested,
+        error=error,
     )
+
+
+def _load_entry_point(pm: EnginePluginManager, ep: md.EntryPoint, *, requested: bool) -> None:
+    dist = getattr(ep, "dist", None)
+    info = _entry_point_info(ep, requested=requested)
     pm.plugin_infos.append(info)
     if dist is not None:
         _check_engine_range(info, dist)

@@ -71,3 +71,25 @@ def test_rope_frequencies_equal_transformers(parameters):
     expected, expected_scaling = ROPE_INIT_FUNCTIONS[parameters["rope_type"]](config, "cpu")
     ours, scaling = inverse_frequencies(16, dict(config.rope_parameters), 512)
     assert torch.allclose(ours, expected, rtol=1e-6, atol=0) and scaling == pytest.approx(expected_scaling)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_mlp_over_many_rows_equals_the_plain_formula(bias):
+    """A prefill longer than MLP_ROWS runs in row chunks; every row is what
+    down(silu(gate(x)) * up(x)) gives it, the last, shorter chunk included."""
+    import torch.nn.functional as F
+
+    from engine.interfaces.forward_context import ForwardContext
+    from engine.layers.decoder import MLP_ROWS, GatedMLP
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(64, 96, bias, torch.float32)
+    for parameter in mlp.parameters():
+        parameter.data.normal_(0, 0.1)
+    x = torch.randn(2 * MLP_ROWS + 37, 64)
+    ctx = ForwardContext(backends=[], kv_caches=[], metadata=[])
+
+    gate_up = F.linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+    torch.testing.assert_close(mlp(x, ctx), expected, rtol=1e-5, atol=1e-6)

@@ -62,7 +62,20 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, dtype, what="intermediate_size", tp=tp)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.down_proj.forward(ctx.ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        # a long prefill runs MLP_ROWS rows at a time, so that the gate/up output each down
+        # projection reads is still in cache (every row's result is the same either way)
+        if x.shape[0] <= MLP_ROWS:
+            return self.down_proj.forward(ctx.ops.silu_and_mul(self.gate_up_proj.forward(x)))
+        out = torch.empty(x.shape[0], sum(self.down_proj.output_sizes), dtype=x.dtype, device=x.device)
+        for start in range(0, x.shape[0], MLP_ROWS):
+            rows = x[start : start + MLP_ROWS]
+            out[start : start + MLP_ROWS] = self.down_proj.forward(
+                ctx.ops.silu_and_mul(self.gate_up_proj.forward(rows))
+            )
+        return out
+
+
+MLP_ROWS = 2048  # rows of the MLP at a time: a long prefill's [rows, 2 x intermediate] stays in cache
 
 
 class PreNormDecoderLayer(nn.Module):

@@ -173,15 +173,15 @@ class Components:
                 registering.setdefault(impl.plugin_name, impl.plugin)
         for plugin_name, plugin in registering.items():
             distribution = distribution_label(plugin_name)
-            lenient = autoloaded(plugin_name)
-            register = Registration(registry, plugin_name, distribution, components=self, kind=kind.attr)
-            register.autoloaded = autoloaded
+            register = Registration(
+                registry, plugin_name, distribution, components=self, kind=kind.attr, autoloaded=autoloaded
+            )
             others = [other for other in registering.values() if other is not plugin]
             before = registry.snapshot()
             try:
                 pm.subset_hook_caller(kind.hook, remove_plugins=others)(register=register)
             except Exception as exc:
-                if lenient:
+                if autoloaded(plugin_name):
                     registry.restore(before)
                     self.skip(
                         plugin_name,
@@ -220,13 +220,14 @@ class Registration:
         *,
         components: Components | None = None,
         kind: str = "",
+        autoloaded: Callable[[str], bool] = lambda plugin: False,
     ) -> None:
         self.registry = registry
         self.plugin = plugin
         self.distribution = distribution
         self.components = components
         self.kind = kind
-        self.autoloaded: Callable[[str], bool] = lambda plugin: False
+        self.autoloaded = autoloaded  # whether a plugin was loaded without being asked for
         self._added: set[str] = set()
         self.replaced: list[Replacement] = []
 

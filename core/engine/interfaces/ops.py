@@ -9,8 +9,13 @@ the resolved object through ``ForwardContext.ops``, chosen once at start-up.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.interfaces.group_quant import GroupQuantWeight
 
 
 class LayerOps:
@@ -47,6 +52,17 @@ class LayerOps:
         allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1)[:, : logits.shape[-1]]
         rows = rows.to(logits.device)
         logits[rows] = logits[rows].masked_fill(allowed.to(logits.device) == 0, float("-inf"))
+
+    def group_quant_linear(
+        self, x: torch.Tensor, weight: GroupQuantWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, K] times a group-quantized weight (``engine.interfaces.group_quant``'s layout),
+        transposed, plus ``bias``: [T, N] in x's dtype. The reference sums in float32 the
+        products of x with the float32 dequantized weight; a kernel must agree with it to
+        float32 rounding of the sums (it may sum in any order)."""
+        from engine.interfaces.group_quant import group_quant_linear
+
+        return group_quant_linear(x, weight, bias)
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [N, V] in any float dtype -> [N] int64, the first index of each row's

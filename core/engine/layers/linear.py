@@ -9,6 +9,7 @@ from torch import nn
 
 from engine.distributed.parallel_state import SINGLE as SINGLE_RANK
 from engine.distributed.parallel_state import TensorParallel, resolve_tp
+from engine.interfaces.ops import REFERENCE_OPS, LayerOps
 from engine.interfaces.quantizer import LinearMethod, Quantizer
 from engine.layers.quantized_checkpoint import dense_tensor, quantized_checkpoint
 
@@ -74,6 +75,8 @@ class MergedLinear(nn.Module):
         self.full_input_size = full_input_size or input_size
         self.tp = resolve_tp(tp)
         self.reduce = in_slice is not None and self.tp.is_parallel
+        # the platform's layer ops (set when the model loads), for methods that call its kernels
+        self.ops: LayerOps = REFERENCE_OPS
         self.set_method(method or UnquantizedLinearMethod())
 
     def set_method(self, method: LinearMethod) -> None:

@@ -16,6 +16,7 @@ from engine.interfaces.ops import REFERENCE_OPS
 from engine.interfaces.platform import Platform
 from engine.interfaces.quantizer import Quantizer
 from engine.layers.linear import (
+    MergedLinear,
     RowByRowLinearMethod,
     UnquantizedLinearMethod,
     apply_linear_method,
@@ -72,6 +73,10 @@ def load_model(
     """Stream the checkpoint into ``model`` (dense from a quantized one with a
     ``dequantizer``), then switch its unquantized layers to the platform's linear method (its
     batch-invariant one, or every layer's method one row at a time, with ``batch_invariant``)."""
+    ops = platform.layer_ops(dtype_name) or REFERENCE_OPS
+    for module in model.modules():  # quantized methods compute with the platform's kernels
+        if isinstance(module, MergedLinear):
+            module.ops = ops
     load_weights(model, safetensors_files(model_path), progress=progress, dequantizer=dequantizer)
     if batch_invariant:
         method = platform.batch_invariant_linear_method(dtype_name)

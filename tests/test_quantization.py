@@ -106,7 +106,10 @@ def test_missing_quantizer_plugin_names_the_package_to_install(tiny_checkpoint):
     with pytest.raises(SelectionError, match=r"install engine-bitsandbytes \(pip install engine-bitsandbytes\)"):
         make_llm(path, plugins=["cpu", "llama"])
     set_quantization_config(path, {"quant_method": "awq"})
-    with pytest.raises(SelectionError, match="install a plugin that registers the quantization method 'awq'"):
+    with pytest.raises(SelectionError, match=r"install engine-awq \(pip install engine-awq\)"):
+        make_llm(path)
+    set_quantization_config(path, {"quant_method": "aqlm"})
+    with pytest.raises(SelectionError, match="install a plugin that registers the quantization method 'aqlm'"):
         make_llm(path)
 
 

@@ -29,6 +29,7 @@ logger = logging.getLogger("engine")
 
 # quantization methods whose plugin is ours to name in an error, by quant_method
 QUANTIZER_DISTRIBUTIONS = {
+    "awq": "engine-awq",
     "bitsandbytes": "engine-bitsandbytes",
     "gptq": "engine-gptq",
     "mxfp8": "engine-xpu",

@@ -1,11 +1,11 @@
 """GPTQ quantization: linear layers computed from their packed integer weights.
 
-Prequantized checkpoints (AutoGPTQ, GPTQModel, optimum: ``quant_method: gptq``) load as
-they are, ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` per linear module (the layout
-is written out in :mod:`engine_gptq.packing`); unquantized checkpoints are quantized
-while loading by round-to-nearest into the same tensors. Each forward unpacks the
-weight a block of input rows at a time, dequantizes that block and multiplies it, so
-the layer never holds a dense copy of its weight.
+Prequantized checkpoints (AutoGPTQ, GPTQModel, optimum: ``quant_method: gptq``) load
+``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` per linear module (the layout is written
+out in :mod:`engine_gptq.packing`); unquantized checkpoints are quantized while loading by
+round-to-nearest into the same tensors. Once loaded, each layer holds its weight in the
+engine's group-quantized layout (:mod:`engine_gptq.convert`) and computes it with the
+platform's kernel (``layer.ops.group_quant_linear``), so it never holds a dense copy.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from engine.interfaces.group_quant import GroupQuantWeight
 from engine.interfaces.quantizer import LinearMethod, Quantizer
-from engine_gptq.packing import quantize_rtn, unpack_columns, unpack_rows, values_per_word
+from engine_gptq.convert import to_group_quant
+from engine_gptq.packing import quantize_rtn, values_per_word
 
 logger = logging.getLogger("engine.gptq")
 
@@ -27,8 +29,8 @@ CHECKPOINT_FORMATS = ("gptq", "gptq_v2")  # v1 stores zero - 1, v2 the zero itse
 # what --quantization-config takes (quantizing while loading)
 ON_THE_FLY_KEYS = frozenset({"bits", "group_size", "sym", "desc_act", "checkpoint_format"})
 TENSORS = ("qweight", "qzeros", "scales")
-# dequantized elements per block of a forward: a block of input rows times the outputs
-BLOCK_ELEMENTS = 1 << 21
+# the GroupQuantWeight fields a layer holds as parameters (input_order only with act-order)
+HELD = ("qweight", "scales", "offsets", "input_order")
 
 
 @dataclass(frozen=True)
@@ -101,15 +103,38 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
+def hold(layer: nn.Module, weight: GroupQuantWeight, suffix: str = "") -> GroupQuantWeight:
+    """Register ``weight``'s tensors as frozen parameters of ``layer`` (``qweight<suffix>``, ...),
+    so that the engine counts and moves them, and return the GroupQuantWeight made of them."""
+    held = {}
+    for name in HELD:
+        tensor = getattr(weight, name)
+        if tensor is not None:
+            layer.register_parameter(f"{name}{suffix}", _frozen(tensor))
+            held[name] = getattr(layer, f"{name}{suffix}")
+    fields = {name: held.get(name) for name in HELD}
+    return GroupQuantWeight(
+        fields["qweight"],
+        fields["scales"],
+        fields["offsets"],
+        weight.bits,
+        weight.group_size,
+        weight.in_features,
+        weight.out_features,
+        fields["input_order"],
+    )
+
+
 class GptqLinearMethod(LinearMethod):
-    """The layer holds ``qweight`` [K / pack, N], ``qzeros`` [G, N / pack], ``scales`` [G, N]
-    and ``g_idx`` [K] with the output shards (q/k/v, gate/up) joined along N; shards whose
-    ``g_idx`` differ (act-order, each quantized apart) keep one ``g_idx_<shard>`` each."""
+    """Loads ``qweight`` [K / pack, N], ``qzeros`` [G, N / pack], ``scales`` [G, N] and ``g_idx``
+    [K] per output shard, then holds the layer as one GroupQuantWeight (parameters ``qweight``,
+    ``scales``, ``offsets`` and, with act-order, ``input_order``) over the shards joined along N.
+    Shards whose ``g_idx`` differ (act-order, each quantized apart) need different input orders,
+    so each keeps its own (``qweight_<shard>``, ...) and the layer computes them side by side."""
 
     def __init__(self, settings: Settings, prequantized: bool) -> None:
         self.settings = settings
         self.prequantized = prequantized
-        self.block_elements = BLOCK_ELEMENTS
 
     def create_weights(self, layer, input_size, output_sizes, bias, dtype) -> None:
         pack = values_per_word(self.settings.bits)
@@ -194,47 +219,34 @@ class GptqLinearMethod(LinearMethod):
         del layer.gptq_staged
         if hasattr(layer, "weight"):
             del layer.weight
-        device = layer.gptq_device
-        for name in TENSORS:  # shards side by side along the outputs
-            layer.register_parameter(name, _frozen(torch.cat([t[name] for t in shards], dim=1).to(device)))
-        # (first output, end, g_idx) of each run of outputs sharing one g_idx
+        device, bits, v1 = layer.gptq_device, self.settings.bits, self.settings.zeros_minus_one
+        # (first output, end, weight) of each run of outputs sharing one g_idx
         if all(torch.equal(t["g_idx"], shards[0]["g_idx"]) for t in shards):
-            layer.register_parameter("g_idx", _frozen(shards[0]["g_idx"].to(device, copy=True)))
-            layer.gptq_segments = [(0, sum(layer.output_sizes), layer.g_idx)]
+            joined = {name: torch.cat([t[name] for t in shards], dim=1) for name in TENSORS}  # along the outputs
+            weight = to_group_quant(**joined, g_idx=shards[0]["g_idx"], bits=bits, zeros_minus_one=v1)
+            layer.group_quant = [(0, sum(layer.output_sizes), hold(layer, weight.to(device)))]
         else:
-            layer.gptq_segments = []
+            layer.group_quant = []
             for shard, tensors in enumerate(shards):
-                layer.register_parameter(f"g_idx_{shard}", _frozen(tensors["g_idx"].to(device, copy=True)))
+                what = f"Shard {shard} of a GPTQ layer"
+                weight = to_group_quant(**tensors, bits=bits, zeros_minus_one=v1, what=what)
                 rows = layer._rows(shard)
-                layer.gptq_segments.append((rows.start, rows.stop, getattr(layer, f"g_idx_{shard}")))
+                layer.group_quant.append((rows.start, rows.stop, hold(layer, weight.to(device), f"_{shard}")))
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        bits, pack = self.settings.bits, values_per_word(self.settings.bits)
-        inputs, outputs = layer.input_size, layer.qweight.shape[1]
-        zeros = unpack_columns(layer.qzeros, bits)  # [G, N]
-        if self.settings.zeros_minus_one:
-            zeros = zeros + 1
-        scales = layer.scales.float()
-        # a block of input rows (a whole number of words) whose dequantized weight is at most BLOCK_ELEMENTS
-        block = max(pack, self.block_elements // max(outputs, 1) // pack * pack)
-        y = torch.zeros(x.shape[0], outputs, dtype=torch.float32, device=x.device)
-        for start in range(0, inputs, block):
-            end = min(start + block, inputs)
-            q = unpack_rows(layer.qweight[start // pack : end // pack], bits)  # [end - start, N]
-            xb = x[:, start:end].float()
-            for first, last, g_idx in layer.gptq_segments:
-                groups = g_idx[start:end]
-                # W[n, k] = scale[g_idx[k], n] * (q[k, n] - z[g_idx[k], n]), here transposed: [k, n]
-                w = (q[:, first:last] - zeros[groups, first:last]).float() * scales[groups, first:last]
-                # the weight as the activations' dtype holds it, multiplied in float32: the blocks' partial
-                # sums are not rounded to a 16-bit dtype before they are added
-                y[:, first:last] += xb @ w.to(x.dtype).float()
-        if layer.bias is not None:
-            y += layer.bias.float()
-        return y.to(x.dtype)
+        if len(layer.group_quant) == 1:
+            return layer.ops.group_quant_linear(x, layer.group_quant[0][2], layer.bias)
+        bias = layer.bias
+        return torch.cat(
+            [
+                layer.ops.group_quant_linear(x, weight, None if bias is None else bias[first:last])
+                for first, last, weight in layer.group_quant
+            ],
+            dim=-1,
+        )
 
     def describe(self) -> str:
-        return f"GPTQ {self.settings.describe()}, dequantized a block of input rows at a time, float32 sums (torch)"
+        return f"GPTQ {self.settings.describe()}, group-quantized layout, the platform's group_quant_linear"
 
 
 class GptqQuantizer(Quantizer):

@@ -11,6 +11,8 @@ import pytest
 import torch
 from gptq_reference import dequantize, random_module, unpack_words
 
+from engine.interfaces.group_quant import GroupQuantWeight
+from engine.interfaces.ops import LayerOps
 from engine.layers.linear import MergedLinear
 from engine_gptq.quantizer import GptqQuantizer
 
@@ -70,9 +72,9 @@ VARIANTS = list(itertools.product((4, 8), (32, 128, -1), (False, True), (True, F
 )
 def test_random_modules_match_the_dequantized_matmul(bits, group_size, act_order, sym, fmt):
     """A fused layer of two modules (each with its own act-order permutation) of 256 inputs,
-    with a bias: y = x Wᵀ + b for W dequantized by the reference, to float32 rounding in
-    float32 and to the rounding of the output in bfloat16 and float16 (half an ulp: 2**-9, 2**-12), whether the
-    input rows are taken in one block or in many."""
+    with a bias: y = x Wᵀ + b for W dequantized by the reference (exact: the layer computes
+    the float32 weight), to float32 rounding in float32 and to the rounding of the output in
+    bfloat16 and float16 (half an ulp: 2**-9, 2**-12)."""
     rng = np.random.default_rng(bits * 1000 + group_size + 10 * act_order + 3 * sym + len(fmt))
     inputs = 256
     shards = [random_module(rng, inputs, rows, bits, group_size, sym, act_order, fmt) for rows in (64, 32)]
@@ -80,21 +82,16 @@ def test_random_modules_match_the_dequantized_matmul(bits, group_size, act_order
     bias = [torch.randn(m["scales"].shape[1], generator=torch.Generator().manual_seed(i)) for i, m in enumerate(shards)]
     config = {"bits": bits, "group_size": group_size, "sym": sym, "desc_act": act_order, "checkpoint_format": fmt}
     dtypes = ((torch.float32, 1e-5), (torch.bfloat16, 4e-3), (torch.float16, 5e-4))
-    for (dtype, tolerance), block_rows in itertools.product(dtypes, (None, 24)):
+    for dtype, tolerance in dtypes:
         layer = gptq_layer(config, inputs, shards, dtype, [b.to(dtype) for b in bias])
-        if block_rows is not None:  # blocks of 24 input rows: 10 of them and a last one of 16
-            layer.method.block_elements = block_rows * 96
         for tokens in (1, 7, 40):
             x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(tokens)).to(dtype)
-            w = torch.from_numpy(weight).to(dtype).double()  # the dequantized weight in the compute dtype
-            expected = x.double() @ w.T + torch.cat(bias).to(dtype).double()
+            expected = x.double() @ torch.from_numpy(weight).T + torch.cat(bias).to(dtype).double()
             with torch.no_grad():
                 y = layer(x)
             assert y.dtype == dtype and y.shape == (tokens, 96)
             error = ((y.double() - expected).norm() / expected.norm()).item()
-            assert error <= tolerance, (
-                f"{dtype}, blocks of {block_rows or 'all'} rows, {tokens} tokens: relative error {error:.2e}"
-            )
+            assert error <= tolerance, f"{dtype}, {tokens} tokens: relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -119,3 +116,66 @@ def test_round_to_nearest_export_decodes_within_half_a_step(bits, sym, act_order
     original = weight.double().numpy()
     error = np.abs(dequantize(tensors, bits) - original)
     assert (error <= step / 2 + np.abs(original) * 2**-11).all(), f"largest error {(error / step).max():.4f} steps"
+
+
+class RecordingOps(LayerOps):
+    """The reference layer ops, noting each group-quantized weight they are given."""
+
+    def __init__(self) -> None:
+        self.weights: list[GroupQuantWeight] = []
+
+    def group_quant_linear(self, x, weight, bias=None):
+        self.weights.append(weight)
+        return super().group_quant_linear(x, weight, bias)
+
+
+@pytest.mark.parametrize("same_order", [True, False], ids=["shared-g_idx", "g_idx-per-shard"])
+def test_layer_holds_the_group_quantized_layout_and_calls_the_platform_op(same_order):
+    """After loading, the layer holds GroupQuantWeights (as its parameters, the GPTQ tensors
+    gone) and computes them through ``layer.ops.group_quant_linear``: one weight when the
+    shards share their act-order g_idx, one per shard when they do not. Each weight,
+    dequantized, is the reference's W with its inputs gathered by ``input_order``."""
+    rng = np.random.default_rng(5)
+    inputs, bits = 128, 4
+    shards = [random_module(rng, inputs, rows, bits, 32, False, True, "gptq") for rows in (32, 16)]
+    if same_order:
+        shards[1]["g_idx"] = shards[0]["g_idx"].copy()
+    layer = gptq_layer({"bits": bits, "group_size": 32, "sym": False, "desc_act": True}, inputs, shards, torch.float32)
+    names = {name for name, _ in layer.named_parameters()}
+    assert names == (
+        {"qweight", "scales", "offsets", "input_order"}
+        if same_order
+        else {f"{name}_{shard}" for name in ("qweight", "scales", "offsets", "input_order") for shard in (0, 1)}
+    )
+    layer.ops = RecordingOps()
+    x = torch.randn(3, inputs, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y = layer(x)
+    assert len(layer.ops.weights) == (1 if same_order else 2)
+    weight = np.concatenate([dequantize(m, bits) for m in shards])  # [48, 128]
+    outputs = [(0, 48)] if same_order else [(0, 32), (32, 48)]
+    for (first, last), held in zip(outputs, layer.ops.weights):
+        assert held.group_size == 32 and held.qweight.dtype == torch.uint8
+        order = held.input_order.numpy()
+        assert np.array_equal(held.dequantize().double().numpy(), weight[first:last][:, order])
+    assert torch.allclose(y.double(), x.double() @ torch.from_numpy(weight).T, rtol=1e-5, atol=1e-5)
+
+
+def test_groups_of_unequal_sizes():
+    """g_idx whose groups hold 64 and 32 inputs (96 inputs in groups of 64) compute exactly in
+    runs of 32; groups of 3 and 5 inputs, which no even size divides, are refused by name."""
+    rng = np.random.default_rng(6)
+    module = random_module(rng, 96, 16, 4, 64, False, False, "gptq_v2")
+    assert np.array_equal(np.bincount(module["g_idx"]), [64, 32])
+    layer = gptq_layer(
+        {"bits": 4, "group_size": 64, "sym": False, "checkpoint_format": "gptq_v2"}, 96, [module], torch.float32
+    )
+    [(_, _, held)] = layer.group_quant
+    assert held.group_size == 32 and held.input_order is None, "in order: no input order"
+    with torch.no_grad():
+        w_transposed = layer(torch.eye(96, dtype=torch.float32))
+    assert torch.equal(w_transposed.double(), torch.from_numpy(dequantize(module, 4, "gptq_v2").T))
+    odd = random_module(rng, 8, 8, 4, 4, False, False, "gptq")
+    odd["g_idx"] = np.array([0, 0, 0, 1, 1, 1, 1, 1], dtype=np.int32)
+    with pytest.raises(ValueError, match=r"groups of 3, 5 inputs, which no even group size divides"):
+        gptq_layer({"bits": 4, "group_size": 4, "sym": False}, 8, [odd], torch.float32)

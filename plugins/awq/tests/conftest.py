@@ -1,0 +1,7 @@
+"""The AWQ tests import the format's plain reference (awq_reference.py) from this folder."""
+
+import sys
+from pathlib import Path
+
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))

@@ -14,7 +14,8 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(
-        description="Checkpoint directory (config.json + safetensors), built-in model name or Hub id (owner/name)."
+        description="Checkpoint directory (config.json + safetensors), a .gguf file (or a directory holding one), "
+        "built-in model name or Hub id (owner/name)."
     )
     tokenizer: str | None = Field(None, description="Tokenizer directory; default: the model directory.")
     plugins: list[str] | None = Field(

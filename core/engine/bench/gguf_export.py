@@ -1,4 +1,5 @@
-"""A GGUF of a Llama checkpoint for the llama.cpp peer, written with the ``gguf`` package.
+"""A GGUF of a checkpoint for the llama.cpp peer (and for tests of GGUF loading), written with
+the ``gguf`` package.
 
 The tensors are the checkpoint's, renamed to llama.cpp's names and cast to the bench dtype
 (bf16 by default; the norms stay fp32, as ``convert_hf_to_gguf.py`` keeps 1-D tensors), with
@@ -11,12 +12,20 @@ the 256 byte tokens, then placeholders), all scores 0.
 
 The file is cached beside the checkpoint directory, named by a hash of the checkpoint's
 files (config and safetensors), the dtype and :data:`FORMAT_VERSION`.
+
+:func:`write_gguf` also writes Mistral (as GGUF's ``llama``), Qwen2 and Qwen3 checkpoints, the
+checkpoint's own byte-level BPE tokenizer (``tokenizer=True``) and quantized files: every linear
+weight and the token embedding as ``Q8_0``, ``Q4_0``, ``Q4_K``, ``Q5_K`` or ``Q6_K`` blocks
+(:mod:`engine.model_loader.gguf_quantize`, round-to-nearest), or ``Q4_K_M``: ``Q4_K`` with the output
+head, and ``attn_v`` and ``ffn_down`` of the layers llama.cpp gives more bits, in ``Q6_K``, as
+llama.cpp's mix of that name has them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +36,25 @@ import torch
 
 FORMAT_VERSION = 1  # bump when the file written changes, so that cached files are written anew
 ARCHITECTURE = "llama"
+# HF architecture -> GGUF general.architecture (Mistral is GGUF's llama)
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+# quantized file -> (type of the linear weights and the token embedding, type of the output head and,
+# in Q4_K_M, of attn_v and ffn_down in the layers llama.cpp gives more bits)
+QUANTIZATIONS = {
+    "Q8_0": ("Q8_0", "Q8_0"),
+    "Q4_0": ("Q4_0", "Q4_0"),
+    "Q4_K": ("Q4_K", "Q4_K"),
+    "Q5_K": ("Q5_K", "Q5_K"),
+    "Q6_K": ("Q6_K", "Q6_K"),
+    "Q4_K_M": ("Q4_K", "Q6_K"),
+}
+FILE_TYPE_NAMES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_K": "MOSTLY_Q4_K_S", "Q5_K": "MOSTLY_Q5_K_S"}
+FILE_TYPE_NAMES |= {"Q6_K": "MOSTLY_Q6_K", "Q4_K_M": "MOSTLY_Q4_K_M"}
 GGUF_TYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 FILE_TYPES = {"bfloat16": "MOSTLY_BF16", "float16": "MOSTLY_F16", "float32": "ALL_F32"}
 
@@ -41,6 +69,11 @@ LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
@@ -95,6 +128,8 @@ class LlamaShape:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_id: int | None
+    architecture: str = ARCHITECTURE  # GGUF's general.architecture
+    rope_scaling: dict[str, Any] | None = None  # Llama 3.1's, written as rope_freqs
 
 
 def llama_shape(config: dict[str, Any]) -> LlamaShape:
@@ -108,10 +143,34 @@ def llama_shape(config: dict[str, Any]) -> LlamaShape:
     for flag in ("attention_bias", "mlp_bias"):
         if config.get(flag):
             raise ValueError(f"The GGUF export does not write biases ({flag} is true).")
+    shape = model_shape(config)
+    if shape.rope_scaling is not None:
+        raise ValueError(
+            f"The GGUF export writes plain rope only; the checkpoint's rope_type is {shape.rope_scaling['rope_type']!r}."
+        )
+    return shape
+
+
+def model_shape(config: dict[str, Any]) -> LlamaShape:
+    """The fields of a Llama, Mistral, Qwen2 or Qwen3 ``config.json`` the GGUF needs; a
+    ValueError for what it cannot express."""
+    architectures = config.get("architectures") or []
+    if architectures[:1] and architectures[0] in ARCHITECTURES:
+        architecture = ARCHITECTURES[architectures[0]]
+    else:
+        raise ValueError(
+            f"The GGUF export writes {', '.join(ARCHITECTURES)} checkpoints; this one is "
+            f"{architectures or config.get('model_type')}."
+        )
+    if config.get("mlp_bias") or (architecture != "qwen2" and config.get("attention_bias")):
+        raise ValueError("The GGUF export writes the attention biases of Qwen2 only.")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"The GGUF export writes plain rope only; the checkpoint's rope_type is {rope_type!r}.")
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(
+            f"The GGUF export writes plain rope and Llama 3.1's (as rope_freqs); the checkpoint's rope_type "
+            f"is {rope_type!r}."
+        )
     num_heads = int(config["num_attention_heads"])
     hidden_size = int(config["hidden_size"])
 
@@ -133,6 +192,8 @@ def llama_shape(config: dict[str, Any]) -> LlamaShape:
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         bos_token_id=token_id("bos_token_id"),
         eos_token_id=token_id("eos_token_id"),
+        architecture=architecture,
+        rope_scaling=dict(rope) if rope_type == "llama3" else None,
     )
 
 
@@ -165,11 +226,12 @@ def checkpoint_files(model_path: Path) -> list[Path]:
     return files
 
 
-def checkpoint_digest(model_path: str | Path, dtype: str) -> str:
-    """sha256 over the format version, the dtype and the bytes of config.json and every
-    ``*.safetensors`` file (by name, in order)."""
+def checkpoint_digest(model_path: str | Path, dtype: str, quantization: str | None = None) -> str:
+    """sha256 over the format version, the dtype (and quantization) and the bytes of config.json
+    and every ``*.safetensors`` file (by name, in order)."""
     model_path = Path(model_path)
-    digest = hashlib.sha256(f"gguf-export {FORMAT_VERSION} {dtype}\n".encode())
+    settings = dtype if quantization is None else f"{dtype} {quantization}"
+    digest = hashlib.sha256(f"gguf-export {FORMAT_VERSION} {settings}\n".encode())
     for path in [model_path / "config.json", *checkpoint_files(model_path)]:
         digest.update(f"{path.name} {path.stat().st_size}\n".encode())
         with open(path, "rb") as f:
@@ -178,11 +240,13 @@ def checkpoint_digest(model_path: str | Path, dtype: str) -> str:
     return digest.hexdigest()
 
 
-def gguf_path(model_path: str | Path, dtype: str) -> Path:
-    """Where the GGUF of ``model_path`` in ``dtype`` is cached: beside the checkpoint directory."""
+def gguf_path(model_path: str | Path, dtype: str, quantization: str | None = None) -> Path:
+    """Where the GGUF of ``model_path`` in ``dtype`` (or ``quantization``) is cached: beside the
+    checkpoint directory."""
     model_path = Path(model_path).resolve()
-    key = checkpoint_digest(model_path, dtype)[:16]
-    return model_path.parent / f"{model_path.name}.{key}.{GGUF_TYPES[dtype].lower()}.gguf"
+    key = checkpoint_digest(model_path, dtype, quantization)[:16]
+    kind = quantization or GGUF_TYPES[dtype]
+    return model_path.parent / f"{model_path.name}.{key}.{kind.lower()}.gguf"
 
 
 def _tensors(model_path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -207,16 +271,96 @@ def _gguf_array(tensor: torch.Tensor, dtype: str) -> tuple[np.ndarray, Any]:
     return bits, GGMLQuantizationType.BF16
 
 
-def write_gguf(model_path: str | Path, out: str | Path, dtype: str = "bfloat16") -> Path:
-    """Write the GGUF of the Llama checkpoint at ``model_path`` to ``out``."""
+def bpe_vocabulary(model_path: Path, vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """The byte-level BPE tokenizer of ``model_path/tokenizer.json`` as GGUF lists: ``vocab_size``
+    tokens by id (added tokens control, ids the tokenizer lacks ``[PAD<id>]`` placeholders,
+    unused), their types, and the merges (``"a b"``)."""
+    from gguf import TokenType
+
+    path = model_path / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"tokenizer=True writes the checkpoint's tokenizer.json; {model_path} has none.")
+    with open(path, encoding="utf-8") as f:
+        spec = json.load(f)
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(f"The GGUF export writes byte-level BPE tokenizers; {path} is {model.get('type')!r}.")
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [int(TokenType.UNUSED)] * vocab_size
+    for text, token_id in model["vocab"].items():
+        if token_id < vocab_size:
+            tokens[token_id], types[token_id] = text, int(TokenType.NORMAL)
+    for added in spec.get("added_tokens") or []:
+        if added["id"] < vocab_size:
+            kind = TokenType.CONTROL if added.get("special") else TokenType.USER_DEFINED
+            tokens[added["id"]], types[added["id"]] = added["content"], int(kind)
+    merges = [merge if isinstance(merge, str) else " ".join(merge) for merge in model.get("merges") or []]
+    return tokens, types, merges
+
+
+def llama3_rope_freqs(shape: LlamaShape) -> np.ndarray:
+    """The ``rope_freqs`` tensor ``convert_hf_to_gguf.py`` writes for Llama 3.1's rope scaling:
+    per rotary frequency, the factor its wavelength is multiplied by."""
+    rope = shape.rope_scaling or {}
+    factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old = float(rope["original_max_position_embeddings"])
+    factors = []
+    for i in range(0, shape.head_dim, 2):
+        wavelen = 2 * math.pi / (1.0 / shape.rope_theta ** (i / shape.head_dim))
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _more_bits(target: str, num_layers: int) -> bool:
+    """Whether llama.cpp's Q4_K_M writes ``target`` (``blk.N.attn_v`` / ``ffn_down``) in Q6_K: the
+    first and last eighth of the layers and every third one between (its ``use_more_bits``)."""
+    parts = target.split(".")
+    if len(parts) != 4 or parts[2] not in ("attn_v", "ffn_down"):
+        return False
+    i, n = int(parts[1]), num_layers
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _quantized_array(name: str, tensor: torch.Tensor, quant_type: str) -> tuple[np.ndarray, Any]:
+    from gguf import GGMLQuantizationType
+
+    from engine.model_loader.gguf_quantize import quantize_blocks
+
+    try:
+        return quantize_blocks(tensor.float().numpy(), quant_type), getattr(GGMLQuantizationType, quant_type)
+    except ValueError as exc:
+        raise ValueError(f"{name} cannot be written as {quant_type}: {exc}") from None
+
+
+def write_gguf(
+    model_path: str | Path,
+    out: str | Path,
+    dtype: str = "bfloat16",
+    *,
+    quantization: str | None = None,
+    tokenizer: bool = False,
+) -> Path:
+    """Write the GGUF of the checkpoint at ``model_path`` to ``out``: its 2-D tensors in
+    ``dtype``, or with ``quantization`` (a key of :data:`QUANTIZATIONS`) its linear weights and
+    token embedding quantized; the vocabulary a placeholder one, or the checkpoint's own BPE
+    tokenizer with ``tokenizer``."""
     gguf = require_gguf()
     if dtype not in GGUF_TYPES:
         raise ValueError(f"The GGUF export writes {', '.join(GGUF_TYPES)}, not {dtype!r}.")
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"The GGUF export quantizes to {', '.join(QUANTIZATIONS)}, not {quantization!r}.")
     model_path = Path(model_path)
     with open(model_path / "config.json", encoding="utf-8") as f:
-        shape = llama_shape(json.load(f))
+        shape = model_shape(json.load(f))
 
-    writer = gguf.GGUFWriter(str(out), arch=ARCHITECTURE)
+    arch = shape.architecture
+    writer = gguf.GGUFWriter(str(out), arch=arch)
     writer.add_name(model_path.name)
     writer.add_context_length(shape.context_length)
     writer.add_embedding_length(shape.hidden_size)
@@ -230,34 +374,50 @@ def write_gguf(model_path: str | Path, out: str | Path, dtype: str = "bfloat16")
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
     writer.add_vocab_size(shape.vocab_size)
-    writer.add_file_type(int(getattr(gguf.LlamaFileType, FILE_TYPES[dtype])))
+    file_type = FILE_TYPE_NAMES[quantization] if quantization else FILE_TYPES[dtype]
+    writer.add_file_type(int(getattr(gguf.LlamaFileType, file_type)))
 
-    tokens, types = vocabulary(shape)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_types(types)
-    writer.add_unk_token_id(0)
-    if shape.bos_token_id is not None and tokens[shape.bos_token_id] == "<s>":
-        writer.add_bos_token_id(shape.bos_token_id)
-    if shape.eos_token_id is not None and tokens[shape.eos_token_id] == "</s>":
-        writer.add_eos_token_id(shape.eos_token_id)
+    if tokenizer:
+        tokens, types, merges = bpe_vocabulary(model_path, shape.vocab_size)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+    else:
+        tokens, types = vocabulary(shape)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_token_types(types)
+        writer.add_unk_token_id(0)
+    for token_id, add in ((shape.bos_token_id, writer.add_bos_token_id), (shape.eos_token_id, writer.add_eos_token_id)):
+        if token_id is not None and 0 <= token_id < len(tokens) and types[token_id] == int(gguf.TokenType.CONTROL):
+            add(token_id)
     writer.add_add_bos_token(False)
 
+    layer_type, head_type = QUANTIZATIONS[quantization] if quantization else (None, None)
+    if shape.rope_scaling is not None:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(shape), raw_dtype=gguf.GGMLQuantizationType.F32)
     written = set()
     for name, tensor in _tensors(model_path):
-        if name.endswith("rotary_emb.inv_freq"):
+        if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and shape.tie_word_embeddings):
             continue
         target = gguf_name(name)
-        if name.endswith("self_attn.q_proj.weight"):
+        if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
             tensor = permute_for_ggml_rope(tensor, shape.num_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
             tensor = permute_for_ggml_rope(tensor, shape.num_kv_heads)
-        data, kind = _gguf_array(tensor, dtype)
+        if tensor.dim() == 2 and layer_type is not None:
+            more_bits = quantization == "Q4_K_M" and _more_bits(target, shape.num_layers)
+            kind_name = head_type if target == "output.weight" or more_bits else layer_type
+            data, kind = _quantized_array(target, tensor, kind_name)
+        else:
+            data, kind = _gguf_array(tensor, dtype)
         writer.add_tensor(target, data, raw_dtype=kind)
         written.add(target)
     expected = {"token_embd.weight", "output_norm.weight"} | {
-        f"blk.{i}.{suffix}" for i in range(shape.num_layers) for suffix in LAYER_NAMES.values()
+        f"blk.{i}.{suffix}" for i in range(shape.num_layers) for suffix in required_layer_tensors(shape)
     }
     if not shape.tie_word_embeddings:
         expected.add("output.weight")
@@ -272,16 +432,29 @@ def write_gguf(model_path: str | Path, out: str | Path, dtype: str = "bfloat16")
     return Path(out)
 
 
-def cached_gguf(model_path: str | Path, dtype: str = "bfloat16") -> Path:
-    """The GGUF of ``model_path`` in ``dtype``, written once beside the checkpoint (see :func:`gguf_path`)."""
+def required_layer_tensors(shape: LlamaShape) -> list[str]:
+    """The GGUF names (after ``blk.N.``) every layer of ``shape``'s architecture has."""
+    names = [LAYER_NAMES[name] for name in LAYER_NAMES if name.endswith(".weight") and "_norm" not in name]
+    if shape.architecture == "qwen2":
+        names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+    if shape.architecture == "qwen3":
+        names += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    return names
+
+
+def cached_gguf(model_path: str | Path, dtype: str = "bfloat16", quantization: str | None = None) -> Path:
+    """The GGUF of ``model_path`` in ``dtype`` (its linear weights in ``quantization``, a key of
+    :data:`QUANTIZATIONS`), written once beside the checkpoint (see :func:`gguf_path`)."""
     require_gguf()
     if dtype not in GGUF_TYPES:
         raise ValueError(f"The GGUF export writes {', '.join(GGUF_TYPES)}, not {dtype!r}.")
-    path = gguf_path(model_path, dtype)
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"The GGUF export quantizes to {', '.join(QUANTIZATIONS)}, not {quantization!r}.")
+    path = gguf_path(model_path, dtype, quantization)
     if not path.exists():
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
         try:
-            write_gguf(model_path, partial, dtype)
+            write_gguf(model_path, partial, dtype, quantization=quantization)
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
@@ -296,3 +469,22 @@ def gguf_weight_bytes(path: str | Path) -> int:
     sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
     embedding = sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0
     return sum(sizes.values()) - embedding
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engine.bench.gguf_export CHECKPOINT OUT.gguf [--dtype D] [--quantization Q] [--tokenizer]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a checkpoint as a GGUF file (engine.bench.gguf_export).")
+    parser.add_argument("checkpoint", help="checkpoint directory (config.json + safetensors)")
+    parser.add_argument("out", help="the .gguf file to write")
+    parser.add_argument("--dtype", default="bfloat16", choices=list(GGUF_TYPES), help="dtype of unquantized tensors")
+    parser.add_argument("--quantization", choices=list(QUANTIZATIONS), help="quantize the linear weights")
+    parser.add_argument("--tokenizer", action="store_true", help="write the checkpoint's BPE tokenizer.json")
+    args = parser.parse_args(argv)
+    path = write_gguf(args.checkpoint, args.out, args.dtype, quantization=args.quantization, tokenizer=args.tokenizer)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,6 @@ tier. A mistake in any of them fails here, in well under a second."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from engine.interfaces.model import Model
 from engine.interfaces.platform import Platform
 from engine.interfaces.quantizer import Quantizer
 from engine.model_config import HFConfig
-from engine.model_loader.checkpoint import checkpoint_dtype, resolve_model_path
+from engine.model_loader.checkpoint import checkpoint_dtype, read_config, resolve_model_path
 from engine.model_loader.dequant import CheckpointDequantizer, dequantizable
 from engine.plugins.registry import ComponentError
 from engine.runtime.kv_cache_manager import cache_salt
@@ -34,6 +33,7 @@ QUANTIZER_DISTRIBUTIONS = {
     "gptq": "engine-gptq",
     "mxfp8": "engine-xpu",
     "fp8": "engine-cuda",
+    "gguf": "engine-gguf",
 }
 
 
@@ -74,8 +74,7 @@ class EngineSetup:
 def resolve_setup(config: EngineConfig, components: Any) -> EngineSetup:
     """Resolve and check every component named by ``config``; reads config.json, no weight."""
     model_path = resolve_model_path(config.model)
-    with open(model_path / "config.json", encoding="utf-8") as f:
-        raw_config = json.load(f)
+    raw_config = read_config(model_path)
     architectures = raw_config.get("architectures") or []
     if not architectures:
         raise SelectionError(f"{model_path / 'config.json'} lists no 'architectures'.")

@@ -1,4 +1,4 @@
-"""Locating a checkpoint: a local directory, a built-in model, or a Hub repository."""
+"""Locating a checkpoint: a local directory, a GGUF file, a built-in model, or a Hub repository."""
 
 from __future__ import annotations
 
@@ -7,19 +7,44 @@ import os
 from pathlib import Path
 
 WEIGHT_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
+GGUF_SUFFIX = ".gguf"
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is a GGUF checkpoint file (:mod:`engine.model_loader.gguf`)."""
+    path = Path(path)
+    return path.suffix == GGUF_SUFFIX and path.is_file()
+
+
+def gguf_in_directory(path: Path) -> Path | None:
+    """The one ``.gguf`` file of a directory without config.json (None when it has none); a
+    FileNotFoundError when it has several."""
+    files = sorted(path.glob(f"*{GGUF_SUFFIX}"))
+    if len(files) > 1:
+        raise FileNotFoundError(
+            f"Model directory {str(path)!r} has no config.json and several GGUF files "
+            f"({', '.join(f.name for f in files)}): pass the path of the one to load."
+        )
+    return files[0] if files else None
 
 
 def resolve_model_path(model: str) -> Path:
-    """Return a local directory holding ``config.json`` for ``model``.
+    """Return a local directory holding ``config.json`` for ``model``, or a ``.gguf`` file.
 
-    ``model`` is a directory, the name of a built-in model (see
+    ``model`` is a directory, a ``.gguf`` file (or a directory holding one and no
+    config.json, see :mod:`engine.model_loader.gguf`), the name of a built-in model (see
     :mod:`engine.builtin_models`), or a Hugging Face Hub repository id, fetched
     (safetensors and config files only) into the local Hub cache.
     """
     path = Path(model).expanduser()
+    if is_gguf(path):
+        return path
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"Model directory {str(path)!r} has no config.json.")
+            found = gguf_in_directory(path)
+            if found is not None:
+                return found
+            raise FileNotFoundError(f"Model directory {str(path)!r} has no config.json (nor a .gguf file).")
         return path
     from engine import builtin_models
 
@@ -43,8 +68,21 @@ def resolve_model_path(model: str) -> Path:
         raise FileNotFoundError(f"Could not fetch model {model!r} from the Hub{offline}: {exc}") from exc
 
 
+def read_config(model_path: Path) -> dict:
+    """The checkpoint's ``config.json``; a GGUF file's made from its metadata."""
+    if is_gguf(model_path):
+        from engine.model_loader.gguf import gguf_config
+
+        return gguf_config(model_path)
+    with open(model_path / "config.json", encoding="utf-8") as f:
+        return json.load(f)
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's safetensors files: from the shard index when there is one."""
+    """The checkpoint's safetensors files: from the shard index when there is one (a GGUF
+    checkpoint's one file: :func:`engine.model_loader.weights.iterate_weights` reads both)."""
+    if is_gguf(model_dir):
+        return [model_dir]
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         with open(index, encoding="utf-8") as f:

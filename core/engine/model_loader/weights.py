@@ -18,7 +18,9 @@ from tqdm.auto import tqdm
 
 from engine.interfaces.model import Model
 from engine.layers.linear import linear_layers, tied_linear_layers
+from engine.model_loader.checkpoint import GGUF_SUFFIX
 from engine.model_loader.dequant import CheckpointDequantizer, dequantize_stream
+from engine.model_loader.gguf import gguf_tensors
 
 # safetensors dtype codes torch can view directly
 MAPPED_DTYPES = {
@@ -71,7 +73,14 @@ def mapped_tensors(path: Path, header: tuple[dict, int] | None = None) -> Iterat
 
 
 def iterate_weights(files: list[Path], *, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor in ``files``, one at a time, memory-mapped."""
+    """Yield ``(name, tensor)`` for every tensor in ``files`` (safetensors, or a ``.gguf`` file:
+    :func:`engine.model_loader.gguf.gguf_tensors`), one at a time, memory-mapped."""
+    if len(files) == 1 and files[0].suffix == GGUF_SUFFIX:
+        with tqdm(desc="Loading weights", unit="tensor", disable=not progress, leave=False) as bar:
+            for item in gguf_tensors(files[0]):
+                yield item
+                bar.update(1)
+        return
     headers = [read_header(path) for path in files]
     total = sum(len(table) for table, _ in headers)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress, leave=False) as bar:

@@ -34,11 +34,13 @@ whole weight is ever held.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 STORAGE_BITS = (4, 8)
+HELD_TENSORS = ("qweight", "scales", "offsets", "input_order")  # what attach() registers
 # inputs dequantized at once by the reference, per output row (bounds its scratch memory)
 BLOCK_ELEMENTS = 1 << 21
 
@@ -131,6 +133,18 @@ class GroupQuantWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight [N, K] in float32 (then ``dtype``), inputs in the weight's order."""
         return _dequantize_block(self, 0, self.in_features).to(dtype)
+
+    def attach(self, layer: torch.nn.Module, suffix: str = "") -> GroupQuantWeight:
+        """Register the tensors as frozen parameters of ``layer`` (``qweight<suffix>``,
+        ``scales<suffix>``, ``offsets<suffix>`` and, when set, ``input_order<suffix>``), so that
+        the engine counts and moves them with the layer, and return the weight made of them."""
+        held = {}
+        for name in HELD_TENSORS:
+            tensor = getattr(self, name)
+            if tensor is not None:
+                layer.register_parameter(f"{name}{suffix}", torch.nn.Parameter(tensor, requires_grad=False))
+                held[name] = getattr(layer, f"{name}{suffix}")
+        return dataclasses.replace(self, **held)
 
     def to(self, device: torch.device | str) -> GroupQuantWeight:
         order = None if self.input_order is None else self.input_order.to(device)

@@ -34,7 +34,6 @@ OTHER_LAYOUTS = {
 # what --quantization-config takes (quantizing while loading)
 ON_THE_FLY_KEYS = frozenset({"bits", "group_size", "zero_point", "version"})
 TENSORS = ("qweight", "qzeros", "scales")
-HELD = ("qweight", "scales", "offsets")
 
 
 @dataclass(frozen=True)
@@ -188,11 +187,7 @@ class AwqLinearMethod(LinearMethod):
             del layer.weight
         joined = {name: torch.cat([t[name] for t in shards], dim=1) for name in TENSORS}  # along the outputs
         weight = to_group_quant(**joined).to(layer.awq_device)
-        for name in HELD:
-            layer.register_parameter(name, _frozen(getattr(weight, name)))
-        layer.group_quant = GroupQuantWeight(
-            layer.qweight, layer.scales, layer.offsets, BITS, weight.group_size, weight.in_features, weight.out_features
-        )
+        layer.group_quant = weight.attach(layer)
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         return layer.ops.group_quant_linear(x, layer.group_quant, layer.bias)

@@ -36,7 +36,6 @@ logger = logging.getLogger("engine.gguf")
 TYPE_TENSOR = "ggml_type"  # engine.model_loader.gguf.TYPE_TENSOR
 DENSE_TYPES = ("F32", "F16", "BF16")
 ON_THE_FLY_KEYS = frozenset({"type"})
-HELD = ("qweight", "scales", "offsets")
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -44,16 +43,13 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
 
 
 def hold(layer: nn.Module, weight: GroupQuantWeight | torch.Tensor, suffix: str) -> GroupQuantWeight | torch.Tensor:
-    """Register ``weight``'s tensors as frozen parameters of ``layer`` (``qweight<suffix>``, ...,
+    """Register ``weight``'s tensors as frozen parameters of ``layer`` (``GroupQuantWeight.attach``,
     or ``weight<suffix>`` for a dense part), so that the engine counts and moves them, and
     return the weight made of them."""
     if isinstance(weight, torch.Tensor):
         layer.register_parameter(f"weight{suffix}", _frozen(weight))
         return getattr(layer, f"weight{suffix}")
-    for name in HELD:
-        layer.register_parameter(f"{name}{suffix}", _frozen(getattr(weight, name)))
-    held = [getattr(layer, f"{name}{suffix}") for name in HELD]
-    return GroupQuantWeight(*held, weight.bits, weight.group_size, weight.in_features, weight.out_features)
+    return weight.attach(layer, suffix)
 
 
 def quantize(weight: torch.Tensor, quant_type: str, what: str) -> torch.Tensor:

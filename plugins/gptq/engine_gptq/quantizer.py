@@ -17,7 +17,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engine.interfaces.group_quant import GroupQuantWeight
 from engine.interfaces.quantizer import LinearMethod, Quantizer
 from engine_gptq.convert import to_group_quant
 from engine_gptq.packing import quantize_rtn, values_per_word
@@ -30,7 +29,6 @@ CHECKPOINT_FORMATS = ("gptq", "gptq_v2")  # v1 stores zero - 1, v2 the zero itse
 ON_THE_FLY_KEYS = frozenset({"bits", "group_size", "sym", "desc_act", "checkpoint_format"})
 TENSORS = ("qweight", "qzeros", "scales")
 # the GroupQuantWeight fields a layer holds as parameters (input_order only with act-order)
-HELD = ("qweight", "scales", "offsets", "input_order")
 
 
 @dataclass(frozen=True)
@@ -101,28 +99,6 @@ class Settings:
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
-
-
-def hold(layer: nn.Module, weight: GroupQuantWeight, suffix: str = "") -> GroupQuantWeight:
-    """Register ``weight``'s tensors as frozen parameters of ``layer`` (``qweight<suffix>``, ...),
-    so that the engine counts and moves them, and return the GroupQuantWeight made of them."""
-    held = {}
-    for name in HELD:
-        tensor = getattr(weight, name)
-        if tensor is not None:
-            layer.register_parameter(f"{name}{suffix}", _frozen(tensor))
-            held[name] = getattr(layer, f"{name}{suffix}")
-    fields = {name: held.get(name) for name in HELD}
-    return GroupQuantWeight(
-        fields["qweight"],
-        fields["scales"],
-        fields["offsets"],
-        weight.bits,
-        weight.group_size,
-        weight.in_features,
-        weight.out_features,
-        fields["input_order"],
-    )
 
 
 class GptqLinearMethod(LinearMethod):
@@ -224,14 +200,14 @@ class GptqLinearMethod(LinearMethod):
         if all(torch.equal(t["g_idx"], shards[0]["g_idx"]) for t in shards):
             joined = {name: torch.cat([t[name] for t in shards], dim=1) for name in TENSORS}  # along the outputs
             weight = to_group_quant(**joined, g_idx=shards[0]["g_idx"], bits=bits, zeros_minus_one=v1)
-            layer.group_quant = [(0, sum(layer.output_sizes), hold(layer, weight.to(device)))]
+            layer.group_quant = [(0, sum(layer.output_sizes), weight.to(device).attach(layer))]
         else:
             layer.group_quant = []
             for shard, tensors in enumerate(shards):
                 what = f"Shard {shard} of a GPTQ layer"
                 weight = to_group_quant(**tensors, bits=bits, zeros_minus_one=v1, what=what)
                 rows = layer._rows(shard)
-                layer.group_quant.append((rows.start, rows.stop, hold(layer, weight.to(device), f"_{shard}")))
+                layer.group_quant.append((rows.start, rows.stop, weight.to(device).attach(layer, f"_{shard}")))
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         if len(layer.group_quant) == 1:

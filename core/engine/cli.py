@@ -158,6 +158,37 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_options(serve.add_argument_group("server (ServerConfig)"), ServerConfig)
     _add_engine_options(serve, skip=("model",))
 
+    quantize = sub.add_parser(
+        "quantize",
+        help="Write a prequantized copy of a checkpoint.",
+        formatter_class=_Formatter,
+        description="Quantize SRC's linear layers with a quantization method's own export (Quantizer.export_weight: "
+        "the tensors its prequantized checkpoints hold) and write DST: config.json with the quantization_config, "
+        "the quantized tensors and every other tensor as it is (safetensors), and the tokenizer and generation "
+        "files. The engine loads DST as it loads SRC with --quantization, without quantizing at each start.",
+    )
+    quantize.add_argument(
+        "src", metavar="SRC", help="An unquantized checkpoint: a directory, a built-in model name or a Hub id."
+    )
+    quantize.add_argument("dst", metavar="DST", help="The directory to write; it must not exist yet.")
+    _add_engine_options(
+        quantize,
+        only=("quantization", "quantization_config", "dtype", "plugins"),
+        overrides={
+            "quantization": {
+                "help": "The quantization method (required): a registered name (e.g. gptq) or module.path:Class."
+            },
+            "dtype": {
+                "help": "The dtype the weights are rounded to before they are quantized: the compute dtype the "
+                "engine would quantize them in while loading; auto: the checkpoint's where the platform supports it."
+            },
+        },
+    )
+    quantize.add_argument(
+        "--max-shard-size", type=float, default=5.0, help="Largest safetensors file to write, in GB (1e9 bytes)."
+    )
+    quantize.add_argument("--no-progress", action="store_true", help="No progress bar.")
+
     bench = sub.add_parser(
         "bench",
         help="Run a benchmark workload (see benchmarks/README.md).",
@@ -207,6 +238,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="Run the workload this many times on each runner and report each runner's run of median wall time "
         "(for machines whose speed drifts between runs).",
     )
+    bench.add_argument(
+        "--checkpoint",
+        metavar="PATH",
+        help="Run this checkpoint instead of the built-in llama58m (the same as --model PATH): a directory of "
+        "safetensors, quantized or not, or a .gguf file. The peers run the same one: hf and vllm a directory "
+        "(a quantized one if their install can; the report says why not), llamacpp a .gguf file as it is or a "
+        "dense directory through a GGUF of the same weights.",
+    )
     bench.add_argument("--json", action="store_true", help="Print JSON instead of a table.")
     _add_bench_serve_options(
         bench.add_argument_group(
@@ -249,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_bench(args)
         if args.command == "serve":
             return cmd_serve(args)
+        if args.command == "quantize":
+            return cmd_quantize(args)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # user-facing: one clear line, no traceback unless debugging
@@ -431,6 +472,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from engine.tools.quantize_checkpoint import quantize_checkpoint
+
+    if getattr(args, "quantization", None) is None:
+        raise ValueError("engine quantize needs --quantization NAME: the method to quantize with (e.g. gptq).")
+    args.model = args.src
+    config = config_from_namespace(EngineConfig, args)
+    written = quantize_checkpoint(
+        config, args.dst, max_shard_bytes=int(args.max_shard_size * 1e9), progress=not args.no_progress
+    )
+    print(written.describe())
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.workload == "serve":
         return cmd_bench_serve(args)
@@ -445,6 +500,10 @@ def bench_options(args: argparse.Namespace) -> BenchOptions:
     """``engine bench``'s ``BenchOptions``; the engine settings are checked here, before any model loads."""
     from engine.bench.commands import BenchOptions
 
+    if args.checkpoint is not None:
+        if args.model not in (DEFAULT_MODEL, args.checkpoint):
+            raise ValueError(f"--checkpoint {args.checkpoint} and --model {args.model} name two models; give one.")
+        args.model = args.checkpoint
     config_from_namespace(EngineConfig, args)
     settings = given_settings(EngineConfig, args)
     return BenchOptions(

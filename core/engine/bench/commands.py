@@ -76,7 +76,7 @@ def run_latency(options: BenchOptions) -> Report:
                 "vllm": "add_request -> end of the LLMEngine.step() that returned token 1",
                 "llamacpp": "llama_decode of the prompt -> token 1 sampled",
             },
-            options.peers,
+            session.peers,
         )
         + " Each includes the prefill.",
     )
@@ -90,7 +90,7 @@ def run_latency(options: BenchOptions) -> Report:
         + peer_methods(
             "engine: end of its step()",
             {"hf": "streamer stamp", "vllm": "end of its step()", "llamacpp": "once sampled after its llama_decode"},
-            options.peers,
+            session.peers,
         ).removesuffix(".")
         + ") in the same single run.",
     )
@@ -198,7 +198,7 @@ def run_throughput(options: BenchOptions) -> Report:
     walls = {ENGINE: w2.wall}
     if options.engine_settings.get("batch_invariant"):  # its cost: the same run on the default kernels
         described = session.report.setup["engine"]
-        reference = session.engine_runner(batch_invariant=False)
+        reference = session.engine_runner(DEFAULT_KERNELS, batch_invariant=False)
         session.report.setup["engine"] = described + ", --batch-invariant"
         session.report.setup[DEFAULT_KERNELS] = "the same engine without --batch-invariant, same requests"
         session.report.runners.insert(1, DEFAULT_KERNELS)
@@ -240,7 +240,7 @@ def run_throughput(options: BenchOptions) -> Report:
                 "llamacpp": "each prompt prefilled by its own llama_decode, then one llama_batch per step "
                 "with a token of every unfinished sequence (its own seq_id) until the last finished",
             },
-            options.peers,
+            session.peers,
         ),
         ".2f",
     )
@@ -370,7 +370,7 @@ def run_spec(options: BenchOptions) -> Report:
     section = Section("spec", workload.name, workload.description)
     runs = {}
     for runner, speculative in ((NO_SPECULATION, None), (ENGINE, method)):
-        engine = session.engine_runner(speculative_method=speculative)
+        engine = session.engine_runner(runner, speculative_method=speculative)
         runs[runner] = session.median_run(
             "spec", runner, lambda engine=engine: engine.run(workload.requests, SEQUENTIAL), engine.reset_prefix_cache
         )
@@ -515,7 +515,7 @@ def run_structured(options: BenchOptions) -> Report:
     compiles: dict[str, list[float]] = {}
     finished_by: dict[str, dict[str, int]] = {}
     for backend in backends:
-        runner = session.engine_runner(structured_output_backend=backend)
+        runner = session.engine_runner(backend, structured_output_backend=backend)
         compiles[backend] = runner.precompile(constraints)
         runs[backend] = session.median_run(
             "structured",

@@ -17,6 +17,7 @@ from engine.bench.workloads import ALL_AT_ONCE, SEQUENTIAL, BenchRequest
 
 if TYPE_CHECKING:
     from engine.engine.llm_engine import StepResult
+    from engine.runtime.model_builder import WeightMemory
 
 # timed labels: the phases of a step, each the StepTimings field of that name
 SCHEDULE = "schedule"  # the scheduler choosing the step's batch, engine overhead
@@ -98,6 +99,10 @@ class EngineRunner:
     def weight_bytes(self) -> int:
         return weight_bytes(self.model)
 
+    def weight_memory(self) -> WeightMemory:
+        """What the model's weights hold, as the engine logged it once they loaded."""
+        return self.model.weight_memory
+
     def describe(self) -> dict[str, Any]:
         return {
             "architecture": self.engine.architecture,
@@ -111,6 +116,7 @@ class EngineRunner:
             "block_size": self.config.block_size,
             "timed_labels": self.timed_labels(),
             "linear_kernels": self.linear_kernels(),
+            "weights": self.weight_memory().describe(),
         }
 
     def linear_kernels(self) -> list[str]:
@@ -123,8 +129,9 @@ class EngineRunner:
             if isinstance(module, MergedLinear) and id(module.method) not in seen:
                 seen.add(id(module.method))
                 line = module.method.describe()
-                if line:
-                    lines.append(f"{type(module.method).__name__}: {line}")
+                line = line and f"{type(module.method).__name__}: {line}"
+                if line and line not in lines:  # a quantizer gives every layer a method of its own
+                    lines.append(line)
         return lines
 
     def state_snapshots(self) -> tuple[int, int] | None:

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from engine.bench.checkpoint import GGUF_SUFFIX, gguf_tensor_types
 from engine.bench.hf_peer import PeerRun
 from engine.bench.metrics import RequestTiming
 from engine.bench.peer_workers import _protocol
@@ -122,9 +123,15 @@ def cpu_list(threads: int) -> str:
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
 
 
+# safetensors dtype codes of integer tensors: bytes an element
+SAFETENSORS_INTEGER_BYTES = {"I64": 8, "U64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
 def checkpoint_weight_bytes(model_path: str | Path, dtype: str) -> int:
     """Bytes a decode step reads in full when the checkpoint is loaded in ``dtype``: every
-    tensor but the embedding table (unless it is tied to the LM head, which reads it)."""
+    tensor but the embedding table (unless it is tied to the LM head, which reads it), each
+    floating-point one in ``dtype`` and any other (a quantized checkpoint's packed integers)
+    as it is stored."""
     import torch
     from safetensors import safe_open
 
@@ -138,10 +145,12 @@ def checkpoint_weight_bytes(model_path: str | Path, dtype: str) -> int:
             for name in f.keys():
                 if name.endswith("embed_tokens.weight") and not tied:
                     continue
+                tensor = f.get_slice(name)
                 numel = 1
-                for n in f.get_slice(name).get_shape():
+                for n in tensor.get_shape():
                     numel *= n
-                total += numel * itemsize
+                stored = SAFETENSORS_INTEGER_BYTES.get(tensor.get_dtype())
+                total += numel * (itemsize if stored is None else stored)
     return total
 
 
@@ -334,18 +343,21 @@ class LlamaCppPeer(ProcessPeer):
     script = WORKERS / "llamacpp_worker.py"
 
     def __init__(self, python: str, model_path: str | Path, dtype: str, threads: int, given: bool = True) -> None:
+        """``model_path``: a checkpoint directory, exported to a GGUF in ``dtype``, or a GGUF file, run as it is."""
         from engine.bench.gguf_export import GGUF_TYPES, llama_shape, require_gguf
 
         require_gguf()
-        if dtype not in GGUF_TYPES:
-            raise PeerError(f"--peers {self.name} runs {', '.join(GGUF_TYPES)}, not {dtype}.")
-        with open(Path(model_path) / "config.json", encoding="utf-8") as f:
-            try:
-                llama_shape(json.load(f))
-            except ValueError as exc:
-                raise PeerError(f"--peers {self.name}: {exc}") from None
+        self.given_gguf = Path(model_path).suffix == GGUF_SUFFIX
+        if not self.given_gguf:
+            if dtype not in GGUF_TYPES:
+                raise PeerError(f"--peers {self.name} runs {', '.join(GGUF_TYPES)}, not {dtype}.")
+            with open(Path(model_path) / "config.json", encoding="utf-8") as f:
+                try:
+                    llama_shape(json.load(f))
+                except ValueError as exc:
+                    raise PeerError(f"--peers {self.name}: {exc}") from None
         super().__init__(python, model_path, dtype, threads, given)
-        self._gguf: Path | None = None
+        self._gguf: Path | None = self.model_path if self.given_gguf else None
 
     def gguf(self) -> Path:
         if self._gguf is None:
@@ -367,10 +379,14 @@ class LlamaCppPeer(ProcessPeer):
 
         v, s = self.versions, self.settings
         features = ", ".join(s.get("cpu_features") or []) or "none reported"
+        if self.given_gguf:  # the checkpoint itself
+            types = f"the --checkpoint file, tensors {', '.join(gguf_tensor_types(self.gguf()))}"
+        else:
+            types = f"{GGUF_TYPES[self.dtype]}, norms F32"
         return (
             f"llama.cpp via llama-cpp-python {v.get('llama_cpp_python', self.package_version)} (Python "
             f"{v.get('python')} at {self.python}), low-level API, GGUF {Path(str(s.get('gguf'))).name} "
-            f"({GGUF_TYPES[self.dtype]}, norms F32), n_threads {s.get('n_threads')}, flash attention "
+            f"({types}), n_threads {s.get('n_threads')}, flash attention "
             f"{s.get('flash_attn_type')}, n_seq_max {s.get('n_seq_max')}, n_ctx {s.get('n_ctx')} "
             f"({s.get('n_ctx_seq')} per sequence, a KV stream each), n_batch {s.get('n_batch')}, "
             f"n_ubatch {s.get('n_ubatch')}, greedy sampler; CPU features: {features}"

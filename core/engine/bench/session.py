@@ -3,14 +3,15 @@ the engine and the peers in turn, warms each up and keeps the report."""
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, TypeVar
 
 import torch
 
+from engine.bench.checkpoint import BenchCheckpoint
 from engine.bench.engine_runner import EngineRunner
 from engine.bench.hf_peer import HFPeer, PeerRun
 from engine.bench.process_peers import PROCESS_PEERS, ProcessPeer, process_peer
@@ -18,6 +19,9 @@ from engine.bench.report import ENGINE, Report, Section
 from engine.bench.workloads import SEQUENTIAL, Workload, warmup_request
 
 HF = "hf"
+# a Python exception's line in a traceback: "ValueError: ...", "pydantic_core._pydantic_core.ValidationError: ..."
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)\b(:|$)")
+MAX_REASON = 400
 PEERS = (HF, *PROCESS_PEERS)
 HF_BATCH_SIZE = 16
 MB = 1e6
@@ -33,6 +37,7 @@ R = TypeVar("R", bound=_Run)
 @dataclass(frozen=True)
 class BenchOptions:
     model: str = "llama58m"
+    """The checkpoint: a built-in model, a directory (quantized or not), a GGUF file or a Hub id."""
     dtype: str = "bfloat16"
     peers: tuple[str, ...] = ()
     peer_python: str | None = None
@@ -69,28 +74,31 @@ class Session:
     """The model, the runners' order and the report's setup lines of one bench command."""
 
     def __init__(self, command: str, options: BenchOptions) -> None:
-        from engine.model_loader.checkpoint import resolve_model_path
-
         self.options = options
-        self.model_path: Path = resolve_model_path(options.model)
-        with open(self.model_path / "config.json", encoding="utf-8") as f:
-            self.vocab_size = int(json.load(f)["vocab_size"])
+        self.checkpoint = BenchCheckpoint.resolve(options.model)
+        self.model_path: Path = self.checkpoint.path
+        self.vocab_size = self.checkpoint.vocab_size
         self.warmup = warmup_request(self.vocab_size)
         self.repeat_walls: dict[str, list[str]] = {}
         self.device = "cpu"  # the engine's device, where the hf peer runs too
+        # the peers that can run this checkpoint, in --peers order; why each other one cannot
+        self.skipped = {p: why for p in options.peers if (why := self.checkpoint.peer_refusal(p)) is not None}
+        self.peers = tuple(p for p in options.peers if p not in self.skipped)
+        self.failed: dict[str, str] = {}  # peers that tried a quantized checkpoint and could not run it
         # the subprocess peers' Pythons are probed now, so that a missing install fails before the engine runs
         self.process_peers: dict[str, ProcessPeer] = {
             name: process_peer(name, options.peer_python, self.model_path, options.dtype, torch.get_num_threads())
-            for name in options.peers
+            for name in self.peers
             if name in PROCESS_PEERS
         }
+        shown = options.model if str(self.model_path) == options.model else f"{options.model} ({self.model_path})"
         self.report = Report(
             command,
-            [ENGINE, *options.peers],
+            [ENGINE, *self.peers],
             {
-                "model": options.model
-                if str(self.model_path) == options.model
-                else f"{options.model} ({self.model_path})",
+                "model": shown
+                if self.checkpoint.describe() == "safetensors"
+                else f"{shown}, {self.checkpoint.describe()}",
                 "dtype": options.dtype,
                 "torch": f"{torch.__version__}, {torch.get_num_threads()} threads",
                 "scale": options.scale,
@@ -106,6 +114,15 @@ class Session:
             self.report.notes.append(
                 f"--scale {options.scale}: counts and lengths are scaled, so these are NOT the benchmark "
                 "workloads (benchmarks/README.md); a smoke test only."
+            )
+        for peer, why in self.skipped.items():
+            self.report.setup[peer] = f"not run: {why}"
+        quantization = options.engine_settings.get("quantization")
+        if quantization is not None and self.peers:
+            self.report.notes.append(
+                f"The engine quantizes the checkpoint while loading (--quantization {quantization}); the peers run "
+                f"its unquantized weights in {options.dtype}, so their weight bytes and speed are those of the "
+                "dense model."
             )
 
     def median_run(self, section: str, runner: str, run: Callable[[], R], reset: Callable[[], None] | None = None) -> R:
@@ -153,8 +170,9 @@ class Session:
     def engine(self) -> EngineRunner:
         return self.engine_runner()
 
-    def engine_runner(self, **settings: Any) -> EngineRunner:
-        """The engine with the options' settings and ``settings`` over them, warmed up."""
+    def engine_runner(self, runner_name: str = ENGINE, **settings: Any) -> EngineRunner:
+        """The engine with the options' settings and ``settings`` over them, warmed up; the
+        report's setup gets the weights it holds, under ``runner_name``."""
         o = self.options
         runner = EngineRunner(str(self.model_path), dtype=o.dtype, **{"plugins": None, **o.engine_settings, **settings})
         d = runner.describe()
@@ -168,35 +186,67 @@ class Session:
         )
         if d["linear_kernels"]:  # what the platform's linear method chose, by measuring or by rule
             self.report.setup["engine linear kernels"] = "; ".join(d["linear_kernels"])
+        key = "weights" if runner_name == ENGINE else f"weights, {runner_name}"
+        self.report.setup[key] = d["weights"].split(": ", 1)[1]  # what the engine logged at load, less "weights: "
         runner.warm_up(self.warmup)
         return runner
 
     def hf(self) -> HFPeer | None:
-        if HF not in self.options.peers:
+        """The hf peer, warmed up; None when it is not asked for, or could not run this quantized checkpoint."""
+        if HF not in self.peers or HF in self.failed:
             return None
-        peer = HFPeer(self.model_path, self.options.dtype, device=self.device)
-        d = peer.describe()
-        self.report.setup["hf"] = (
-            f"transformers {d['transformers']} {d['class']} ({d['attn_implementation']} attention), generate, greedy"
-            f"{'' if d['device'] == 'cpu' else ', on ' + d['device']}"
-        )
-        peer.warm_up(self.warmup)
+        try:
+            peer = HFPeer(self.model_path, self.options.dtype, device=self.device)
+            d = peer.describe()
+            self.report.setup["hf"] = (
+                f"transformers {d['transformers']} {d['class']} ({d['attn_implementation']} attention), generate, "
+                f"greedy{'' if d['device'] == 'cpu' else ', on ' + d['device']}"
+            )
+            peer.warm_up(self.warmup)
+        except Exception as exc:
+            self._peer_failed(HF, exc)
+            return None
         return peer
+
+    def _peer_failed(self, name: str, exc: Exception) -> None:
+        """A peer that failed on a quantized checkpoint (its install may lack the kernels) is
+        reported, with a dash in each of its figures; on a dense one the failure is an error."""
+        if not self.checkpoint.is_quantized:
+            raise exc
+        lines = [line for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        output = [line.removeprefix("  | ").strip() for line in lines if line.startswith("  | ")] or lines
+        log = next((line for line in lines if line.startswith("Its whole output: ")), None)
+        # a worker's output: from the last exception line (Python's, then its message) to the end
+        raised = [i for i, line in enumerate(output) if EXCEPTION_LINE.match(line)]
+        reason = " ".join(output[raised[-1] :] if raised else output[-1:])
+        if len(reason) > MAX_REASON:
+            reason = reason[: MAX_REASON - 3] + "..."
+        reason += f" ({log[0].lower()}{log[1:]})" if log else ""
+        self.failed[name] = reason
+        self.report.setup[name] = f"could not run this {self.checkpoint.quant_method} checkpoint: {reason}"
 
     def peer_runs(self, section: str, workload: Workload) -> tuple[dict[str, PeerRun], dict[str, int]]:
         """Each peer's run of ``workload`` in ``--peers`` order (its median run with ``--repeat``),
-        and the bytes of weights a decode step of each reads. hf runs in this process (all at
-        once means static batches of HF_BATCH_SIZE), the others each in a worker of their own."""
+        and the bytes of weights a decode step of each reads; a peer that could not run a
+        quantized checkpoint has neither. hf runs in this process (all at once means static
+        batches of HF_BATCH_SIZE), the others each in a worker of their own."""
         runs: dict[str, PeerRun] = {}
         weights: dict[str, int] = {}
-        for name in self.options.peers:
+        for name in self.peers:
             run = self._hf_run if name == HF else self._process_run
-            runs[name], weights[name] = run(name, section, workload)
+            try:
+                done = run(name, section, workload)
+            except Exception as exc:
+                self._peer_failed(name, exc)
+                continue
+            if done is not None:
+                runs[name], weights[name] = done
         return runs, weights
 
-    def _hf_run(self, name: str, section: str, workload: Workload) -> tuple[PeerRun, int]:
+    def _hf_run(self, name: str, section: str, workload: Workload) -> tuple[PeerRun, int] | None:
         peer = self.hf()
-        assert peer is not None
+        if peer is None:
+            return None
         if workload.submission == SEQUENTIAL:
             run = self.median_run(section, name, lambda: peer.run_sequential(workload.requests))
         else:

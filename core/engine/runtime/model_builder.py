@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -77,16 +78,22 @@ def load_model(
     for module in model.modules():  # quantized methods compute with the platform's kernels
         if isinstance(module, MergedLinear):
             module.ops = ops
+    # before the platform's methods replace the unquantized ones: the layers a quantizer took
+    quantized = [
+        m for m in model.modules() if isinstance(m, MergedLinear) and type(m.method) is not UnquantizedLinearMethod
+    ]
     load_weights(model, safetensors_files(model_path), progress=progress, dequantizer=dequantizer)
     if batch_invariant:
         method = platform.batch_invariant_linear_method(dtype_name)
         if method is None:
             method = RowByRowLinearMethod(platform.linear_method(dtype_name) or UnquantizedLinearMethod())
         make_batch_invariant(model, method)
-        return model
-    linear_method = platform.linear_method(dtype_name)
-    if linear_method is not None:
-        apply_linear_method(model, linear_method)
+    else:
+        linear_method = platform.linear_method(dtype_name)
+        if linear_method is not None:
+            apply_linear_method(model, linear_method)
+    model.weight_memory = weight_memory(model, quantized)
+    logger.info("%s", model.weight_memory.describe())
     return model
 
 
@@ -271,3 +278,80 @@ def build_kv_cache(
         spare_blocks=spare_blocks,
         num_state_snapshots=num_state_snapshots,
     )
+
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class WeightMemory:
+    """The bytes a loaded model holds on this rank (its own part under tensor parallelism):
+    every tensor of its modules (parameters, buffers and any other tensor a method keeps, such
+    as a platform's packed copy), each storage once; and of those, what the quantized linear
+    layers hold beside what their weights and biases take dense in the compute dtype."""
+
+    resident_bytes: int
+    quantized_bytes: int
+    quantized_dense_bytes: int
+    num_quantized_layers: int
+    compute_dtype: str
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def quantized_fraction(self) -> float | None:
+        """Quantized layers' bytes / their dense bytes; None without quantized layers."""
+        return self.quantized_bytes / self.quantized_dense_bytes if self.quantized_dense_bytes else None
+
+    def describe(self) -> str:
+        """``weights: X MiB resident (Y MiB in quantized linear layers, Z% of their bfloat16 size)``."""
+        where = f" (rank {self.rank} of {self.world_size})" if self.world_size > 1 else ""
+        if self.quantized_fraction is None:
+            detail = "no quantized linear layers"
+        else:
+            detail = (
+                f"{self.quantized_bytes / MIB:.2f} MiB in {self.num_quantized_layers} quantized linear layers, "
+                f"{self.quantized_fraction:.1%} of their {self.compute_dtype} size"
+            )
+        return f"weights{where}: {self.resident_bytes / MIB:.2f} MiB resident ({detail})"
+
+
+def weight_memory(model: torch.nn.Module, quantized: list[MergedLinear]) -> WeightMemory:
+    """The :class:`WeightMemory` of a loaded ``model`` whose ``quantized`` layers a quantizer took."""
+    sizes = _storage_sizes(model.modules())
+    quantized_sizes = _storage_sizes(m for layer in quantized for m in layer.modules())
+    dense = sum(
+        (sum(layer.output_sizes) * layer.input_size + (sum(layer.output_sizes) if layer.has_bias else 0))
+        * layer.dtype.itemsize
+        for layer in quantized
+    )
+    tp = next((m.tp for m in model.modules() if isinstance(m, MergedLinear)), SINGLE)
+    return WeightMemory(
+        resident_bytes=sum(sizes.values()),
+        quantized_bytes=sum(quantized_sizes.values()),
+        quantized_dense_bytes=dense,
+        num_quantized_layers=len(quantized),
+        compute_dtype=str(next(iter({layer.dtype for layer in quantized}), "")).removeprefix("torch."),
+        rank=tp.rank,
+        world_size=tp.size,
+    )
+
+
+def _storage_sizes(modules) -> dict[int, int]:
+    """Bytes of each distinct storage the modules' tensors live in (parameters, buffers and
+    plain tensor attributes), by storage address; a view counts its whole storage once."""
+    sizes: dict[int, int] = {}
+    for module in modules:
+        attributes = [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for tensor in [*module._parameters.values(), *module._buffers.values(), *attributes]:
+            if tensor is None or tensor.device.type == "meta":
+                continue
+            try:
+                storage = tensor.untyped_storage()
+                key, size = storage.data_ptr(), storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # an opaque layout (mkldnn): its elements
+                key, size = id(tensor), tensor.numel() * tensor.element_size()
+            if key == 0:  # nothing allocated (an empty tensor)
+                continue
+            sizes[key] = max(size, sizes.get(key, 0))
+    return sizes

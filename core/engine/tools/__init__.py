@@ -1,0 +1,1 @@
+"""Tools that work on checkpoints rather than serve them (``engine quantize``)."""

@@ -1,5 +1,6 @@
 """The GPU acceptance run: the engine's Triton kernels natively on a CUDA or ROCm GPU against
-their torch references (error and time); the decode-attention kernel's HBM bandwidth at 1k,
+their torch references (error and time; the group-quantized linear kernel's time against
+F.linear on the weight dequantized beforehand); the decode-attention kernel's HBM bandwidth at 1k,
 8k and 32k context against the device's measured copy bandwidth; the engine's prompt logits
 against transformers' on the same GPU for the tiny Llama, DeepSeek-V3/V4 and Kimi-Linear
 checkpoints and DeepSeek-V3 in FP8 (FP8 linear layers), and llama58m's greedy tokens
@@ -165,6 +166,39 @@ def check_fp8_gemm(device) -> bool:
     expected, ref_ms = timed(lambda: (x_ref @ w_ref.T).to(torch.bfloat16), repeat=10)
     got, ms = timed(lambda: fp8_block_linear(x, weight, scales, (128, 128), block_k=128), repeat=10)
     return report("FP8 block GEMM W8A8 (64x4096x7168)", got, expected, ms, ref_ms)
+
+
+GROUP_QUANT_LAYERS = {"gate_up": (2816, 512), "down": (512, 1408)}  # llama58m's MLP: (N, K)
+GROUP_QUANT_FORMATS = ((4, 128), (8, 32))  # (bits, group size): GPTQ/AWQ int4, GGUF Q8_0
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def check_group_quant(device, rows: tuple[int, ...] = (1, 256), repeat: int = 20) -> bool:
+    """The group-quantized linear kernel (engine.kernels.group_quant) against the torch reference
+    on the device, for llama58m's MLP shapes in bf16 and fp16, decode (1 row, also without
+    split-K) and prefill; the time column is F.linear with the weight dequantized beforehand."""
+    from engine.interfaces.group_quant import group_quant_linear, quantize_groups
+    from engine.kernels.group_quant import triton_group_quant_linear
+
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    ok = True
+    for dtype in (torch.bfloat16, torch.float16):
+        for layer, (n, k) in GROUP_QUANT_LAYERS.items():
+            dense = torch.randn(n, k, generator=gen) / k**0.5
+            for bits, group_size in GROUP_QUANT_FORMATS:
+                weight = quantize_groups(dense, bits, group_size).to(device)
+                dequantized = weight.dequantize(dtype)
+                for m in rows:
+                    x = torch.randn(m, k, generator=gen).to(device, dtype)
+                    expected = group_quant_linear(x, weight)
+                    _, ref_ms = timed(lambda x=x, d=dequantized: torch.nn.functional.linear(x, d), repeat=repeat)
+                    name = f"int{bits}/g{group_size} {layer} {DTYPE_NAMES[dtype]} {m}x{n}x{k}"
+                    got, ms = timed(lambda x=x, w=weight: triton_group_quant_linear(x, w), repeat=repeat)
+                    ok &= report(name, got, expected, ms, ref_ms)
+                    if m == 1:
+                        got, ms = timed(lambda x=x, w=weight: triton_group_quant_linear(x, w, split=1), repeat=repeat)
+                        ok &= report(f"{name} no split-K", got, expected, ms, ref_ms)
+    return ok
 
 
 def check_decode_graphs(device) -> bool:
@@ -419,7 +453,15 @@ def main() -> int:
         "runtime": runtime,
     }
     started = time.perf_counter()
-    checks = (check_paged_attention, check_kda, check_mamba2, check_moe, check_fp8_gemm, check_attention_bandwidth)
+    checks = (
+        check_paged_attention,
+        check_kda,
+        check_mamba2,
+        check_moe,
+        check_fp8_gemm,
+        check_group_quant,
+        check_attention_bandwidth,
+    )
     with torch.inference_mode():
         results = [check(device) for check in checks]
     platform = "rocm" if torch.version.hip else "cuda"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,7 @@ from engine_cuda.capability import CudaCapability
 from engine_cuda.detect import device_capability, probe_availability
 
 if TYPE_CHECKING:
-    pass
+    from engine.interfaces.ops import LayerOps
 
 ALL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -81,6 +82,16 @@ class CudaPlatform(TorchCudaPlatform):
         then the engine's Triton backend. Needs no device."""
         libraries = tuple(name for library, name in self.library_attention_backends.get(kind, ()) if usable(library))
         return (*libraries, *super().attention_backend_preferences(kind))
+
+    def layer_ops(self, dtype: str) -> LayerOps | None:
+        """Group-quantized linear layers through the engine's Triton kernel
+        (``engine.kernels.group_quant``) where Triton is installed; None (the torch reference
+        ops) without it. Needs no device."""
+        if importlib.util.find_spec("triton") is None:
+            return None
+        from engine.kernels.group_quant import TritonLayerOps
+
+        return TritonLayerOps()
 
     # device state, probed once per instance (availability: TorchCudaPlatform)
 

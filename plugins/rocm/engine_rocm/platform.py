@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -12,7 +13,7 @@ from engine_rocm.arch import ArchCapabilities, arch_capabilities, fp8_capable_ar
 from engine_rocm.detect import aiter_importable, device_arch, probe_availability
 
 if TYPE_CHECKING:
-    pass
+    from engine.interfaces.ops import LayerOps
 
 
 class DeviceFp8Dtype:
@@ -82,6 +83,16 @@ class RocmPlatform(TorchCudaPlatform):
         """AITER's backend for ``kind`` when aiter imports, then the built-in Triton backend."""
         aiter = tuple(self.aiter_attention_backends.get(kind, ())) if self.aiter_available else ()
         return (*aiter, *super().attention_backend_preferences(kind))
+
+    def layer_ops(self, dtype: str) -> LayerOps | None:
+        """Group-quantized linear layers through the engine's Triton kernel
+        (``engine.kernels.group_quant``) where Triton is installed; None (the torch reference
+        ops) without it. Needs no device."""
+        if importlib.util.find_spec("triton") is None:
+            return None
+        from engine.kernels.group_quant import TritonLayerOps
+
+        return TritonLayerOps()
 
     def check_quantization(self, method: str) -> None:
         """Besides the base check, refuse FP8 methods (names containing ``fp8``) on a device

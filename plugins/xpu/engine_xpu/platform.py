@@ -7,6 +7,7 @@ built-in Triton backends; torch's XPU wheels ship Triton for Intel GPUs.
 
 from __future__ import annotations
 
+import importlib.util
 from functools import cached_property
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ from engine.interfaces.platform import Availability, MemoryInfo, Platform
 
 if TYPE_CHECKING:
     import torch
+
+    from engine.interfaces.ops import LayerOps
 
 
 def probe() -> Availability:
@@ -75,6 +78,16 @@ class XpuPlatform(Platform):
     @classmethod
     def is_available(cls) -> Availability:
         return probe()
+
+    def layer_ops(self, dtype: str) -> LayerOps | None:
+        """Group-quantized linear layers through the engine's Triton kernel
+        (``engine.kernels.group_quant``) where Triton is installed; None (the torch reference
+        ops) without it. Needs no device."""
+        if importlib.util.find_spec("triton") is None:
+            return None
+        from engine.kernels.group_quant import TritonLayerOps
+
+        return TritonLayerOps()
 
     @cached_property
     def availability(self) -> Availability:

@@ -19,7 +19,15 @@ if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 from plugin_helpers import REAL_PLUGINS, PluginFactory, hooks_source  # noqa: E402
 
-LLAMA_ARCHITECTURES = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+LLAMA_ARCHITECTURES = [
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "MixtralForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+]
 
 
 def torch_tier_plugin(factory: PluginFactory) -> str:

@@ -83,6 +83,37 @@ class Router(nn.Module):
         return chosen, weights * d.routed_scaling_factor
 
 
+class SoftmaxRouter(nn.Module):
+    """Router logits ``x @ weight.T`` in the model's dtype, a softmax over them in float32, the
+    top ``k`` chosen and, with ``normalize``, renormalised; with ``round_weights`` the weights
+    are rounded to the model's dtype (Qwen3-MoE, Qwen3.5-MoE) rather than kept in float32
+    (Mixtral), as transformers computes them."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        k: int,
+        normalize: bool,
+        dtype: torch.dtype,
+        *,
+        round_weights: bool = True,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
+        self.k, self.normalize, self.round_weights = k, normalize, round_weights
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (expert ids [T, k], weights [T, k] float32)."""
+        logits = F.linear(x, self.weight)  # [T, E]
+        top, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.k, dim=-1)
+        if self.normalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if self.round_weights:
+            top = top.to(logits.dtype).float()
+        return chosen, top
+
+
 class Experts(nn.Module):
     """The routed experts' weights stacked: w13 [E, 2 * I, hidden] (gate rows then up
     rows) and w2 [E, hidden, I]. Tokens are sorted by expert and each active expert runs

@@ -61,7 +61,42 @@ def inverse_frequencies(
         return torch.where(is_medium, smoothed, scaled), 1.0
     if rope_type == "yarn":
         return _yarn(inv_freq, rotary_dim, base, params, max_positions)
-    raise ValueError(f"Unsupported rope_type {rope_type!r}. Supported: default, linear, llama3, yarn.")
+    if rope_type == "longrope":
+        raise ValueError(
+            "rope_type 'longrope' turns positions before and after original_max_position_embeddings at different "
+            "frequencies: build its table with RotaryEmbedding (or longrope_angles), not from one inv_freq."
+        )
+    raise ValueError(f"Unsupported rope_type {rope_type!r}. Supported: default, linear, llama3, yarn, longrope.")
+
+
+def longrope_angles(rotary_dim: int, params: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3, arXiv 2402.13753): the angles [max_positions, rotary_dim // 2] in fp32 and
+    the cos/sin scaling factor. Each frequency is divided by its ``short_factor`` at positions
+    before ``original_max_position_embeddings`` and by its ``long_factor`` from there on, so a
+    position always turns the same way, whatever the length of its sequence, and cached keys
+    stay valid. That is transformers' forward through its cache as a sequence grows one token at
+    a time; one transformers forward over a sequence longer than the original context (and its
+    ``generate``, which recomputes the sequence as it passes that length) turns every position by
+    ``long_factor`` instead. The scaling factor is ``attention_factor``, else
+    ``sqrt(1 + ln(factor) / ln(original))`` with ``factor`` defaulting to ``max_positions / original``."""
+    original = int(params["original_max_position_embeddings"])
+    factor = float(params.get("factor") or max_positions / original)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    angles = []
+    for key, rows in (("short_factor", positions[:original]), ("long_factor", positions[original:])):
+        factors = torch.tensor(params[key], dtype=torch.float32)
+        if factors.shape != exponents.shape:
+            raise ValueError(
+                f"rope {key} has {factors.numel()} entries, the rotary dimensions need {exponents.numel()} "
+                f"(rotary_dim {rotary_dim} / 2): check rope_parameters and partial_rotary_factor."
+            )
+        angles.append(torch.outer(rows, 1.0 / (factors * base**exponents)))
+    return torch.cat(angles), float(attention_factor)
 
 
 def _yarn(
@@ -109,8 +144,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_size = head_size
         self.rotary_dim = rotary_dim or head_size
-        inv_freq, attention_scaling = inverse_frequencies(self.rotary_dim, params, max_positions)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        if params["rope_type"] == "longrope":
+            freqs, attention_scaling = longrope_angles(self.rotary_dim, params, max_positions)
+        else:
+            inv_freq, attention_scaling = inverse_frequencies(self.rotary_dim, params, max_positions)
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         # cos, sin: [max_positions, rotary_dim]
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)

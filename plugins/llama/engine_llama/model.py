@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -37,7 +37,9 @@ class Variant:
     qkv_bias: bool | None = None  # None: config.attention_bias
     o_bias: bool | None = None  # None: config.attention_bias
     qk_norm: bool = False
-    sliding_window: str = "none"  # "none", "all" (Mistral), "layer_types" (Qwen2/Qwen3)
+    # "none"; "all" (Mistral); "use_sliding_window": all, when the config's flag says so (Qwen3-MoE);
+    # "layer_types": per layer_types or max_window_layers, when the flag says so (Qwen2/Qwen3)
+    sliding_window: str = "none"
 
 
 @dataclass(frozen=True)
@@ -131,9 +133,7 @@ class LlamaForCausalLM(Model):
             layers = [
                 PreNormDecoderLayer(
                     LlamaAttentionBlock(dims, self.specs[i], i, qkv_bias, o_bias, variant.qk_norm, dtype, tp),
-                    GatedMLP(
-                        dims.hidden_size, dims.intermediate_size, bool(config.get("mlp_bias", False)), dtype, tp=tp
-                    ),
+                    self.make_mlp(config, dims, i, dtype, tp),
                     dims.hidden_size,
                     dims.rms_norm_eps,
                     dtype,
@@ -141,21 +141,33 @@ class LlamaForCausalLM(Model):
                 for i in range(dims.num_layers)
             ]
             self.model = DecoderStack(dims.vocab_size, dims.hidden_size, dims.rms_norm_eps, layers, dtype, tp=tp)
+            rope = self.rope_parameters(config)
+            partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
             self.rotary = RotaryEmbedding(
                 dims.head_dim,
                 int(config.get("max_position_embeddings", 2048)),
-                rope_parameters(config),
-                rotary_dim=int(dims.head_dim * float(config.get("partial_rotary_factor", 1.0))),
+                rope,
+                rotary_dim=int(dims.head_dim * float(partial)),
             )
             self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
             self.lm_head = ParallelLMHead(dims.hidden_size, dims.vocab_size, dtype, tp=tp)
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
+    def make_mlp(self, config: HFConfig, dims: Dims, index: int, dtype: torch.dtype, tp: TensorParallel) -> nn.Module:
+        """Layer ``index``'s MLP, called as ``mlp(h, ctx)``: a gated SiLU MLP of ``intermediate_size``."""
+        return GatedMLP(dims.hidden_size, dims.intermediate_size, bool(config.get("mlp_bias", False)), dtype, tp=tp)
+
+    def rope_parameters(self, config: HFConfig) -> dict[str, Any]:
+        """The config's rope parameters, normalised (:func:`engine.layers.rotary.rope_parameters`)."""
+        return rope_parameters(config)
+
     def _attention_specs(self, config: HFConfig, dims: Dims, tp: TensorParallel) -> list[AttentionSpec]:
         windows: list[int | None] = [None] * dims.num_layers
         window = config.get("sliding_window")
         if self.variant.sliding_window == "all" and window:
+            windows = [int(window)] * dims.num_layers
+        elif self.variant.sliding_window == "use_sliding_window" and window and config.get("use_sliding_window", False):
             windows = [int(window)] * dims.num_layers
         elif self.variant.sliding_window == "layer_types" and window and config.get("use_sliding_window", False):
             layer_types = config.get("layer_types") or [
@@ -190,14 +202,19 @@ class LlamaForCausalLM(Model):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head, hidden_states)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params, linears = dict(self.named_parameters()), linear_layers(self)
-        loaded: set[str] = set()
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as this model names them, those it does not use left out."""
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name.startswith("lm_head.") and self.tie_word_embeddings:
                 continue  # some tied checkpoints also store the shared matrix under lm_head
+            yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params, linears = dict(self.named_parameters()), linear_layers(self)
+        loaded: set[str] = set()
+        for name, tensor in self.checkpoint_tensors(weights):
             loaded |= load_tensor(self, params, linears, name, tensor, STACKED_PARAMS)
         return loaded
 

@@ -2,15 +2,24 @@
 
 import engine
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# architecture -> the module of engine_llama defining it
+ARCHITECTURES = {
+    "LlamaForCausalLM": "model",
+    "MistralForCausalLM": "model",
+    "Qwen2ForCausalLM": "model",
+    "Qwen3ForCausalLM": "model",
+    "Qwen3MoeForCausalLM": "moe",
+    "MixtralForCausalLM": "moe",
+    "Phi3ForCausalLM": "phi3",
+}
 TOOL_PARSERS = {"hermes": "HermesToolParser", "llama3_json": "Llama3JsonToolParser", "mistral": "MistralToolParser"}
 REASONING_PARSERS = {"qwen3": "Qwen3ReasoningParser"}
 
 
 @engine.hookimpl
 def register_models(register):
-    for architecture in ARCHITECTURES:
-        register(architecture, f"engine_llama.model:{architecture}")
+    for architecture, module in ARCHITECTURES.items():
+        register(architecture, f"engine_llama.{module}:{architecture}")
 
 
 @engine.hookimpl

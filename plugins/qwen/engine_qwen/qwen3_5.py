@@ -64,7 +64,7 @@ from engine.layers.linear import (
     gather_logits,
     shard_parameter,
 )
-from engine.layers.moe import Experts, load_named_tensors
+from engine.layers.moe import Experts, SoftmaxRouter, load_named_tensors
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
 
@@ -275,23 +275,6 @@ class GatedAttention(nn.Module):
         q, k = ctx.ops.rotary(q.contiguous(), k.contiguous(), *cos_sin)
         out = self.attn(q, k, v.reshape(n, self.kv_heads, d.head_dim).contiguous(), ctx)
         return self.o_proj(out.reshape(n, -1) * torch.sigmoid(gate))
-
-
-class SoftmaxRouter(nn.Module):
-    """Softmax over the experts in float32, the top ``k`` renormalised, rounded to the model's
-    dtype (transformers' Qwen3.5-MoE router)."""
-
-    def __init__(self, num_experts: int, hidden_size: int, k: int, normalize: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
-        self.k, self.normalize = k, normalize
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
-        top, chosen = torch.softmax(logits, dim=-1, dtype=torch.float32).topk(self.k, dim=-1)
-        if self.normalize:
-            top = top / top.sum(dim=-1, keepdim=True)
-        return chosen, top.to(logits.dtype).float()
 
 
 class SparseMoE(nn.Module):

@@ -28,7 +28,7 @@ from engine_cpu.platform import CpuPlatform
 NAMES = (
     "good_cpu", "silent", "bad_dtype", "ghost_pref", "dirty_cache", "frozen_stats", "raising_probe", "foreign_pref",
     "wrong_kind_pref", "overfull_memory", "greedy_kv_default", "unseeded", "fixed_seed", "fp32_cache",
-    "transposed_cache", "biasless_linear", "last_max_argmax",
+    "transposed_cache", "biasless_linear", "last_max_argmax", "order_blind_group_quant",
 )
 
 
@@ -198,12 +198,33 @@ class LastMaxArgmax(Good):
         return LastMaxOps()
 
 
+class OrderBlindOps(LayerOps):
+    def group_quant_linear(self, x, weight, bias=None):
+        # ignores the weight's input order (act-order GPTQ), as a kernel given x as it came would
+        from engine.interfaces.group_quant import group_quant_linear
+
+        unordered = type(weight)(
+            weight.qweight, weight.scales, weight.offsets, weight.bits, weight.group_size,
+            weight.in_features, weight.out_features,
+        )
+        return group_quant_linear(x, unordered, bias)
+
+
+class OrderBlindGroupQuant(Good):
+    # a group-quantized kernel that forgets to gather the inputs
+
+    name = "order_blind_group_quant"
+
+    def layer_ops(self, dtype):
+        return OrderBlindOps()
+
+
 @engine.hookimpl
 def register_platforms(register):
     for cls in (
         Good, SilentProbe, ClaimsHalfButBreaksIt, PrefersAGhost, DirtyCache, FrozenStats, RaisingProbe,
         PrefersAForeignBackend, PrefersTheWrongKind, OverfullMemory, GreedyKvDefault, Unseeded, FixedSeed,
-        Fp32Cache, TransposedCache, BiaslessLinear, LastMaxArgmax,
+        Fp32Cache, TransposedCache, BiaslessLinear, LastMaxArgmax, OrderBlindGroupQuant,
     ):
         register(cls)
 
@@ -232,6 +253,7 @@ VARIANTS = {
     "TestTransposedCache": "transposed_cache",
     "TestBiaslessLinear": "biasless_linear",
     "TestLastMaxArgmax": "last_max_argmax",
+    "TestOrderBlindGroupQuant": "order_blind_group_quant",
 }
 
 TESTS = "from engine.testing.kit import PlatformTests\n" + "".join(
@@ -268,6 +290,7 @@ CAUGHT_BY = {
     "TestTransposedCache": ("test_kv_cache_allocation",),
     "TestBiaslessLinear": ("test_linear_method_matches_f_linear",),
     "TestLastMaxArgmax": ("test_layer_ops_match_the_reference",),
+    "TestOrderBlindGroupQuant": ("test_layer_ops_match_the_reference",),
 }
 NUM_CHECKS = 10
 

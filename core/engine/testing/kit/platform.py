@@ -199,7 +199,8 @@ class PlatformTests(KitTests):
 
     def test_layer_ops_match_the_reference(self) -> None:
         """Where ``layer_ops(dtype)`` gives fused ops: RMSNorm (with and without the residual
-        add), rotary (whole and partial rotary dims), SiLU-and-mul and the token bitmask give the
+        add), rotary (whole and partial rotary dims), SiLU-and-mul, the group-quantized linear
+        layer (``group_quant_linear``) and the token bitmask give the
         reference ops' values within the dtype's rounding, and ``argmax`` equals ``torch.argmax``
         exactly (the first of equal maxima, a NaN counting as the maximum)."""
         platform = self.available_platform()
@@ -209,6 +210,34 @@ class PlatformTests(KitTests):
         for name, ops in all_ops.items():
             if ops is not None:
                 self.check_layer_ops(ops, name, platform.device())
+
+    def check_group_quant_linear(self, ops: Any, rand: Any, close: Any, device: Any) -> None:
+        """``group_quant_linear`` against the reference for 4-bit and 8-bit weights (groups of 32 and
+        16, an input order, a bias), one and several rows."""
+        import torch
+
+        from engine.interfaces.group_quant import quantize_groups
+        from engine.interfaces.ops import REFERENCE_OPS
+
+        generator = torch.Generator().manual_seed(1)
+        for bits, group_size, ordered in ((4, 32, False), (8, 16, True), (4, 128, True)):
+            weight = quantize_groups(torch.randn(40, 128, generator=generator), bits, group_size)
+            if ordered:
+                order = torch.randperm(128, generator=generator)
+                weight = type(weight).from_values(
+                    weight.values(), weight.scales, weight.offsets, bits, input_order=order
+                )
+            weight = weight.to(device)
+            bias = rand(40)
+            for rows in (1, 9):
+                x = rand(rows, 128)
+                for b in (None, bias):
+                    close(
+                        ops.group_quant_linear(x, weight, b),
+                        REFERENCE_OPS.group_quant_linear(x, weight, b),
+                        f"group_quant_linear ({bits}-bit, groups of {group_size}, {rows} rows, "
+                        f"{'input order, ' if ordered else ''}{'bias' if b is not None else 'no bias'})",
+                    )
 
     def check_layer_ops(self, ops: Any, name: str, device: Any) -> None:
         """``ops`` (a platform's ``layer_ops(name)``) against the reference ops, on ``device``."""
@@ -245,6 +274,7 @@ class PlatformTests(KitTests):
             close(got_k, expected_k, f"rotary k (rotary_dim {rotary_dim})")
         gate_up = rand(7, 256)
         close(ops.silu_and_mul(gate_up.clone()), REFERENCE_OPS.silu_and_mul(gate_up), "silu_and_mul")
+        self.check_group_quant_linear(ops, rand, close, device)
         logits = rand(4, 100).float()
         bitmask = torch.randint(-(2**31), 2**31, (2, 4), generator=generator, dtype=torch.int64).to(torch.int32)
         rows = torch.tensor([2, 0])

@@ -29,7 +29,7 @@ def test_kv_tier_tutorial_tier_passes_the_kit(tmp_path):
     assert set(files) == FILES
     output = run_kit_of(tmp_path, files, "engine-mytier", "engine_mytier", "mytier")
     assert "capability not declared: eviction = 'fifo'" in output  # the one check skipped
-    assert "13 passed" in output, output[-2000:]
+    assert "14 passed" in output, output[-2000:]
 
 
 def test_kv_tier_tutorial_script_makes_the_engine_store_and_load(tmp_path):

@@ -59,11 +59,12 @@ def plan_caches(setup: EngineSetup, model: Model, rank: int) -> CachePlan:
             f"KV tiers carry blocks in the compute dtype; --kv-cache-dtype {config.kv_cache_dtype} caches are not "
             f"offloaded yet. Run without --kv-tier, or with --kv-cache-dtype auto."
         )
-    if setup.kv_tier_cls is not None and recurrent_kinds:
+    if setup.kv_tier_cls is not None and recurrent_kinds and config.tensor_parallel_size > 1:
+        # the tier carries their state snapshots beside the blocks, gathered from one rank's cache
         raise SelectionError(
-            f"KV tiers hold prefix-cache blocks, and {setup.architecture}'s {', '.join(recurrent_kinds)} layers keep "
-            f"one recurrent state per request, whose snapshots the tiers do not carry yet. "
-            f"Run it without --kv-tier."
+            f"KV tiers carry {setup.architecture}'s {', '.join(recurrent_kinds)} state snapshots from a single "
+            f"rank's cache, not yet from --tensor-parallel-size {config.tensor_parallel_size}. Run it without "
+            f"--kv-tier, or on one rank."
         )
     if setup.kv_tier_cls is not None:
         if rank == 0:  # the other ranks give and take their heads of rank 0's blocks
@@ -76,4 +77,12 @@ def plan_caches(setup: EngineSetup, model: Model, rank: int) -> CachePlan:
                 spec.block_bytes,
                 spec.digest,
             )
+            if spec.state_numels:
+                logger.info(
+                    "KV tier %s: %s state snapshots of %d bytes, in %d blocks each",
+                    config.kv_tier,
+                    ", ".join(recurrent_kinds),
+                    spec.state_bytes,
+                    spec.state_blocks,
+                )
     return CachePlan(prefix_caching, recurrent_kinds, tier)

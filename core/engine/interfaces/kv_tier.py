@@ -8,10 +8,19 @@ then V as ``[block_size, num_kv_heads, head_size]`` each (whatever the attention
 backend's own cache layout or the tensor-parallel degree). Keys are the prefix
 cache's chained block hashes (16 bytes): a key names a block's content and its
 whole prefix, so equal keys are interchangeable blocks.
+
+Models with recurrent layers (linear attention, Mamba-2) keep no per-token cache in
+those layers, only a state per request, and a prefix hit also needs that state as it
+was at the prefix's end: prefix caching keeps snapshots of it at block boundaries. A
+snapshot goes to a tier as blocks of its own (``spec.state_blocks`` of them, the
+canonical state's bytes cut into block-sized parts, zero-padded), under keys derived
+from the hash of the block it ends with (:meth:`KVTierSpec.state_keys`), so that every
+entry of a tier is one block of ``spec.block_bytes`` whatever the model.
 """
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
@@ -29,9 +38,19 @@ class KVTierSpec:
     stored under one digest must never be served under another (a persistent tier
     keeps them apart, e.g. one directory per digest). ``block_numel`` elements of
     ``dtype`` (a torch dtype name such as ``"bfloat16"``) make one block;
-    ``layer_shapes`` lists each layer's ``(block_size, num_kv_heads, head_size)``: its keys,
-    then its values, except for the layers listed in ``keys_only`` (by index), which cache
-    one tensor a token: MLA's latent entries, a sparse-attention indexer's keys.
+    ``layer_shapes`` lists, for each layer with a per-token cache, its ``(block_size,
+    num_kv_heads, head_size)``: its keys, then its values, except for the layers listed in
+    ``keys_only`` (by index in ``layer_shapes``), which cache one tensor a token: MLA's
+    latent entries, a sparse-attention indexer's keys.
+
+    ``state_numels`` lists, for each recurrent layer (linear attention, Mamba-2) in layer
+    order, the float32 elements of its state with all its heads: the last ``conv_kernel - 1`` convolution
+    inputs ``[conv_kernel - 1, conv_channels]``, then the recurrent matrix ``[num_heads,
+    head_size, value_size or state_size]`` (:meth:`AttentionSpec.state_numel
+    <engine.interfaces.attention.spec.AttentionSpec.state_numel>`). A snapshot of those
+    states, layer after layer, is ``state_bytes`` bytes and travels as ``state_blocks``
+    ordinary blocks (:meth:`state_keys`, :meth:`state_rows`, :meth:`state_of`): a tier
+    stores, evicts and counts them as it does any block.
     """
 
     digest: str
@@ -39,6 +58,7 @@ class KVTierSpec:
     block_size: int
     layer_shapes: tuple[tuple[int, int, int], ...]
     keys_only: tuple[int, ...] = ()
+    state_numels: tuple[int, ...] = ()
 
     def tensors(self, layer: int) -> int:
         """How many tensors layer ``layer`` caches per token: 1 (keys only) or 2 (keys, values)."""
@@ -57,6 +77,47 @@ class KVTierSpec:
     @property
     def block_bytes(self) -> int:
         return self.block_numel * self.element_size
+
+    # recurrent-state snapshots
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one snapshot of every recurrent layer's state (float32); 0 without such layers."""
+        return 4 * sum(self.state_numels)
+
+    @property
+    def state_blocks(self) -> int:
+        """How many blocks carry one snapshot: its bytes, cut into ``block_bytes`` parts."""
+        return -(-self.state_bytes // self.block_bytes) if self.state_bytes else 0
+
+    def state_keys(self, key: bytes) -> list[bytes]:
+        """The keys of the ``state_blocks`` parts of the snapshot taken after the block ``key``
+        (16 bytes each, apart from every block key: the digest of a tag, the key and the part)."""
+        return [
+            hashlib.blake2b(b"recurrent-state" + key + part.to_bytes(4, "little"), digest_size=16).digest()
+            for part in range(self.state_blocks)
+        ]
+
+    def state_rows(self, state: torch.Tensor) -> torch.Tensor:
+        """A snapshot's ``state_blocks`` blocks, ``[state_blocks, block_numel]`` in the spec's dtype:
+        the bytes of ``state`` (``sum(state_numels)`` float32 elements, canonical layout), then zeros."""
+        import torch
+
+        if state.dtype != torch.float32 or state.numel() != sum(self.state_numels):
+            raise ValueError(
+                f"A recurrent-state snapshot is {sum(self.state_numels)} float32 elements, "
+                f"got {state.numel()} of {state.dtype}."
+            )
+        raw = torch.zeros(self.state_blocks * self.block_bytes, dtype=torch.uint8)
+        raw[: self.state_bytes] = state.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        return raw.view(getattr(torch, self.dtype)).view(self.state_blocks, self.block_numel)
+
+    def state_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """The float32 snapshot (``sum(state_numels)`` elements) in blocks :meth:`state_rows` made."""
+        import torch
+
+        raw = rows.contiguous().reshape(-1).view(torch.uint8)[: self.state_bytes]
+        return raw.clone().view(torch.float32)
 
 
 @dataclass

@@ -18,7 +18,9 @@ tokens, and at the last full block of each prompt (:meth:`snapshot_points`). Pro
 computed in chunks that end at those points (:meth:`chunk_end`), so that the state exists
 there; a prefix hit is cut back to its longest run of blocks whose last has a snapshot,
 which is copied into the request's slot before its first step. A snapshot goes when its
-block is evicted, or when a newer one needs its row (least recently used first).
+block is evicted, or when a newer one needs its row (least recently used first); with a KV
+tier it goes there (:meth:`take_evicted_states`), and snapshots the tier gives back take a
+row like new ones (:meth:`take_snapshot_row`).
 """
 
 from __future__ import annotations
@@ -92,9 +94,11 @@ class KVCacheManager:
         # blocks nobody holds, least recently used first; popping the front evicts
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.stats = PrefixCacheStats()
-        # with a KV tier: (block, hash) of every cached block evicted since take_evicted()
+        # with a KV tier: (block, hash) of every cached block evicted since take_evicted(), and
+        # (hash, row) of every snapshot dropped since take_evicted_states() (its row still intact)
         self.record_evictions = False
         self.evicted: list[tuple[int, bytes]] = []
+        self.evicted_states: list[tuple[bytes, int]] = []
         self.num_state_slots = num_state_slots
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: lowest first
         if num_state_snapshots and (snapshot_interval < 1 or snapshot_interval % block_size):
@@ -218,6 +222,12 @@ class KVCacheManager:
         """The copy into ``row`` ran: it now restores prefixes ending with block ``h``, if that
         block is still cached (else the row is free again)."""
         self.snapshot_stats.taken += 1
+        self.keep_snapshot(row, h)
+
+    def keep_snapshot(self, row: int, h: bytes) -> None:
+        """``row`` (from :meth:`plan_snapshot` or :meth:`take_snapshot_row`) holds the state after
+        block ``h``: it restores prefixes ending with that block if it is still cached (else the
+        row is free again)."""
         if h in self.cached and h not in self.snapshots:
             self.snapshots[h] = row
             self.snapshot_hashes[row] = h
@@ -239,6 +249,8 @@ class KVCacheManager:
         if h is not None:
             del self.snapshots[h]
             self.snapshot_stats.dropped += 1
+            if self.record_evictions:
+                self.evicted_states.append((h, row))
 
     # allocation
 
@@ -334,11 +346,35 @@ class KVCacheManager:
         evicted, self.evicted = self.evicted, []
         return evicted
 
+    def take_evicted_states(self) -> list[tuple[bytes, int]]:
+        """(hash, row) of the snapshots dropped since the last call; each row holds its state until
+        the next step's forward or :meth:`take_snapshot_row` reuses it."""
+        evicted, self.evicted_states = self.evicted_states, []
+        return evicted
+
+    def take_snapshot_row(self) -> int | None:
+        """A snapshot row to fill (the least recently used, its snapshot dropped), held until
+        :meth:`keep_snapshot` or :meth:`return_snapshot_row`; None without snapshot rows."""
+        if not self.snapshot_rows:
+            return None
+        row, _ = self.snapshot_rows.popitem(last=False)
+        self._drop_snapshot(row)
+        return row
+
+    def return_snapshot_row(self, row: int) -> None:
+        """A row :meth:`take_snapshot_row` gave that was not filled: free, first to be reused."""
+        self.snapshot_rows[row] = None
+        self.snapshot_rows.move_to_end(row, last=False)
+
     def protect(self, hashes: list[bytes]) -> int:
-        """Move the free cached blocks of ``hashes`` to the back of the eviction order; returns
-        how many of them are free (they must not be taken by :meth:`take_free_blocks`)."""
+        """Move the free cached blocks of ``hashes``, and the rows of their snapshots, to the back of
+        the eviction order; returns how many of the blocks are free (they must not be taken by
+        :meth:`take_free_blocks`)."""
         free = 0
         for h in hashes:
+            row = self.snapshots.get(h)
+            if row is not None:
+                self.snapshot_rows.move_to_end(row)
             block = self.cached.get(h)
             if block is not None and self.ref_counts[block] == 0:
                 self.free_queue.move_to_end(block)

@@ -9,6 +9,13 @@
   blocks and published in the prefix cache, where the scheduler then finds it like
   any cached prefix. A block the tier fails to return ends the run: the request
   computes it and everything after it, so a partial load only costs time.
+
+Models with recurrent layers also need the state those layers had at a prefix's end.
+The snapshots prefix caching keeps of it (engine.runtime.kv_cache_manager) go to the
+tier beside the blocks, as blocks of their own (``KVTierSpec.state_keys``), when their
+block is evicted or their row is taken for a newer one; a prefix comes back from the
+tier only as far as the furthest block boundary whose snapshot comes back whole, into a
+snapshot row, from where the request's first step copies it into its state slot.
 """
 
 from __future__ import annotations
@@ -34,24 +41,28 @@ logger = logging.getLogger("engine")
 
 def tier_spec(kv_cache: KVCache, salt: bytes, dtype: torch.dtype) -> KVTierSpec:
     """The spec of this engine's blocks: the digest covers the prefix-cache salt (model,
-    architecture, dtype, block size) and every layer's KV shape with all its KV heads, so
-    that it does not depend on the tensor-parallel size."""
+    architecture, dtype, block size), every layer's KV shape with all its KV heads and every
+    recurrent layer's state size, so that it does not depend on the tensor-parallel size."""
     return tier_spec_of([backend.spec for backend in kv_cache.layer_backends], kv_cache.block_size, salt, dtype)
 
 
 def tier_spec_of(specs: list[AttentionSpec], block_size: int, salt: bytes, dtype: torch.dtype) -> KVTierSpec:
     """:func:`tier_spec` from the model's per-layer specs (before its cache exists)."""
-    recurrent = sorted({spec.kind for spec in specs if spec.is_recurrent})
-    if recurrent:
+    paged = [spec for spec in specs if not spec.is_recurrent]
+    if not paged:
         raise ValueError(
-            f"KV tiers hold per-token cache blocks; {', '.join(recurrent)} layers keep one state per request."
+            f"KV tiers hold prefix-cache blocks of per-token caches; every layer of this model is recurrent "
+            f"({', '.join(sorted({spec.kind for spec in specs}))}) and caches none. Run it without --kv-tier."
         )
-    shapes = [(block_size, spec.total_kv_heads or spec.num_kv_heads, spec.head_size) for spec in specs]
-    keys_only = tuple(i for i, spec in enumerate(specs) if not spec.has_values)
+    shapes = [(block_size, spec.total_kv_heads or spec.num_kv_heads, spec.head_size) for spec in paged]
+    keys_only = tuple(i for i, spec in enumerate(paged) if not spec.has_values)
+    state_numels = tuple(spec.state_numel() for spec in specs if spec.is_recurrent)
     dtype_name = str(dtype).removeprefix("torch.")
     layout = (salt, dtype_name, tuple(shapes), "canonical-v1") + ((("keys_only", keys_only),) if keys_only else ())
+    if state_numels:
+        layout += (("states", state_numels),)
     digest = hashlib.blake2b(repr(layout).encode(), digest_size=16)
-    return KVTierSpec(digest.hexdigest(), dtype_name, block_size, tuple(shapes), keys_only)
+    return KVTierSpec(digest.hexdigest(), dtype_name, block_size, tuple(shapes), keys_only, state_numels)
 
 
 @dataclass
@@ -60,6 +71,8 @@ class ConnectorStats:
     prefetched_blocks: int = 0  # blocks loaded from the tier into the primary cache
     prefetch_failures: int = 0  # blocks the tier listed but could not return
     prefetch_seconds: float = 0.0  # time requests waited for tier loads
+    offered_states: int = 0  # recurrent-state snapshots offered to the tier (models with recurrent layers)
+    prefetched_states: int = 0  # snapshots loaded from the tier into a snapshot row
 
 
 class CanonicalBlocks:
@@ -68,11 +81,28 @@ class CanonicalBlocks:
     entries, an indexer's keys). Under tensor parallelism a rank holds some of the heads
     (:meth:`TensorParallel.kv_heads`; a latent cache's one head on every rank); rank 0
     gathers every rank's heads into canonical rows, and every rank takes its heads out of
-    canonical rows rank 0 sends."""
+    canonical rows rank 0 sends. Recurrent layers' state rows go to and from a snapshot's
+    float32 elements (:meth:`local_state`, :meth:`write_state`), on a single rank only."""
 
     def __init__(self, kv_cache: KVCache, spec: KVTierSpec, tp: TensorParallel = SINGLE) -> None:
         self.kv_cache, self.spec, self.tp = kv_cache, spec, tp
         self.dtype = getattr(torch, spec.dtype)
+        backends = kv_cache.layer_backends
+        # (cache, backend) of the layers with per-token caches, in spec.layer_shapes' order
+        self.paged = [(c, b) for c, b in zip(kv_cache.layer_caches, backends) if not b.spec.is_recurrent]
+        # the recurrent layers' state caches: a row per request slot and snapshot
+        self.states = [c for c, b in zip(kv_cache.layer_caches, backends) if b.spec.is_recurrent]
+        if spec.state_numels and tp.size > 1:
+            raise ValueError(
+                "KV tiers carry recurrent-state snapshots of a single rank's cache only; run tensor-parallel "
+                "models with recurrent layers without --kv-tier."
+            )
+        for cache, numel in zip(self.states, spec.state_numels, strict=True):
+            if cache[0].numel() != numel:
+                raise ValueError(
+                    f"A recurrent layer's state rows hold {cache[0].numel()} elements, its spec says {numel}: "
+                    f"KV tiers read a state row as its convolution inputs, then its recurrent matrix."
+                )
         # per layer and rank: (first head, heads) of the layer's KV heads
         self.placements = [
             [TensorParallel(rank=r, size=tp.size).kv_heads(heads) for r in range(tp.size)]
@@ -87,7 +117,7 @@ class CanonicalBlocks:
     def local(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), n] on the CPU: this rank's heads of each block, layer by layer K then V."""
         slots, parts = self._slots(blocks), []
-        for layer, (cache, backend) in enumerate(zip(self.kv_cache.layer_caches, self.kv_cache.layer_backends)):
+        for layer, (cache, backend) in enumerate(self.paged):
             k, v = backend.gather_kv(cache, slots.to(cache.device))
             parts += [t.reshape(len(blocks), -1).cpu() for t in (k, v)[: self.spec.tensors(layer)]]
         return torch.cat(parts, dim=1).to(self.dtype)
@@ -111,8 +141,8 @@ class CanonicalBlocks:
     def write(self, blocks: list[int], rows: torch.Tensor) -> None:
         """Write this rank's heads of canonical ``rows`` into ``blocks`` of its cache."""
         slots, offset = self._slots(blocks), 0
-        for layer, (cache, backend, (bs, heads, size), placement) in enumerate(
-            zip(self.kv_cache.layer_caches, self.kv_cache.layer_backends, self.spec.layer_shapes, self.placements)
+        for layer, ((cache, backend), (bs, heads, size), placement) in enumerate(
+            zip(self.paged, self.spec.layer_shapes, self.placements)
         ):
             first, count = placement[self.tp.rank]
             numel = bs * heads * size
@@ -124,6 +154,16 @@ class CanonicalBlocks:
                 tensors.append(tensors[0].new_empty(tensors[0].shape[0], 0, size))
             backend.scatter_kv(cache, slots.to(cache.device), *tensors)
             offset += self.spec.tensors(layer) * numel
+
+    def local_state(self, row: int) -> torch.Tensor:
+        """The snapshot in state row ``row`` of every recurrent layer, one after another: float32
+        on the CPU, the canonical layout (a single rank holds every head)."""
+        return torch.cat([cache[row].reshape(-1).float().cpu() for cache in self.states])
+
+    def write_state(self, row: int, state: torch.Tensor) -> None:
+        """Write a snapshot :meth:`local_state` gave into state row ``row`` of every recurrent layer."""
+        for cache, part in zip(self.states, state.split(list(self.spec.state_numels)), strict=True):
+            cache[row] = part.view(cache.shape[1:]).to(device=cache.device, dtype=cache.dtype)
 
 
 class KVTierConnector:
@@ -166,18 +206,26 @@ class KVTierConnector:
     # offload
 
     def offload_evicted(self) -> None:
-        """Offer the blocks evicted since the last call; their contents are still intact."""
+        """Offer the blocks evicted since the last call, and the recurrent-state snapshots dropped
+        since then; their contents are still intact. One store: a snapshot's parts and the blocks
+        evicted with it share their fate in the tier."""
         evicted = self.manager.take_evicted()
-        if not evicted:
+        states = self.manager.take_evicted_states()
+        if not evicted and not states:
             return
-        rows = self.gather([block for block, _ in evicted])
+        keys = [key for _, key in evicted]
+        rows = list(self.gather([block for block, _ in evicted])) if evicted else []
+        for h, row in states:
+            keys += self.spec.state_keys(h)
+            rows += list(self.spec.state_rows(self.blocks.local_state(row)))
         self.stats.offered_blocks += len(evicted)
+        self.stats.offered_states += len(states)
         try:
-            future = self.tier.store([key for _, key in evicted], list(rows))
+            future = self.tier.store(keys, rows)
         except Exception as exc:  # a tier's failure loses the offer, never the step
-            self._warn("a store", len(evicted), exc)
+            self._warn("a store", len(keys), exc)
             return
-        future.add_done_callback(functools.partial(self._check_store, len(evicted)))
+        future.add_done_callback(functools.partial(self._check_store, len(keys)))
 
     def _check_store(self, num_blocks: int, future: Future) -> None:
         exc = future.exception()
@@ -200,6 +248,8 @@ class KVTierConnector:
         hashes = manager.prefix_hashes(request)
         hit = len(manager.leading_cached(hashes))
         keys = hashes[hit:]
+        if self.spec.state_numels:
+            return self._prefetch_with_state(hashes, hit)
         if not keys:
             return 0
         start = time.perf_counter()
@@ -213,23 +263,86 @@ class KVTierConnector:
             return 0
         blocks = manager.take_free_blocks(n)
         self.offload_evicted()  # what those blocks held goes to the tier before it is overwritten
-        rows = torch.empty(n, self.spec.block_numel, dtype=self.dtype)
+        loaded, _ = self._load(keys[:n], blocks, 0)
+        manager.publish_loaded(blocks[:loaded], keys[:loaded])
+        manager.return_free_blocks(blocks[loaded:])
+        self.stats.prefetch_seconds += time.perf_counter() - start
+        return loaded
+
+    def _load(self, keys: list[bytes], blocks: list[int], state_parts: int) -> tuple[int, torch.Tensor | None]:
+        """Load ``keys`` (the blocks' keys, then a snapshot's ``state_parts`` part keys) and write
+        the leading run of blocks that came back into ``blocks``. Returns that run's length and
+        the snapshot, None unless every block and part came back."""
+        n = len(blocks)
+        rows = torch.empty(len(keys), self.spec.block_numel, dtype=self.dtype)
         try:
-            results = self.tier.load(keys[:n], list(rows)).result()
+            results = self.tier.load(keys, list(rows)).result()
         except Exception as exc:  # a tier's failure costs a recompute, never the request
-            self._warn("a load", n, exc)
-            results = [False] * n
+            self._warn("a load", len(keys), exc)
+            results = [False] * len(keys)
         loaded = 0
         while loaded < n and loaded < len(results) and results[loaded] is True:
             loaded += 1
         if loaded:
             self.scatter(blocks[:loaded], rows[:loaded])
-        manager.publish_loaded(blocks[:loaded], keys[:loaded])
-        manager.return_free_blocks(blocks[loaded:])
         self.stats.prefetched_blocks += loaded
         self.stats.prefetch_failures += n - loaded
+        whole = loaded == n and len(results) == len(keys) and all(r is True for r in results[n:])
+        return loaded, self.spec.state_of(rows[n:]) if state_parts and whole else None
+
+    def _prefetch_with_state(self, hashes: list[bytes], hit: int) -> int:
+        """A model with recurrent layers resumes a prefix only where a snapshot of their state ends
+        it: load the blocks up to the furthest block boundary past the primary cache's own
+        snapshots whose snapshot the tier holds too, then that snapshot into a snapshot row. A
+        prefix whose snapshots are missing from the tier, or fail to load, resumes at the last
+        boundary before whose snapshot comes back, if any."""
+        manager = self.manager
+        if manager.num_state_snapshots == 0:
+            return 0
+        own = hit  # the primary cache's furthest snapshot within its hit
+        while own and hashes[own - 1] not in manager.snapshots:
+            own -= 1
+        start = time.perf_counter()
+        try:
+            found = self.tier.lookup(hashes[hit:]) if hit < len(hashes) else 0
+            reach = hit + max(0, min(found, manager.num_free_blocks - manager.protect(hashes[:hit])))
+            end = self._last_tier_snapshot(hashes, own, reach)
+        except Exception as exc:  # a tier's failure costs a recompute, never the request
+            self._warn("a lookup", len(hashes) - hit, exc)
+            return 0
+        row = manager.take_snapshot_row() if end > own else None
+        if row is None:
+            return 0
+        blocks = manager.take_free_blocks(max(0, end - hit))
+        self.offload_evicted()  # what those blocks and the row held goes to the tier before it is overwritten
+        keys = hashes[hit:end]
+        loaded, state = self._load(keys + self.spec.state_keys(hashes[end - 1]), blocks, self.spec.state_blocks)
+        manager.publish_loaded(blocks[:loaded], keys[:loaded])
+        manager.return_free_blocks(blocks[loaded:])
+        while state is None and end > own:  # a block or part did not come back: an earlier snapshot?
+            try:
+                end = self._last_tier_snapshot(hashes, own, min(end - 1, hit + loaded))
+            except Exception as exc:
+                self._warn("a lookup", 1, exc)
+                break
+            if end > own:
+                _, state = self._load(self.spec.state_keys(hashes[end - 1]), [], self.spec.state_blocks)
+        if state is None:
+            manager.return_snapshot_row(row)
+        else:
+            self.blocks.write_state(row, state)
+            manager.keep_snapshot(row, hashes[end - 1])
+            self.stats.prefetched_states += 1
         self.stats.prefetch_seconds += time.perf_counter() - start
         return loaded
+
+    def _last_tier_snapshot(self, hashes: list[bytes], after: int, upto: int) -> int:
+        """The furthest block boundary in ``(after, upto]`` whose snapshot the tier holds whole,
+        or ``after``."""
+        end = upto
+        while end > after and self.tier.lookup(self.spec.state_keys(hashes[end - 1])) < self.spec.state_blocks:
+            end -= 1
+        return max(end, after)
 
     def close(self) -> None:
         """Close the tier; a persistent one first gets every cached block of the primary cache

@@ -62,20 +62,3 @@ def test_latent_blocks_come_back_from_the_disk_tier_across_a_restart(tmp_path, a
     assert one_by_one(again, batch) == reference
     assert again.engine.kv_tier.stats.prefetched_blocks >= 4 * 17  # every prompt's prefix but none recomputed
     again.engine.close()
-
-
-def test_models_with_recurrent_layers_still_refuse_a_tier_with_the_reason(tmp_path):
-    from engine.errors import SelectionError
-    from engine.testing.checkpoints import make_tiny_checkpoint
-
-    path = tmp_path / "kimi"
-    make_tiny_checkpoint("KimiLinearForCausalLM", path)
-    with pytest.raises(SelectionError, match="recurrent state per request"):
-        LLM(
-            str(path),
-            plugins=["cpu", "kimi_k3", "kv_tier_disk"],
-            dtype="float32",
-            progress=False,
-            kv_tier="disk",
-            kv_tier_config={"path": str(tmp_path / "tier")},
-        )

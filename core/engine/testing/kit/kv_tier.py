@@ -21,12 +21,15 @@ from engine.testing.kit.base import KitTests, capability_skip
 # latent cache) of [4, 1, 16]: 320 elements a block
 LAYER_SHAPES = ((4, 2, 8), (4, 2, 8), (4, 1, 16))
 KEYS_ONLY = (2,)
+# a hybrid model's two recurrent layers: float32 states of 300 and 170 elements, 1880 bytes a
+# snapshot, carried by three blocks of 640 bytes (bfloat16), the last one padded with zeros
+STATE_NUMELS = (300, 170)
 
 
-def make_spec(dtype: str = "bfloat16", digest: str = "0123456789abcdef" * 2) -> Any:
+def make_spec(dtype: str = "bfloat16", digest: str = "0123456789abcdef" * 2, state_numels: tuple = ()) -> Any:
     from engine.interfaces.kv_tier import KVTierSpec
 
-    return KVTierSpec(digest, dtype, 4, LAYER_SHAPES, KEYS_ONLY)
+    return KVTierSpec(digest, dtype, 4, LAYER_SHAPES, KEYS_ONLY, state_numels)
 
 
 def random_block(spec: Any, seed: int) -> Any:
@@ -146,6 +149,33 @@ class KVTierTests(KitTests):
         out = torch.empty(spec.block_numel, dtype=torch.bfloat16)
         assert tier.load([key(7)], [out]).result(timeout=60) == [True]
         assert same_bytes(out, random_block(spec, 7))
+        tier.close()
+
+    def test_recurrent_state_snapshots_travel_as_blocks(self, directory: Path) -> None:
+        """A hybrid model's spec (recurrent layers' state bytes beside the blocks): a snapshot's
+        parts, stored with a block in one call, are blocks of the spec's size like any other and
+        come back bit for bit (after a reopen, for persistent tiers), the snapshot whole."""
+        import torch
+
+        spec = make_spec(state_numels=STATE_NUMELS)
+        assert (spec.block_bytes, spec.state_bytes, spec.state_blocks) == (640, 1880, 3)
+        state = torch.randint(-(2**31), 2**31 - 1, (470,), generator=torch.Generator().manual_seed(5))
+        state = state.to(torch.int32).view(torch.float32)  # arbitrary bits: NaN payloads included
+        parts = spec.state_rows(state)
+        keys = [key(0), *spec.state_keys(key(0))]
+        assert len(set(keys)) == 4 and all(len(k) == 16 for k in keys)
+        tier = self.open(directory, spec=spec)
+        assert tier.store(keys, [random_block(spec, 0), *parts]).result(timeout=60) == [True] * 4
+        assert tier.stats().bytes_written == 4 * 640
+        if self.tier_class().persistent:
+            tier.close()
+            tier = self.open(directory, spec=spec)
+        assert tier.lookup(keys[1:]) == 3
+        out = [torch.empty(spec.block_numel, dtype=torch.bfloat16) for _ in range(3)]
+        assert tier.load(keys[1:], out).result(timeout=60) == [True] * 3
+        raw = torch.cat(out).view(torch.uint8)
+        assert torch.equal(raw[:1880], state.view(torch.uint8)) and not raw[1880:].any()
+        assert torch.equal(spec.state_of(torch.stack(out)).view(torch.int32), state.view(torch.int32))
         tier.close()
 
     def test_eviction_keeps_within_capacity(self, directory: Path) -> None:

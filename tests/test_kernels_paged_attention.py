@@ -36,7 +36,7 @@ def on_the_cpu(cls):
 
 class TestTritonPagedKit(AttentionBackendTests):
     """triton_paged: full causal MHA/GQA/MQA in decode, prefill-after-prefix and mixed ragged
-    batches, sliding windows across block edges, cache writes; one block size (4, so that
+    batches, sliding windows across block edges, attention sinks, cache writes; one block size (4, so that
     sequences span many blocks) per case."""
 
     plugin = "cpu"
@@ -54,6 +54,11 @@ class TestTritonPagedKit(AttentionBackendTests):
     @pytest.mark.parametrize("window", ["w1", "block+1"])
     def test_sliding_window(self, window, dtype, engine_device):
         self.check_random_case("sliding_window", "mixed", 4, "gqa2", window, dtype, engine_device)
+
+    @pytest.mark.parametrize("window", [None, "block+1"])
+    def test_attention_sinks(self, window, dtype, engine_device):
+        kind, batch = ("sliding_window", "mixed") if window else ("mha", "decode")
+        self.check_random_case(kind, batch, 4, "gqa4", window, dtype, engine_device, sinks=True)
 
     @pytest.mark.parametrize("block_size", [4])
     def test_kv_cache_write(self, block_size, dtype, engine_device):

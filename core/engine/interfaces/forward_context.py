@@ -25,8 +25,19 @@ class ForwardContext:
     metadata: list[Any]
     ops: LayerOps = REFERENCE_OPS
 
-    def attention(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.backends[layer_index].forward(q, k, v, self.kv_caches[layer_index], self.metadata[layer_index])
+    def attention(
+        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Paged attention of layer ``layer_index``; ``sinks`` [num_heads] float32 for a layer whose
+        spec sets ``sinks`` (see ``PagedAttentionBackend.forward``)."""
+        backend, kv_cache, metadata = (
+            self.backends[layer_index],
+            self.kv_caches[layer_index],
+            self.metadata[layer_index],
+        )
+        if sinks is None:
+            return backend.forward(q, k, v, kv_cache, metadata)
+        return backend.forward(q, k, v, kv_cache, metadata, sinks=sinks)
 
     def sparse_attention(
         self,

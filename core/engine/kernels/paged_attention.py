@@ -6,8 +6,9 @@ One kernel serves prefill chunks after a cached prefix and decode steps alike: o
 per (new token, query head) walks that token's keys through its sequence's block table,
 ``BLOCK_N`` at a time, with an online softmax in float32, and writes the weighted sum of
 the values. Grouped-query heads read KV head ``h // (H / Hkv)``; a sliding window starts
-the walk at ``position - window + 1``. For MLA the keys are the latent entries of one KV head
-and the values their first ``latent_size`` dims (the queries arrive absorbed).
+the walk at ``position - window + 1``; attention sinks (GPT-OSS) join each head's softmax
+after the walk, as one more logit with no value. For MLA the keys are the latent entries of one
+KV head and the values their first ``latent_size`` dims (the queries arrive absorbed).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def _paged_attention(
     block_tables,
     token_seq,
     token_pos,
+    sinks,
     scale,
     k_scale,
     v_scale,
@@ -63,6 +65,7 @@ def _paged_attention(
     BLOCK_N: tl.constexpr,
     BD: tl.constexpr,
     BDV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -106,6 +109,12 @@ def _paged_attention(
         acc = acc * correction + tl.sum(weights[:, None] * values, axis=0)
         total = total * correction + tl.sum(weights, axis=0)
         running_max = new_max
+    if HAS_SINKS:  # the head's sink: one more logit in the softmax, no value
+        sink = tl.load(sinks + head).to(tl.float32)
+        new_max = tl.maximum(running_max, sink)
+        correction = tl.exp(running_max - new_max)
+        acc = acc * correction
+        total = total * correction + tl.exp(sink - new_max)
     tl.store(out + token * stride_ot + head * stride_oh + dvr, acc / total, mask=dvr < dv)
 
 
@@ -122,10 +131,11 @@ def paged_attention(
     block_n: int = 64,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's paged keys and values (cache
     entries, of any dtype, read as float32 times ``k_scale`` / ``v_scale``: an FP8 cache's
-    per-tensor factors).
+    per-tensor factors), and with ``sinks`` [H] each head's sink logit in its softmax.
 
     q: [T, H, D]; k_cache / v_cache: [blocks, block_size, Hkv, D] views (values' first
     ``value_size`` dims are read); block_tables [B, max_blocks]; token_seq / token_pos [T]: each
@@ -143,6 +153,7 @@ def paged_attention(
         block_tables,
         token_seq,
         token_pos,
+        q if sinks is None else sinks,  # any pointer where there are none: never read
         scale,
         k_scale,
         v_scale,
@@ -165,6 +176,7 @@ def paged_attention(
         BLOCK_N=block_n,
         BD=triton.next_power_of_2(head_size),
         BDV=triton.next_power_of_2(value_size),
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -190,6 +202,7 @@ class TritonPagedAttention(AttentionBackend):
         platforms=GPU_PLATFORMS,
         dtypes=GPU_DTYPES,
         kv_cache_dtypes=frozenset({"auto", "fp8"}),
+        sinks=True,
     )
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -215,6 +228,8 @@ class TritonPagedAttention(AttentionBackend):
         v: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
         fp8 = kv_cache.dtype == torch.float8_e4m3fn
@@ -235,6 +250,7 @@ class TritonPagedAttention(AttentionBackend):
             spec.sliding_window,
             k_scale=self.k_scale,
             v_scale=self.v_scale,
+            sinks=sinks,
         )
         return out.to(q.dtype)
 

@@ -20,6 +20,12 @@ the same packing: even element in the low nibble) and ``X.weight_scale`` (uint8 
 exponents, ``2^(s - 127)``, one per 32 elements of a row); the layers the format leaves
 alone keep a plain ``X.weight``.
 
+gpt-oss ships its routed experts in MXFP4 too (``quant_method: "mxfp4"``): transformers'
+stacked ``X`` (``experts.gate_up_proj``, ``experts.down_proj``) as ``X_blocks`` (uint8
+[experts, out, groups, 16], the same packing, 32 values a group) and ``X_scales`` (uint8
+biased exponents [experts, out, groups]); the dense tensor goes on under ``X`` in
+transformers' layout for the unquantized checkpoint, [experts, in, out].
+
 :func:`dequantize_stream` pairs each quantized weight with its scale, wherever in the
 files either comes, and yields the dense weight in the model's dtype under ``X.weight``;
 every other tensor passes through. A quantized weight whose scale never comes is an
@@ -58,12 +64,13 @@ SCALE_SUFFIXES = (".weight_scale_inv", ".scale", ".weight_scale")
 # e2m1 code (sign bit 3, exponent bits 2-1, mantissa bit 0) -> value
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_GROUP = 32
+GPT_OSS_MXFP4 = "mxfp4"  # gpt-oss's quant_method: experts as X_blocks and X_scales
 
 
 def dequantizable(config: dict[str, Any]) -> bool:
     """Whether the engine can dequantize a checkpoint of this ``quantization_config`` at load."""
     method = config.get("quant_method")
-    if method == "fp8":
+    if method in ("fp8", GPT_OSS_MXFP4):
         return True
     return method == "compressed-tensors" and _compressed_tensors_formats(config) <= COMPRESSED_FORMATS
 
@@ -110,7 +117,7 @@ class CheckpointDequantizer:
         if not dequantizable(config):
             raise ValueError(
                 f"quant_method {method!r} (format {config.get('format')!r}) cannot be dequantized at "
-                f"load (supported: fp8, compressed-tensors in {', '.join(sorted(COMPRESSED_FORMATS))})."
+                f"load (supported: fp8, {GPT_OSS_MXFP4}, compressed-tensors in {', '.join(sorted(COMPRESSED_FORMATS))})."
             )
         self.dtype = dtype
         self.keep_quantized = keep_quantized
@@ -118,8 +125,13 @@ class CheckpointDequantizer:
         self.kept = 0  # weights passed on quantized, with their scales
         self.dropped = 0  # static activation scales left out
         self.compressed_tensors = method == "compressed-tensors"
+        self.stacked_blocks = method == GPT_OSS_MXFP4
         # (quantized weight's suffix, the dtypes it comes in, its scales' suffixes)
         self.pairs: tuple[tuple[str, tuple[torch.dtype, ...], tuple[str, ...]], ...]
+        if self.stacked_blocks:
+            self.pairs = (("_blocks", (torch.uint8,), ("_scales",)),)
+            self.block, self.float_block, self.float_group = (1, MXFP4_GROUP), None, None
+            return
         if self.compressed_tensors:
             self.pairs = (
                 (".weight_packed", PACKED_FP4_TYPES, (".weight_scale",)),
@@ -160,8 +172,14 @@ class CheckpointDequantizer:
             f"tensor, nor a block_structure / group_size the quantization_config names."
         )
 
+    def dense_name(self, prefix: str) -> str:
+        """The name a dense weight goes on under: ``X.weight``, or gpt-oss's stacked ``X``."""
+        return prefix if self.stacked_blocks else prefix + ".weight"
+
     def dequantize(self, name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         """The dense weight of ``name`` in the model's dtype."""
+        if self.stacked_blocks:  # [E, out, groups, 16] -> rows of packed bytes -> [E, in, out]
+            return self._dequantize_fp4(name, weight.flatten(-2), scale).transpose(-1, -2).contiguous()
         if weight.dtype in FP8_TYPES:
             values = weight.float()
             if scale.dim() == 0 or tuple(scale.shape) == (1,):  # one factor for the whole tensor
@@ -218,7 +236,7 @@ def dequantize_stream(
     def paired(prefix: str, weight_suffix: str, weight_name: str, weight: torch.Tensor, suffix: str, scale):
         if not dequantizer.keep_quantized:
             dequantizer.dequantized += 1
-            return prefix + ".weight", dequantizer.dequantize(weight_name, weight, scale)
+            return dequantizer.dense_name(prefix), dequantizer.dequantize(weight_name, weight, scale)
         setattr(
             weight,
             QUANTIZED_ATTR,

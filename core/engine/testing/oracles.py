@@ -7,7 +7,13 @@ import torch
 
 
 def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int, scale: float, window: int | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    context_len: int,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal softmax attention of one sequence over its unpaged keys and values.
 
@@ -16,7 +22,9 @@ def naive_attention(
     positions are ignored). ``H`` must be a multiple of ``Hkv``: query head ``h``
     reads KV head ``h // (H // Hkv)`` (GQA; ``Hkv == 1`` is MQA). The query at
     position ``p`` attends to keys ``0 .. p``, and with ``window`` only to the last
-    ``window`` of them, ``p - window < j <= p`` (its own key included).
+    ``window`` of them, ``p - window < j <= p`` (its own key included). With ``sinks``
+    [H], head ``h``'s softmax also runs over the logit ``sinks[h]``, a position that
+    takes its share of the weight and adds no value.
 
     Returns [n, H, D] in float32, whatever the input dtype.
     """
@@ -37,8 +45,14 @@ def naive_attention(
     if window is not None:
         allowed &= key_pos > query_pos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        weights = scores.softmax(dim=-1)
+    else:
+        # the sink as one more column of scores, dropped after the softmax: [H, n, L + 1]
+        sink_column = sinks.float().to(q.device)[:, None, None].expand(-1, n, 1)
+        weights = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
     # [H, n, L] @ [L, H, D] -> [n, H, D]
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values)
+    return torch.einsum("hnl,lhd->nhd", weights, values)
 
 
 def naive_mla_attention(

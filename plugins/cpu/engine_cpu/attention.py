@@ -24,6 +24,11 @@ With ``batch_invariant`` (``--batch-invariant``) every query row goes to the pag
 position order: a token's output is then bitwise the same alone, in any batch and whatever
 chunks its prompt was cut into. Without the native kernels, each token gets its own attention
 call over exactly its keys.
+
+Layers with attention sinks (``AttentionSpec.sinks``, GPT-OSS) take the torch path whatever
+the kernels: the native kernels have no sink in their softmax, so the sinks' groups attend in
+float32 torch code (:func:`attend_with_sinks`), batched as above or token by token when batch
+invariant.
 """
 
 from __future__ import annotations
@@ -82,13 +87,15 @@ class CpuPagedAttention(AttentionBackend):
         platforms=frozenset({"cpu"}),
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
         batch_invariant=True,
+        sinks=True,
     )
 
     def __init__(self, spec, block_size, dtype, device) -> None:
         super().__init__(spec, block_size, dtype, device)
         from engine_cpu import native
 
-        self.kernels = native.load()
+        # the native kernels have no attention sinks: a group with sinks runs the torch path
+        self.kernels = None if spec.sinks else native.load()
 
     @property
     def kernels(self):
@@ -211,7 +218,14 @@ class CpuPagedAttention(AttentionBackend):
         return PrefillChunk(start, end, key_slots, mask)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuAttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuAttentionMetadata,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
         if self.packed:
@@ -251,11 +265,16 @@ class CpuPagedAttention(AttentionBackend):
         key_cache.index_copy_(0, common.slot_mapping, k)
         value_cache.index_copy_(0, common.slot_mapping, v)
         if self.batch_invariant:
-            return self._forward_torch_by_token(q, key_cache, value_cache, metadata)
-        return self._forward_torch(q, key_cache, value_cache, metadata)
+            return self._forward_torch_by_token(q, key_cache, value_cache, metadata, sinks)
+        return self._forward_torch(q, key_cache, value_cache, metadata, sinks)
 
     def _forward_torch_by_token(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: CpuAttentionMetadata
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: CpuAttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Batch-invariant without the native kernels: one attention call per query token over
         exactly the keys it sees, so a token's call is the same alone, in any batch and in any
@@ -269,12 +288,14 @@ class CpuPagedAttention(AttentionBackend):
             pos = context_lens[b] + row
             key_pos = torch.arange(max(0, pos - window + 1) if window else 0, pos + 1)
             slots = common.block_tables[b, key_pos // bs] * bs + key_pos % bs
+            query = q[t].unsqueeze(1).unsqueeze(0)  # [1, H, 1, D]
+            keys = key_cache[slots].transpose(0, 1).unsqueeze(0)
+            values = value_cache[slots].transpose(0, 1).unsqueeze(0)
+            if sinks is not None:
+                out[t] = attend_with_sinks(query, keys, values, None, spec.scale, sinks)[0, :, 0]
+                continue
             out[t] = F.scaled_dot_product_attention(
-                q[t].unsqueeze(1).unsqueeze(0),  # [1, H, 1, D]
-                key_cache[slots].transpose(0, 1).unsqueeze(0),
-                value_cache[slots].transpose(0, 1).unsqueeze(0),
-                scale=spec.scale,
-                enable_gqa=spec.num_heads != spec.num_kv_heads,
+                query, keys, values, scale=spec.scale, enable_gqa=spec.num_heads != spec.num_kv_heads
             )[0, :, 0]
         return out
 
@@ -320,7 +341,12 @@ class CpuPagedAttention(AttentionBackend):
         return out
 
     def _forward_torch(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: CpuAttentionMetadata
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: CpuAttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
         # keys, values: [B, Hkv, max_seq_len, D]
@@ -329,13 +355,40 @@ class CpuPagedAttention(AttentionBackend):
         # queries: [T, H, D] -> padded [B, H, max_query_len, D]
         padded = q.new_zeros(common.num_seqs, common.max_query_len, spec.num_heads, spec.head_size)
         padded[metadata.token_seq, metadata.token_row] = q
-        out = F.scaled_dot_product_attention(
-            padded.transpose(1, 2),
-            keys,
-            values,
-            attn_mask=metadata.mask,
-            scale=spec.scale,
-            enable_gqa=spec.num_heads != spec.num_kv_heads,
-        )
+        if sinks is not None:
+            out = attend_with_sinks(padded.transpose(1, 2), keys, values, metadata.mask, spec.scale, sinks)
+        else:
+            out = F.scaled_dot_product_attention(
+                padded.transpose(1, 2),
+                keys,
+                values,
+                attn_mask=metadata.mask,
+                scale=spec.scale,
+                enable_gqa=spec.num_heads != spec.num_kv_heads,
+            )
         # [B, H, max_query_len, D] -> [T, H, D]
         return out.transpose(1, 2)[metadata.token_seq, metadata.token_row]
+
+
+def attend_with_sinks(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Softmax attention whose every head also weighs a sink: ``sinks[h]`` is one more logit in
+    head ``h``'s softmax and adds no value. In float32, returned in q's dtype.
+
+    q: [B, H, Lq, D]; keys, values: [B, Hkv, Lk, D] (query head h reads KV head h // (H / Hkv));
+    mask: [B, 1, Lq, Lk] True where attention is allowed, or None; sinks: [H]."""
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.float().repeat_interleave(group, dim=1)
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = (q.float() @ keys.transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink_column = sinks.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    weights = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]  # the sink's share dropped
+    return (weights @ values).to(q.dtype)

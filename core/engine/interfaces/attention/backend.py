@@ -32,6 +32,9 @@ class AttentionCapabilities:
     # whether a decode step's build_metadata and forward can be captured in a device graph
     # (no host synchronisation: engine.runtime.graphs); decode steps run eagerly otherwise
     graph_capturable: bool = True
+    # whether forward takes attention sinks (``AttentionSpec.sinks``: a learned logit per query
+    # head in the softmax's denominator, see PagedAttentionBackend.forward)
+    sinks: bool = False
 
 
 class AttentionBackend(ABC):
@@ -109,6 +112,8 @@ class AttentionBackend(ABC):
             reasons.append(f"head size {spec.head_size} not supported (supports {sorted(caps.head_sizes)})")
         if caps.block_sizes is not None and block_size not in caps.block_sizes:
             reasons.append(f"block size {block_size} not supported (supports {sorted(caps.block_sizes)})")
+        if spec.sinks and not caps.sinks:
+            reasons.append("attention sinks not supported (AttentionCapabilities.sinks)")
         if spec.kind in caps.kinds:
             reasons += cls.spec_reasons(spec)
         return reasons

@@ -18,7 +18,14 @@ class PagedAttentionBackend(AttentionBackend):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: Any
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+        *,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write ``k``/``v`` into ``kv_cache`` at the step's slots, then attend.
 
@@ -28,4 +35,9 @@ class PagedAttentionBackend(AttentionBackend):
         scores ``spec.scale · q·k``; query head ``h`` reads KV head
         ``h // (num_heads // num_kv_heads)``. Returns [T, num_heads, head_size] in
         the compute dtype. Mutates ``kv_cache`` only.
+
+        ``sinks`` [num_heads] float32 comes only for a spec with ``sinks`` set, and only to a
+        backend declaring ``capabilities.sinks`` (others may leave the argument out): head
+        ``h``'s softmax then runs over its scores and ``sinks[h]``, whose share is dropped, so
+        the weights sum to ``1 - p_sink``. A backend without sinks is never called with it.
         """

@@ -51,6 +51,11 @@ class AttentionSpec:
     ``scale``; ``index_topk`` is how many positions it selects for each query (see
     :meth:`IndexerBackend.forward_index`). Its layer index is its own, separate from
     the sparse-MLA layer it serves, so its keys are their own KV-cache group.
+
+    ``sinks`` (kinds mha and sliding_window, GPT-OSS): each query head has a learned logit that
+    joins its softmax's denominator and contributes no value; the layer passes the logits to
+    :meth:`PagedAttentionBackend.forward <engine.interfaces.attention.paged.PagedAttentionBackend.forward>`
+    as ``sinks``, and only backends declaring ``AttentionCapabilities.sinks`` serve it.
     """
 
     kind: str
@@ -69,6 +74,7 @@ class AttentionSpec:
     # tensor parallelism: the layer's KV heads in all, when this rank's num_kv_heads are a part of
     # them (see engine.distributed.TensorParallel.kv_heads); KV tiers store blocks with all of them
     total_kv_heads: int | None = None
+    sinks: bool = False  # mha, sliding_window: a learned logit per query head in the softmax's denominator
 
     @property
     def is_latent(self) -> bool:
@@ -129,6 +135,8 @@ def spec_field_reasons(spec: AttentionSpec) -> list[str]:
             reasons.append(f"conv_kernel must be at least 2 (got {spec.conv_kernel})")
     if spec.kind == MAMBA2:
         reasons += mamba2_field_reasons(spec)
+    if spec.sinks and spec.kind not in (MHA, SLIDING_WINDOW):
+        reasons.append(f"attention sinks are defined for kinds {MHA} and {SLIDING_WINDOW}, not {spec.kind}")
     return reasons
 
 

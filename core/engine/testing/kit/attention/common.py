@@ -4,6 +4,7 @@ them (the first declared kind with a per-token cache; recurrent kinds keep none)
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
@@ -109,12 +110,15 @@ class CommonChecks(PagedCacheSteps):
         self.run_step(case, "decode step over the written blocks", [2, 1, 0], lens[::-1], [1] * 3, check_output=False)
         check_written("after the decodes", [n + 1 for n in lens])
 
-    @pytest.mark.parametrize("undeclared", ["nothing", "kind", "platform", "dtype"])
+    @pytest.mark.parametrize("undeclared", ["nothing", "kind", "platform", "dtype", "sinks"])
     def test_validate(self, undeclared: str) -> None:
         """validate() gives no reasons for a request within the declared capabilities, and some
-        for one whose attention kind, platform or dtype is not declared."""
+        for one whose attention kind, platform or dtype is not declared, or that has attention
+        sinks where the backend does not declare them."""
         cls = self.backend_class()
         caps = cls.capabilities
+        if undeclared == "sinks" and caps.sinks:
+            pytest.skip("the backend declares attention sinks: no request for them to refuse")
         kind = next((k for k in ATTENTION_KINDS if k in caps.kinds), min(caps.kinds))
         platform, dtype = min(caps.platforms), min(caps.dtypes)
         block_size = 16 if caps.block_sizes is None or 16 in caps.block_sizes else min(caps.block_sizes)
@@ -137,6 +141,8 @@ class CommonChecks(PagedCacheSteps):
             spec = AttentionSpec(
                 kind, 4, 4, self.head_size(0), 1.0, conv_kernel=4, state_size=16, num_groups=2, dt_limit=(0.0, 8.0)
             )
+        if undeclared == "sinks":
+            spec = dataclasses.replace(spec, sinks=True)
         reasons = cls.validate(spec, platform=platform, dtype=dtype, block_size=block_size)
         assert isinstance(reasons, list) and all(isinstance(r, str) and r for r in reasons), reasons
         request = f"{spec}, platform {platform}, dtype {dtype}, block size {block_size}"

@@ -26,7 +26,7 @@ WINDOWS = {
 
 
 class PagedChecks(PagedCacheSteps):
-    """``test_mha``, ``test_sliding_window`` and ``test_batch_invariant_mode``."""
+    """``test_mha``, ``test_sliding_window``, ``test_attention_sinks`` and ``test_batch_invariant_mode``."""
 
     @pytest.mark.parametrize("batch", BATCHES)
     @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
@@ -45,19 +45,44 @@ class PagedChecks(PagedCacheSteps):
         batch, heads = BATCHES[index % len(BATCHES)], list(HEAD_LAYOUTS)[index % len(HEAD_LAYOUTS)]
         self.check_random_case(SLIDING_WINDOW, batch, block_size, heads, window, dtype, engine_device)
 
+    @pytest.mark.parametrize("window", [None, "block+1"])
+    @pytest.mark.parametrize("block_size", KIT_BLOCK_SIZES)
+    def test_attention_sinks(self, window: str | None, block_size: int, dtype: str, engine_device: str) -> None:
+        """A backend declaring ``capabilities.sinks``, for a spec with ``sinks``: each query head's
+        softmax also runs over its sink logit (given to ``forward`` as ``sinks``), which takes its
+        share of the weight and adds no value; with full causal attention and a sliding window
+        across a block edge, grouped-query heads each with their own sink."""
+        kind = SLIDING_WINDOW if window else MHA
+        cls, _ = self.setup_backend(kind, dtype, engine_device, block_size)
+        if not cls.capabilities.sinks:
+            capability_skip("attention sinks")
+        index = KIT_BLOCK_SIZES.index(block_size) + (window is not None)
+        batch, heads = BATCHES[index % len(BATCHES)], ("gqa4", "gqa2", "mha")[index % 3]
+        self.check_random_case(kind, batch, block_size, heads, window, dtype, engine_device, sinks=True)
+
     def check_random_case(
-        self, kind: str, batch: str, block_size: int, heads: str, window: str | None, dtype: str, engine_device: str
+        self,
+        kind: str,
+        batch: str,
+        block_size: int,
+        heads: str,
+        window: str | None,
+        dtype: str,
+        engine_device: str,
+        sinks: bool = False,
     ) -> None:
         """Two steps over a random ragged batch in a stale cache: a prefill of the cached
-        prefixes, then the new tokens after them; both steps must match the oracle."""
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}/{batch}/{block_size}/{heads}/{window}".encode()))
+        prefixes, then the new tokens after them; both steps must match the oracle (with
+        ``sinks``: random sink logits, one per query head)."""
+        label = f"{kind}/{batch}/{block_size}/{heads}/{window}" + ("/sinks" if sinks else "")
+        gen = torch.Generator().manual_seed(zlib.crc32(label.encode()))
         # every head layout meets every head size across the block sizes
         head_size = self.head_size(list(HEAD_LAYOUTS).index(heads) + KIT_BLOCK_SIZES.index(block_size))
         cls, device = self.setup_backend(kind, dtype, engine_device, block_size)
         # a scale other than the usual head_size ** -0.5, so that a backend ignoring spec.scale fails
         scale = head_size**-0.5 * (0.5 + float(torch.rand((), generator=gen)))
         sliding_window = WINDOWS[window](block_size) if window else None
-        spec = AttentionSpec(kind, *HEAD_LAYOUTS[heads], head_size, scale, sliding_window)
+        spec = AttentionSpec(kind, *HEAD_LAYOUTS[heads], head_size, scale, sliding_window, sinks=sinks)
         context_lens, query_lens = random_batch(batch, gen)
         seq_lens = [c + n for c, n in zip(context_lens, query_lens)]
         case = self.new_case(cls, spec, block_size, dtype, device, seq_lens, gen, stale_cache=True)

@@ -31,6 +31,7 @@ class PagedCase:
     # sparse MLA: per sequence [L, width] the positions each query attends to (-1 padding)
     select: list[torch.Tensor] | None = None
     weights: list[torch.Tensor] | None = None  # indexer: per sequence [L, H] head weights
+    sinks: torch.Tensor | None = None  # spec.sinks: [H] float32, each head's sink logit
 
 
 class PagedCacheSteps(AttentionKitBase):
@@ -61,10 +62,14 @@ class PagedCacheSteps(AttentionKitBase):
 
         q, k = rand(spec.num_heads), rand(spec.num_kv_heads)
         v = rand(spec.num_kv_heads) if spec.has_values else []
-        weights = None
+        weights = sinks = None
         if spec.kind == INDEXER:
             weights = [torch.randn(n, spec.num_heads, generator=gen).to(device) for n in seq_lens]
-        return PagedCase(spec, block_size, dtype, backend, cache, tables, num_blocks, q, k, v, weights=weights)
+        if spec.sinks:  # around the scores' range, so that they take from a little to most of the weight
+            sinks = (2 * torch.randn(spec.num_heads, generator=gen)).to(device)
+        return PagedCase(
+            spec, block_size, dtype, backend, cache, tables, num_blocks, q, k, v, weights=weights, sinks=sinks
+        )
 
     def run_step(
         self,
@@ -107,6 +112,8 @@ class PagedCacheSteps(AttentionKitBase):
             elif spec.kind == SPARSE_MLA:
                 lse = torch.full((q.shape[0], spec.num_heads), float("nan"), device=q.device)
                 out = case.backend.forward_sparse(q, k, case.cache, metadata, indices, lse)
+            elif case.sinks is not None:
+                out = case.backend.forward(q, k, v, case.cache, metadata, sinks=case.sinks.clone())
             else:
                 out = case.backend.forward(q, k, v, case.cache, metadata)
         if not check_output:
@@ -175,7 +182,9 @@ class PagedCacheSteps(AttentionKitBase):
                 indices,
                 with_lse=spec.kind == SPARSE_MLA,
             )
-        return naive_attention(case.q[seq][start:end], case.k[seq], case.v[seq], start, spec.scale, spec.sliding_window)
+        return naive_attention(
+            case.q[seq][start:end], case.k[seq], case.v[seq], start, spec.scale, spec.sliding_window, case.sinks
+        )
 
     def run_prefix_then_new_tokens(self, case: PagedCase, context_lens: list[int], query_lens: list[int]) -> None:
         """Step 1 prefills the sequences' cached prefixes (sparse MLA: dense), step 2 runs the new

@@ -1,0 +1,1 @@
+"""engine-gemma: Google's Gemma 3 text models for engine."""

@@ -1,0 +1,1 @@
+"""engine-gpt-oss: OpenAI's gpt-oss models for engine."""

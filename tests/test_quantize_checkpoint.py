@@ -115,7 +115,15 @@ def test_the_copy_carries_the_config_the_tokenizer_and_the_generation_config(sou
     for dtype in ("float32", "bfloat16"):
         folder = quantized / dtype
         config = json.loads((folder / "config.json").read_text())
-        assert config["quantization_config"] == {"quant_method": "gptq", **SETTINGS}
+        # the whole GPTQ config (other engines read bits, sym and desc_act), the settings given on top
+        assert config["quantization_config"] == {
+            "quant_method": "gptq",
+            "bits": 4,
+            "group_size": 32,
+            "sym": True,
+            "desc_act": False,
+            "checkpoint_format": "gptq",
+        }
         del config["quantization_config"]
         assert config == json.loads((source / "config.json").read_text())
         others = sorted(p.name for p in source.iterdir() if p.suffix != ".safetensors" and p.name != "config.json")
@@ -167,5 +175,34 @@ def test_biases_and_a_tied_head_come_through(tmp_path):
     assert not any(name.startswith("lm_head") for name in saved)
     prequantized = make_llm(tmp_path / "gptq", "bfloat16")
     on_the_fly = make_llm(tmp_path / "qwen2", "bfloat16", quantization="gptq", quantization_config=SETTINGS)
+    for a, b in zip(prequantized.prompt_logits(PROMPTS), on_the_fly.prompt_logits(PROMPTS)):
+        assert torch.equal(a, b)
+
+
+def test_a_format_of_a_method_writes_that_method_and_format(source, tmp_path):
+    """``--quantization compressed-tensors/pack-quantized`` writes a compressed-tensors config
+    (``quant_method`` and ``format`` apart, the weight scheme in ``config_groups``) that loads
+    back into the same logits as quantizing while loading."""
+    plugins = ["cpu", "llama", "compressed_tensors"]
+    name = "compressed-tensors/pack-quantized"
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}
+    settings = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    argv = ["quantize", str(source), str(tmp_path / "ct"), "--quantization", name, "--dtype", "float32"]
+    argv += ["--quantization-config", json.dumps(settings)]
+    assert main([*argv, "--plugins", ",".join(plugins), "--no-progress"]) == 0
+    written = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert written["quant_method"] == "compressed-tensors" and written["format"] == "pack-quantized"
+    (group,) = written["config_groups"].values()
+    assert group["weights"]["num_bits"] == 4 and group["weights"]["type"] == "int"
+    prequantized = LLM(str(tmp_path / "ct"), plugins=plugins, dtype="float32", progress=False, kv_cache_memory=0.01)
+    on_the_fly = LLM(
+        str(source),
+        plugins=plugins,
+        dtype="float32",
+        progress=False,
+        kv_cache_memory=0.01,
+        quantization=name,
+        quantization_config=settings,
+    )
     for a, b in zip(prequantized.prompt_logits(PROMPTS), on_the_fly.prompt_logits(PROMPTS)):
         assert torch.equal(a, b)

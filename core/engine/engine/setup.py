@@ -26,7 +26,8 @@ from engine.selection import resolve_dtype, select_platform
 
 logger = logging.getLogger("engine")
 
-# quantization methods whose plugin is ours to name in an error, by quant_method
+# quantization methods whose plugin is ours to name in an error, by quant_method (or
+# "<quant_method>/<format>" where one format of a method has a plugin of its own)
 QUANTIZER_DISTRIBUTIONS = {
     "awq": "engine-awq",
     "bitsandbytes": "engine-bitsandbytes",
@@ -34,6 +35,8 @@ QUANTIZER_DISTRIBUTIONS = {
     "mxfp8": "engine-xpu",
     "fp8": "engine-cuda",
     "gguf": "engine-gguf",
+    "compressed-tensors/float-quantized": "engine-cuda",
+    "compressed-tensors/pack-quantized": "engine-compressed-tensors",
 }
 
 
@@ -140,7 +143,7 @@ def resolve_quantizer(
             raise SelectionError(
                 f"{model_path / 'config.json'} has a quantization_config without a quant_method string."
             )
-        if config.quantization is not None and config.quantization != method:
+        if config.quantization is not None and config.quantization.split("/")[0] != method:
             raise SelectionError(
                 f"The checkpoint is already quantized with {method!r}; --quantization {config.quantization} "
                 f"applies to unquantized checkpoints only."
@@ -151,7 +154,7 @@ def resolve_quantizer(
                 "quantization_config in config.json is used as it is."
             )
         if dequantizable(checkpoint_config):
-            unusable = kernel_quantizer_unusable(components, checkpoint_config, platform, dtype_name)
+            unusable = kernel_quantizer_unusable(components, checkpoint_config, model_path, platform, dtype_name)
             if unusable is not None:  # no kernels for this format here: the weights become dense
                 logger.info(
                     "the checkpoint is quantized with %r and %s: its weights are dequantized to %s at load",
@@ -160,7 +163,9 @@ def resolve_quantizer(
                     dtype_name,
                 )
                 return None, CheckpointDequantizer(checkpoint_config, getattr(torch, dtype_name))
-            quantizer_cls = components.quantizers.get(method)
+            quantizer_cls = components.quantizers.get(
+                checkpoint_quantizer_name(components, checkpoint_config, model_path)
+            )
             logger.info(
                 "the checkpoint is quantized with %r: the linear layers %s takes keep their quantized "
                 "weights, every other quantized tensor is dequantized to %s at load",
@@ -170,18 +175,25 @@ def resolve_quantizer(
             )
             quantizer = quantizer_cls.from_config(dict(checkpoint_config), prequantized=True)
             return quantizer, CheckpointDequantizer(checkpoint_config, getattr(torch, dtype_name), keep_quantized=True)
+        name = checkpoint_quantizer_name(components, checkpoint_config, model_path)
         try:
-            quantizer_cls = components.quantizers.get(method)
+            quantizer_cls = components.quantizers.get(name)
         except ComponentError:
-            install = QUANTIZER_DISTRIBUTIONS.get(method)
+            withdrawn = components.quantizers.withdrawn(name)
+            if withdrawn is not None:  # two plugins registered it: say so
+                raise SelectionError(withdrawn) from None
+            fmt = checkpoint_format(checkpoint_config, model_path)
+            names = [f"{method}/{fmt}", method] if fmt is not None else [method]
+            install = next((QUANTIZER_DISTRIBUTIONS[key] for key in names if key in QUANTIZER_DISTRIBUTIONS), None)
             hint = (
                 f"install {install} (pip install {install})"
                 if install
-                else (f"install a plugin that registers the quantization method {method!r}")
+                else (f"install a plugin that registers the quantization method {names[0]!r}")
             )
             raise SelectionError(
-                f"The checkpoint at {model_path} is quantized with {method!r} "
-                f"(quantization_config.quant_method), and no quantizer of that name is registered "
+                f"The checkpoint at {model_path} is quantized with {method!r}"
+                f"{f' in format {fmt!r}' if fmt is not None else ''} (its quantization_config), and no quantizer "
+                f"is registered as {' or '.join(map(repr, names))} "
                 f"(registered: {', '.join(components.quantizers.names()) or 'none'}): {hint}, "
                 f"and select it if you pass --plugins."
             ) from None
@@ -208,12 +220,48 @@ def resolve_quantizer(
     return quantizer_cls.from_config(dict(settings), prequantized=prequantized), None
 
 
+def checkpoint_format(checkpoint_config: dict, model_path: Path) -> str | None:
+    """The format a checkpoint's ``quantization_config`` names for its weights: the one every
+    entry of its ``config_groups`` names (compressed-tensors), else its top-level ``format``,
+    else None. Groups that name different formats are a SelectionError."""
+    groups = checkpoint_config.get("config_groups")
+    groups = groups.items() if isinstance(groups, dict) else ()
+    formats = {name: group["format"] for name, group in groups if isinstance(group, dict) and group.get("format")}
+    if len(set(formats.values())) > 1:
+        named = ", ".join(f"{name}: {fmt}" for name, fmt in formats.items())
+        raise SelectionError(
+            f"{model_path / 'config.json'}'s quantization_config mixes formats across its config_groups "
+            f"({named}); one quantizer serves one format, so every group must name the same one. "
+            f"Requantize the model with a single format."
+        )
+    if formats:
+        return next(iter(formats.values()))
+    fmt = checkpoint_config.get("format")
+    return fmt if isinstance(fmt, str) and fmt else None
+
+
+def checkpoint_quantizer_name(components: Any, checkpoint_config: dict, model_path: Path) -> str:
+    """The registered name of the quantizer for a prequantized checkpoint:
+    ``"<quant_method>/<format>"`` where the config names a format and a quantizer is registered
+    under that name (or was withdrawn from it: its lookup then says why), else ``"<quant_method>"``."""
+    method = checkpoint_config["quant_method"]
+    fmt = checkpoint_format(checkpoint_config, model_path)
+    if fmt is not None:
+        name = f"{method}/{fmt}"
+        if name in components.quantizers or components.quantizers.withdrawn(name) is not None:
+            return name
+    return method
+
+
 def kernel_quantizer_unusable(
-    components: Any, checkpoint_config: dict, platform: Platform, dtype_name: str
+    components: Any, checkpoint_config: dict, model_path: Path, platform: Platform, dtype_name: str
 ) -> str | None:
     """Why the quantizer registered for a format the engine can also dequantize cannot serve
     this checkpoint here (so that it is dequantized instead), or None when it can."""
-    method = checkpoint_config["quant_method"]
+    try:
+        method = checkpoint_quantizer_name(components, checkpoint_config, model_path)
+    except SelectionError:  # formats mixed across groups, each of which the engine dequantizes
+        return "its config_groups mix formats, which no one quantizer serves"
     if method not in components.quantizers.names():
         return "no quantizer of that name is registered"
     quantizer_cls = components.quantizers.get(method)

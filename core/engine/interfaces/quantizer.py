@@ -82,7 +82,9 @@ class LinearMethod(ABC):
 class Quantizer(ABC):
     """A quantization method.
 
-    - ``name``: registry key, matched against ``quantization_config.quant_method``.
+    - ``name``: registry key, matched against ``quantization_config.quant_method``, or
+      ``"<quant_method>/<format>"`` for a quantizer of one of a method's formats (looked up
+      first for a checkpoint whose config names that format).
     - ``supported_platforms``: platform names, or None for any.
     - ``activation_dtypes``: compute dtype names it accepts.
     - ``error_bound``: the largest relative error ``‖y_q − y‖ / ‖y‖`` of a quantized
@@ -120,6 +122,14 @@ class Quantizer(ABC):
         """The method for the linear layer ``layer_name`` (the model's module path,
         e.g. ``model.layers.0.self_attn.qkv_proj``), or None to leave it unquantized.
         Decline the output head (``lm_head``) and MoE router gates (``...mlp.gate``)."""
+
+    def checkpoint_config(self) -> dict[str, Any]:
+        """The ``quantization_config`` a prequantized checkpoint of :meth:`export_weight`'s tensors
+        carries (``engine quantize`` writes it, with the ``--quantization-config`` given on top),
+        complete enough for other engines to read. Default: ``quant_method`` (and ``format``) from
+        :attr:`name`."""
+        method, _, fmt = self.name.partition("/")
+        return {"quant_method": method, **({"format": fmt} if fmt else {})}
 
     def export_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The checkpoint tensors a prequantized checkpoint of this configuration holds

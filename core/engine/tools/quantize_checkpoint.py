@@ -162,8 +162,8 @@ def quantize_checkpoint(
             f"Quantization {quantizer.name!r} ({type(quantizer).__name__}) cannot write prequantized checkpoints: "
             "its quantizer does not implement export_weight. Quantize while loading instead (--quantization)."
         )
-    quantization_config = {"quant_method": quantizer.name, **config.quantization_config}
-    quantization_config["quant_method"] = quantizer.name
+    written = quantizer.checkpoint_config()
+    quantization_config = {**written, **config.quantization_config, "quant_method": written["quant_method"]}
 
     model = construct_model(setup.model_cls, setup.hf_config, setup.dtype_name, torch.device("cpu"))
     quantized, _ = quantize_model(model, quantizer)

@@ -234,6 +234,17 @@ class AwqQuantizer(Quantizer):
             return None  # left in full precision by the checkpoint (matched as AutoAWQ and vLLM match them)
         return AwqLinearMethod(self.settings, self.prequantized)
 
+    def checkpoint_config(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": s.group_size,
+            "zero_point": s.zero_point,
+            "version": "gemm",
+            **({"modules_to_not_convert": list(s.modules_to_not_convert)} if s.modules_to_not_convert else {}),
+        }
+
     def export_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The tensors of one AWQ GEMM linear module, quantized by round-to-nearest."""
         tensors = AwqLinearMethod(self.settings, False).quantize(weight)

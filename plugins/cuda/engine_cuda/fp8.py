@@ -334,7 +334,7 @@ class CompressedTensorsFp8Quantizer(Quantizer):
     ``input_scale`` is left out by the loader (activations are quantized dynamically). Other
     compressed-tensors formats are declined (and dequantized by the engine where it can)."""
 
-    name: ClassVar[str] = "compressed-tensors"
+    name: ClassVar[str] = "compressed-tensors/float-quantized"
     supported_platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
     activation_dtypes: ClassVar[frozenset[str]] = frozenset({"bfloat16", "float16", "float32"})
     error_bound: float = 0.05  # as fp8's: the same e4m3 elements

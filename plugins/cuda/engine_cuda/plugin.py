@@ -17,4 +17,5 @@ def register_attention_backends(register):
 @engine.hookimpl
 def register_quantizers(register):
     register("fp8", "engine_cuda.fp8:Fp8Quantizer")
-    register("compressed-tensors", "engine_cuda.fp8:CompressedTensorsFp8Quantizer")
+    # one format of the method: other plugins serve its other formats (pack-quantized: engine-compressed-tensors)
+    register("compressed-tensors/float-quantized", "engine_cuda.fp8:CompressedTensorsFp8Quantizer")

@@ -260,6 +260,17 @@ class GptqQuantizer(Quantizer):
             return None
         return GptqLinearMethod(self.settings, self.prequantized)
 
+    def checkpoint_config(self) -> dict[str, Any]:
+        s = self.settings
+        return {
+            "quant_method": "gptq",
+            "bits": s.bits,
+            "group_size": s.group_size,
+            "sym": s.sym,
+            "desc_act": s.desc_act,
+            "checkpoint_format": s.checkpoint_format,
+        }
+
     def export_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """The tensors of one GPTQ linear module, quantized by round-to-nearest."""
         tensors = GptqLinearMethod(self.settings, False).quantize(weight)

@@ -1,0 +1,9 @@
+"""Hook implementations of engine-compressed-tensors. Imports nothing heavy."""
+
+import engine
+
+
+@engine.hookimpl
+def register_quantizers(register):
+    # one format of quant_method compressed-tensors: the engine looks up "<quant_method>/<format>" first
+    register("compressed-tensors/pack-quantized", "engine_compressed_tensors.quantizer:PackQuantizedQuantizer")

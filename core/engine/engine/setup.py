@@ -74,6 +74,23 @@ class EngineSetup:
         return cache_salt(str(self.model_path.resolve()), self.architecture, self.dtype_name, self.config.block_size)
 
 
+def transformers_text_defaults(raw_config: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config as transformers reads ``raw_config`` (its defaults filled in for
+    the fields a published config leaves out: Gemma 3's multimodal configs omit the vocabulary
+    size, say), or ``{}`` where transformers does not know the ``model_type``."""
+    model_type = raw_config.get("model_type")
+    if not model_type:
+        return {}
+    try:
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in raw_config.items() if k != "model_type"}
+        return AutoConfig.for_model(model_type, **fields).get_text_config().to_dict()
+    except Exception:  # an unknown model type, or a config transformers cannot read
+        logger.debug("transformers cannot read a %r config for its defaults", model_type, exc_info=True)
+        return {}
+
+
 def resolve_setup(config: EngineConfig, components: Any) -> EngineSetup:
     """Resolve and check every component named by ``config``; reads config.json, no weight."""
     model_path = resolve_model_path(config.model)
@@ -87,13 +104,18 @@ def resolve_setup(config: EngineConfig, components: Any) -> EngineSetup:
     dtype_name = resolve_dtype(config.dtype, checkpoint_dtype(raw_config), platform)
     # Kimi's configs name it model_max_length; multimodal ones keep the language model's under text_config
     text_config = raw_config.get("text_config") or {}
-    max_positions = int(
+    max_positions = (
         raw_config.get("max_position_embeddings")
         or raw_config.get("model_max_length")
         or text_config.get("max_position_embeddings")
         or text_config.get("model_max_length")
-        or 2048
     )
+    vocab_size = raw_config.get("vocab_size") or text_config.get("vocab_size")
+    if not (max_positions and vocab_size):  # fields a config leaves to transformers' defaults
+        defaults = transformers_text_defaults(raw_config)
+        max_positions = max_positions or defaults.get("max_position_embeddings")
+        vocab_size = vocab_size or defaults.get("vocab_size")
+    max_positions = int(max_positions or 2048)
     max_model_len = config.max_model_len or max_positions
     if max_model_len > max_positions:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_positions}.")
@@ -111,7 +133,7 @@ def resolve_setup(config: EngineConfig, components: Any) -> EngineSetup:
         platform=platform,
         dtype_name=dtype_name,
         max_model_len=max_model_len,
-        vocab_size=int(raw_config.get("vocab_size") or text_config.get("vocab_size") or 0),
+        vocab_size=int(vocab_size or 0),
         quantizer=quantizer,
         dequantizer=dequantizer,
         proposer_cls=resolve_proposer(config, components),

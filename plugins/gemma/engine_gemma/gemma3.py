@@ -10,6 +10,10 @@ by ``cap · tanh(logits / cap)``.
 
 The two kinds of layer have different specs, so the engine gives each its own KV-cache group
 (and its own backend: ``sliding_window`` for the local layers, ``mha`` for the global ones).
+
+Fields a config leaves out take transformers' ``Gemma3TextConfig`` defaults. The published
+multimodal checkpoints (``Gemma3ForConditionalGeneration``) serve this text model on text prompts:
+see ``gemma3_multimodal``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,30 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' rope bases when a config names none: global layers, local layers
 DEFAULT_ROPE_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 TANH_GELU = ("gelu_pytorch_tanh", "gelu_tanh")
+# transformers' Gemma3TextConfig defaults for the fields read here: the published multimodal
+# checkpoints' text_config names only what differs (gemma-3-4b-it's: hidden_size,
+# intermediate_size, num_hidden_layers, rope_scaling, sliding_window)
+TEXT_CONFIG_DEFAULTS = dict(
+    vocab_size=262_208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131_072,
+    rms_norm_eps=1e-6,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    attention_bias=False,
+    tie_word_embeddings=True,
+)
+
+
+def with_text_defaults(config: HFConfig) -> HFConfig:
+    """``config`` with ``TEXT_CONFIG_DEFAULTS`` for the fields it leaves out, as transformers reads it."""
+    return HFConfig({**TEXT_CONFIG_DEFAULTS, **config.to_dict()})
 
 
 def layer_types(config: HFConfig) -> tuple[str, ...]:
@@ -240,7 +268,7 @@ class Gemma3ForCausalLM(Model):
 
     def __init__(self, init: ModelInit) -> None:
         super().__init__()
-        config, dtype, tp = init.config, init.dtype, init.tp
+        config, dtype, tp = with_text_defaults(init.config), init.dtype, init.tp
         self.dims = dims = Dims.from_config(config)
         self.layer_types = layer_types(config)
         window = config.get("sliding_window")

@@ -6,3 +6,4 @@ import engine
 @engine.hookimpl
 def register_models(register):
     register("Gemma3ForCausalLM", "engine_gemma.gemma3:Gemma3ForCausalLM")
+    register("Gemma3ForConditionalGeneration", "engine_gemma.gemma3_multimodal:Gemma3ForConditionalGeneration")

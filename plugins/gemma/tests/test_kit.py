@@ -3,8 +3,10 @@ weights)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
-from tiny_gemma3 import make_gemma3_checkpoint
+from tiny_gemma3 import make_gemma3_checkpoint, make_gemma3_multimodal_checkpoint
 
 from engine.testing.kit import ModelTests
 
@@ -54,3 +56,19 @@ class TestGemma3CappedBiasedKit(ModelTests):
         )
         (path / "config.json").write_text(json.dumps(config))
         return path, hf_model
+
+
+class TestGemma3ConditionalGenerationKit(ModelTests):
+    """The published checkpoints' multimodal class on text prompts: the text model under
+    text_config and ``language_model.*`` with an LM head of its own, the vision tower and
+    projector skipped."""
+
+    plugin = "gemma"
+    architecture = "Gemma3ForConditionalGeneration"
+    ignored_checkpoint_tensors: ClassVar[tuple[str, ...]] = (r"^vision_tower\.", r"^multi_modal_projector\.")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoint(cls, tmp_path_factory):
+        path = tmp_path_factory.mktemp("gemma3_multimodal")
+        return path, make_gemma3_multimodal_checkpoint(path, tie_word_embeddings=False)

@@ -45,3 +45,39 @@ def make_gemma3_checkpoint(path: str | Path, *, dtype: str = "float32", seed: in
     randomize_constant_parameters(model, seed + 1)
     model.save_pretrained(Path(path))
     return model
+
+
+# a one-layer SigLIP tower on 16×16 images in 4×4 patches, pooled to 2×2 image tokens
+TINY_SIGLIP = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16, patch_size=4
+)
+
+
+def make_gemma3_multimodal_checkpoint(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    tie_word_embeddings: bool = True,
+    save_original_format: bool = True,
+    **text_overrides: Any,
+) -> Any:
+    """Save a random ``Gemma3ForConditionalGeneration`` (``TINY_GEMMA3`` with ``text_overrides`` and
+    ``TINY_SIGLIP``) to ``path``; return it (eval mode, float32). ``save_original_format`` names the
+    tensors as the hub's checkpoints do (``language_model.model.*``), else as transformers 5's modules
+    (``model.language_model.*``)."""
+    import torch
+    import transformers
+
+    from engine.testing.checkpoints import randomize_constant_parameters
+
+    config = transformers.Gemma3Config(
+        text_config={**TINY_GEMMA3, **text_overrides},
+        vision_config=TINY_SIGLIP,
+        mm_tokens_per_image=4,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    randomize_constant_parameters(model, seed + 1)
+    model.save_pretrained(Path(path), save_original_format=save_original_format)
+    return model

@@ -55,6 +55,7 @@ SOURCES = [
         "amx_linear.cpp",
         "amx_attention.cpp",
         "dot_linear.cpp",
+        "group_quant.cpp",
     )
 ]
 # -fopenmp: at::parallel_for is inline and runs serially in code compiled without it

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.interfaces.ops import LayerOps
+
+if TYPE_CHECKING:
+    from engine.interfaces.group_quant import GroupQuantWeight
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -55,3 +59,23 @@ class NativeLayerOps(LayerOps):
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self.kernels.argmax(out, logits)
         return out
+
+    def group_quant_linear(
+        self, x: torch.Tensor, weight: GroupQuantWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if x.dtype not in NATIVE_DTYPES or x.device.type != "cpu" or weight.qweight.device.type != "cpu":
+            return super().group_quant_linear(x, weight, bias)
+        rows = weight.order_inputs(x).reshape(-1, weight.in_features).contiguous()
+        out = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
+        bias = torch.empty(0) if bias is None else bias.float().contiguous()
+        self.kernels.group_quant_linear(
+            out,
+            rows,
+            weight.qweight.contiguous(),
+            weight.scales.contiguous(),
+            weight.offsets.contiguous(),
+            weight.bits,
+            weight.group_size,
+            bias,
+        )
+        return out.view(*x.shape[:-1], weight.out_features)

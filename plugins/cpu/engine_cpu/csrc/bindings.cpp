@@ -46,6 +46,10 @@ void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch:
 // dot_linear.cpp
 void dot_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Tensor bias);
 
+// group_quant.cpp
+void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                        torch::Tensor offsets, int64_t bits, int64_t group_size, torch::Tensor bias);
+
 // the instruction-set extensions this build was compiled with (its variant's -march flags)
 std::vector<std::string> compiled_isa() {
   std::vector<std::string> isa;
@@ -85,6 +89,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_supported", &amx_supported, "whether amx_linear runs on this CPU, build and OS");
   m.def("amx_linear", &amx_linear, "out = x @ W^T + bias on AMX tiles, W packed by pack_gemv_weight (bf16)");
   m.def("dot_linear", &dot_linear, "out = x @ W^T + bias, each output summed in an order fixed by K (fp32 / bf16)");
+  m.def("group_quant_linear", &group_quant_linear,
+        "out = x @ W^T + bias, W group-quantized in 4 or 8 bits (engine.interfaces.group_quant; fp32 / bf16)");
   m.def("packed_kv_supported", &packed_kv_supported,
         "whether the packed bf16 cache layout and its kernels run for this head and block size");
   m.def("cache_write_packed", &cache_write_packed, "write the new tokens' K and V into the packed cache");

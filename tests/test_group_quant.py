@@ -1,0 +1,170 @@
+"""The group-quantized weight layout (engine.interfaces.group_quant) against its definition
+written out plainly: W[n, k] = scales[n, k // g] * q[n, k] - offsets[n, k // g], 4-bit values two
+a byte (even k in the low nibble), inputs gathered by input_order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.interfaces import group_quant
+from engine.interfaces.group_quant import GroupQuantWeight, group_quant_linear, pack, quantize_groups, unpack
+from engine.interfaces.ops import REFERENCE_OPS
+
+
+def plain_bytes(values: list[list[int]], bits: int) -> list[list[int]]:
+    if bits == 8:
+        return [list(row) for row in values]
+    return [[row[2 * i] | (row[2 * i + 1] << 4) for i in range(len(row) // 2)] for row in values]
+
+
+def plain_linear(x, values, scales, offsets, group_size, bias, order):
+    """sum_k x[t, order[k]] * (scales[n][k // g] * q[n][k] - offsets[n][k // g]) + bias[n], in float64."""
+    out = []
+    for row in x:
+        out.append(
+            [
+                sum(
+                    row[order[k]] * (scales[n][k // group_size] * values[n][k] - offsets[n][k // group_size])
+                    for k in range(len(values[n]))
+                )
+                + (bias[n] if bias is not None else 0.0)
+                for n in range(len(values))
+            ]
+        )
+    return out
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_reference_follows_the_layout(bits, ordered):
+    gen = torch.Generator().manual_seed(bits)
+    n, k, g = 3, 8, 4
+    values = torch.randint(0, 1 << bits, (n, k), generator=gen)
+    scales = torch.rand(n, k // g, generator=gen) + 0.5
+    offsets = torch.randn(n, k // g, generator=gen)
+    order = torch.randperm(k, generator=gen) if ordered else None
+    w = GroupQuantWeight.from_values(values, scales, offsets, bits, input_order=order)
+    assert w.qweight.tolist() == plain_bytes(values.tolist(), bits)
+    assert (w.bits, w.group_size, w.in_features, w.out_features) == (bits, g, k, n)
+    x = torch.randn(2, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    expected = plain_linear(
+        x.double().tolist(),
+        values.tolist(),
+        scales.double().tolist(),
+        offsets.double().tolist(),
+        g,
+        bias.double().tolist(),
+        order.tolist() if ordered else list(range(k)),
+    )
+    got = group_quant_linear(x, w, bias)
+    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(REFERENCE_OPS.group_quant_linear(x, w, bias), got, rtol=0, atol=0)
+    # bf16 x: its values as bf16 holds them, the result rounded to bf16 once
+    xb = x.bfloat16()
+    expected_b = torch.tensor(
+        plain_linear(
+            xb.double().tolist(),
+            values.tolist(),
+            scales.double().tolist(),
+            offsets.double().tolist(),
+            g,
+            None,
+            order.tolist() if ordered else list(range(k)),
+        )
+    )
+    got_b = group_quant_linear(xb, w)
+    assert got_b.dtype == torch.bfloat16
+    torch.testing.assert_close(got_b.double(), expected_b.to(torch.bfloat16).double(), rtol=2**-8, atol=1e-5)
+
+
+def test_reference_in_blocks_equals_the_dense_product(monkeypatch):
+    """The reference works a block of inputs at a time: a product over several blocks is the
+    dense one."""
+    monkeypatch.setattr(group_quant, "BLOCK_ELEMENTS", 64 * 32)  # 64 outputs: blocks of 32 inputs
+    gen = torch.Generator().manual_seed(3)
+    w = quantize_groups(torch.randn(64, 128, generator=gen), 4, 16)
+    w = GroupQuantWeight(w.qweight, w.scales, w.offsets, 4, 16, 128, 64, input_order=torch.randperm(128, generator=gen))
+    x = torch.randn(5, 128, generator=gen)
+    dense = x.double()[:, w.input_order] @ w.dequantize().double().t()
+    torch.testing.assert_close(group_quant_linear(x, w).double(), dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_pack_unpack_round_trip(bits):
+    gen = torch.Generator().manual_seed(bits)
+    values = torch.randint(0, 1 << bits, (7, 24), generator=gen, dtype=torch.uint8)
+    packed = pack(values, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (7, 24 * bits // 8)
+    assert torch.equal(unpack(packed, bits), values)
+    w = GroupQuantWeight.from_values(values, torch.ones(7, 3), torch.zeros(7, 3), bits)
+    assert torch.equal(w.values(), values)
+    assert torch.equal(w.dequantize(), values.float())
+    assert w.nbytes == 7 * 24 * bits // 8 + 2 * 7 * 3 * 4
+
+
+def test_small_widths_are_stored_in_the_next_storage():
+    values = torch.randint(0, 8, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert GroupQuantWeight.from_values(values, torch.ones(2, 1), torch.zeros(2, 1), 3).bits == 4
+    assert GroupQuantWeight.from_values(values, torch.ones(2, 1), torch.zeros(2, 1), 6).bits == 8
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_groups_error_is_half_a_step(bits, symmetric):
+    gen = torch.Generator().manual_seed(bits)
+    weight = torch.randn(16, 256, generator=gen)
+    w = quantize_groups(weight, bits, 32, symmetric=symmetric)
+    assert (w.bits, w.group_size) == (bits, 32)
+    error = (w.dequantize() - weight).abs().view(16, 8, 32)
+    half_step = w.scales.unsqueeze(-1) / 2
+    assert (error <= half_step * (1 + 1e-5) + 1e-7).all()
+    assert error.max() > half_step.min() / 4  # it does round
+    if symmetric:  # the zero at 2**(bits-1): offset = scale * 2**(bits-1)
+        torch.testing.assert_close(w.offsets, w.scales * (1 << (bits - 1)))
+
+
+def test_quantize_groups_keeps_zero_exact():
+    weight = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    weight[:, ::5] = 0
+    assert (quantize_groups(weight, 4, 16).dequantize()[:, ::5].abs() < 1e-6).all()
+
+
+def test_layout_validation():
+    q4 = torch.zeros(2, 4, dtype=torch.uint8)
+    s = torch.ones(2, 2)
+    with pytest.raises(ValueError, match="stored in"):
+        GroupQuantWeight(q4, s, s, 5, 4, 8, 2)
+    with pytest.raises(ValueError, match="must be even and divide"):
+        GroupQuantWeight(q4, s, s, 4, 3, 8, 2)
+    with pytest.raises(ValueError, match="must be even and divide"):
+        GroupQuantWeight(q4, torch.ones(2, 1), torch.ones(2, 1), 4, 6, 8, 2)
+    with pytest.raises(ValueError, match=r"qweight is \(2, 8\).*stored as \(2, 4\) torch.uint8"):
+        GroupQuantWeight(torch.zeros(2, 8, dtype=torch.uint8), s, s, 4, 4, 8, 2)
+    with pytest.raises(ValueError, match="qweight is"):
+        GroupQuantWeight(q4.to(torch.int8), s, s, 4, 4, 8, 2)
+    with pytest.raises(ValueError, match=r"scales is \(2, 1\)"):
+        GroupQuantWeight(q4, torch.ones(2, 1), s, 4, 4, 8, 2)
+    with pytest.raises(ValueError, match="offsets is"):
+        GroupQuantWeight(q4, s, s.double(), 4, 4, 8, 2)
+    with pytest.raises(ValueError, match="input_order"):
+        GroupQuantWeight(q4, s, s, 4, 4, 8, 2, input_order=torch.arange(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="input_order"):
+        GroupQuantWeight(q4, s, s, 4, 4, 8, 2, input_order=torch.arange(7))
+    assert GroupQuantWeight(q4, s, s, 4, 4, 8, 2).nbytes == 8 + 16 + 16
+
+
+def test_from_values_validation():
+    with pytest.raises(ValueError, match=r"4-bit values must lie in \[0, 16\), got 0..16"):
+        GroupQuantWeight.from_values(torch.tensor([[0, 16]]), torch.ones(1, 1), torch.zeros(1, 1), 4)
+    with pytest.raises(ValueError, match="got -1"):
+        GroupQuantWeight.from_values(torch.tensor([[-1, 3]]), torch.ones(1, 1), torch.zeros(1, 1), 8)
+    with pytest.raises(ValueError, match="cannot be stored in a byte"):
+        GroupQuantWeight.from_values(torch.zeros(1, 2), torch.ones(1, 1), torch.zeros(1, 1), 9)
+    with pytest.raises(ValueError, match="3 groups do not divide the 8 inputs"):
+        GroupQuantWeight.from_values(torch.zeros(1, 8), torch.ones(1, 3), torch.zeros(1, 3), 4)
+    with pytest.raises(ValueError, match="4-bit needs an even K"):
+        pack(torch.zeros(2, 3, dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match="does not divide"):
+        quantize_groups(torch.zeros(2, 10), 4, 4)

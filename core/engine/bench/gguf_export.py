@@ -13,7 +13,11 @@ the 256 byte tokens, then placeholders), all scores 0.
 The file is cached beside the checkpoint directory, named by a hash of the checkpoint's
 files (config and safetensors), the dtype and :data:`FORMAT_VERSION`.
 
-:func:`write_gguf` also writes Mistral (as GGUF's ``llama``), Qwen2 and Qwen3 checkpoints, the
+:func:`write_gguf` also writes Mistral (as GGUF's ``llama``), Qwen2, Qwen3, Qwen3-MoE, Mixtral,
+Phi-3 and Gemma 3 checkpoints with the transformations ``convert_hf_to_gguf.py`` applies to them
+(each layer's experts stacked into ``ffn_*_exps`` [experts, outputs, inputs], the router kept in
+float32; Phi-3's fused projections kept fused, its LongRoPE factors as tensors; Gemma's norms
+stored as ``1 + weight``), refusing what llama.cpp's model of the family cannot express. It writes the
 checkpoint's own byte-level BPE tokenizer (``tokenizer=True``) and quantized files: every linear
 weight and the token embedding as ``Q8_0``, ``Q4_0``, ``Q4_K``, ``Q5_K`` or ``Q6_K`` blocks
 (:mod:`engine.model_loader.gguf_quantize`, round-to-nearest), or ``Q4_K_M``: ``Q4_K`` with the output
@@ -27,6 +31,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -42,6 +47,10 @@ ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
+    "MixtralForCausalLM": "llama",  # with llama.expert_count
+    "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # quantized file -> (type of the linear weights and the token embedding, type of the output head and,
 # in Q4_K_M, of attn_v and ffn_down in the layers llama.cpp gives more bits)
@@ -79,7 +88,27 @@ LAYER_NAMES = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # a mixture of experts' router
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",  # Phi-3's fused projections
+    "mlp.gate_up_proj.weight": "ffn_up.weight",
 }
+# Gemma 3's norms around the attention and the MLP (its ffn_norm is the one before the MLP)
+GEMMA3_LAYER_NAMES = LAYER_NAMES | {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+# what llama.cpp's gemma3 fixes: every sixth layer global, the local layers' rope base
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62
+# one expert's weight (``mlp.experts.E.gate_proj.weight``, Mixtral's ``block_sparse_moe.experts.E.w1.weight``)
+# -> the tensor stacking every expert's ([experts, outputs, inputs])
+EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+EXPERT_NAMES |= {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+# tensors llama.cpp keeps in float32 when it quantizes a file
+UNQUANTIZED = ("ffn_gate_inp.weight",)
 BYTE_TOKENS = 256
 
 
@@ -94,14 +123,66 @@ def require_gguf() -> Any:
     return gguf
 
 
-def gguf_name(hf_name: str) -> str:
-    """llama.cpp's name of an HF Llama parameter; a ValueError names one it has no place for."""
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
+    """llama.cpp's name of an HF Llama parameter (or of a layer's stacked experts,
+    ``model.layers.N.experts.gate_proj.weight``, see :func:`_stacked_experts`); a ValueError names
+    one it has no place for."""
     if hf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[hf_name]
     parts = hf_name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdecimal() and parts[3] in LAYER_NAMES:
-        return f"blk.{parts[2]}.{LAYER_NAMES[parts[3]]}"
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[2].isdecimal():
+        names = GEMMA3_LAYER_NAMES if arch == "gemma3" else LAYER_NAMES
+        if parts[3] in names:
+            return f"blk.{parts[2]}.{names[parts[3]]}"
+        kind, _, suffix = parts[3].partition(".")[2].partition(".")
+        if parts[3].startswith("experts.") and kind in EXPERT_NAMES and suffix == "weight":
+            return f"blk.{parts[2]}.{EXPERT_NAMES[kind]}.weight"
     raise ValueError(f"The GGUF export knows no llama.cpp tensor for the checkpoint's {hf_name!r}.")
+
+
+EXPERT_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def _stacked_experts(tensors: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each layer's per-expert weights stacked, as
+    ``convert_hf_to_gguf.py`` merges them: ``model.layers.N.experts.P.weight`` [experts, outputs,
+    inputs] in expert order, ``P`` the checkpoint's projection name (``gate_proj``, Mixtral's ``w1``)."""
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        match = EXPERT_TENSOR.match(name)
+        if match is None:
+            yield name, tensor
+        else:
+            experts.setdefault((match[1], match[3]), {})[int(match[2])] = tensor
+    for (layer, kind), by_expert in experts.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"Layer {layer}'s {kind} experts are not numbered 0 to {len(by_expert) - 1}.")
+        yield f"model.layers.{layer}.experts.{kind}.weight", torch.stack([by_expert[i] for i in range(len(by_expert))])
+
+
+def longrope_factors(shape: LlamaShape) -> dict[str, np.ndarray]:
+    """Phi-3's LongRoPE factors as ``convert_hf_to_gguf.py`` writes them: ``rope_factors_long`` and
+    ``rope_factors_short``, one float32 a rotary frequency."""
+    rope = shape.rope_scaling or {}
+    half = (shape.rotary_dim or shape.head_dim) // 2
+    factors = {
+        f"rope_factors_{part}.weight": np.asarray(rope[f"{part}_factor"], np.float32) for part in ("long", "short")
+    }
+    for name, values in factors.items():
+        if values.shape != (half,):
+            raise ValueError(f"LongRoPE's {name} needs {half} factors (half the rotary dimensions), not {values.size}.")
+    return factors
+
+
+def longrope_attention_factor(shape: LlamaShape) -> float:
+    """The attention scaling of Phi-3's LongRoPE: the checkpoint's ``attention_factor``, or
+    ``sqrt(1 + ln(scale) / ln(original context))`` for a context ``scale`` times the original."""
+    rope = shape.rope_scaling or {}
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    original = shape.original_context_length or shape.context_length
+    scale = shape.context_length / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
 
 
 def permute_for_ggml_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -129,7 +210,14 @@ class LlamaShape:
     bos_token_id: int | None
     eos_token_id: int | None
     architecture: str = ARCHITECTURE  # GGUF's general.architecture
-    rope_scaling: dict[str, Any] | None = None  # Llama 3.1's, written as rope_freqs
+    rope_scaling: dict[str, Any] | None = None  # Llama 3.1's (rope_freqs) or Phi-3's LongRoPE (rope_factors_*)
+    num_experts: int = 0  # a mixture of experts: experts, experts a token and the experts' intermediate size
+    num_experts_per_tok: int = 0
+    expert_intermediate_size: int = 0
+    rotary_dim: int | None = None  # Phi-3's partial rotary factor; None: head_dim
+    sliding_window: int = 0  # Phi-3's sliding window (0: none)
+    original_context_length: int | None = None  # Phi-3's pre-training context
+    final_logit_softcapping: float | None = None  # Gemma 3's
 
 
 def llama_shape(config: dict[str, Any]) -> LlamaShape:
@@ -152,8 +240,8 @@ def llama_shape(config: dict[str, Any]) -> LlamaShape:
 
 
 def model_shape(config: dict[str, Any]) -> LlamaShape:
-    """The fields of a Llama, Mistral, Qwen2 or Qwen3 ``config.json`` the GGUF needs; a
-    ValueError for what it cannot express."""
+    """The fields of a Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Mixtral or Phi-3 ``config.json``
+    the GGUF needs; a ValueError for what it cannot express."""
     architectures = config.get("architectures") or []
     if architectures[:1] and architectures[0] in ARCHITECTURES:
         architecture = ARCHITECTURES[architectures[0]]
@@ -165,14 +253,28 @@ def model_shape(config: dict[str, Any]) -> LlamaShape:
     if config.get("mlp_bias") or (architecture != "qwen2" and config.get("attention_bias")):
         raise ValueError("The GGUF export writes the attention biases of Qwen2 only.")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if architecture == "gemma3":
+        rope = gemma3_rope(config)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
+    if rope_type == "su" and architecture == "phi3":
+        rope_type = "longrope"
+    supported = {("phi3", "longrope"), ("gemma3", "linear")}
+    if rope_type not in ("default", "llama3") and (architecture, rope_type) not in supported:
         raise ValueError(
-            f"The GGUF export writes plain rope and Llama 3.1's (as rope_freqs); the checkpoint's rope_type "
-            f"is {rope_type!r}."
+            f"The GGUF export writes plain rope, Llama 3.1's (as rope_freqs) and Phi-3's LongRoPE (as "
+            f"rope_factors_long/short); the checkpoint's rope_type is {rope_type!r}."
         )
     num_heads = int(config["num_attention_heads"])
     hidden_size = int(config["hidden_size"])
+    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if architecture == "qwen3moe" and (config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1):
+        raise ValueError("GGUF's qwen3moe has experts in every layer; the checkpoint has dense layers too.")
+    if architecture == "qwen3moe" and not config.get("norm_topk_prob", False):
+        raise ValueError(
+            "llama.cpp's qwen3moe renormalises the top-k expert weights; the checkpoint's norm_topk_prob is false."
+        )
+    head_dim = int(config.get("head_dim") or hidden_size // num_heads)
+    partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
 
     def token_id(key: str) -> int | None:
         value = config.get(key)
@@ -185,7 +287,7 @@ def model_shape(config: dict[str, Any]) -> LlamaShape:
         intermediate_size=int(config["intermediate_size"]),
         num_heads=num_heads,
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-        head_dim=int(config.get("head_dim") or hidden_size // num_heads),
+        head_dim=head_dim,
         context_length=int(config.get("max_position_embeddings", 4096)),
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
@@ -193,8 +295,62 @@ def model_shape(config: dict[str, Any]) -> LlamaShape:
         bos_token_id=token_id("bos_token_id"),
         eos_token_id=token_id("eos_token_id"),
         architecture=architecture,
-        rope_scaling=dict(rope) if rope_type == "llama3" else None,
+        rope_scaling={**rope, "rope_type": rope_type} if rope_type != "default" else None,
+        num_experts=num_experts,
+        num_experts_per_tok=int(config.get("num_experts_per_tok") or 0) if num_experts else 0,
+        expert_intermediate_size=int(config.get("moe_intermediate_size") or config["intermediate_size"])
+        if num_experts
+        else 0,
+        # llama.cpp's int(partial_rotary_factor * hidden) // heads
+        rotary_dim=int(partial * hidden_size) // num_heads if architecture == "phi3" else None,
+        sliding_window=int(config.get("sliding_window") or 0) if architecture in ("phi3", "gemma3") else 0,
+        original_context_length=int(
+            rope.get("original_max_position_embeddings")
+            or config.get("original_max_position_embeddings")
+            or config.get("max_position_embeddings", 4096)
+        )
+        if architecture == "phi3"
+        else None,
+        final_logit_softcapping=config.get("final_logit_softcapping") if architecture == "gemma3" else None,
     )
+
+
+def gemma3_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 config's global layers' rope parameters, checked against what llama.cpp's gemma3
+    can express (a ValueError otherwise): with a sliding window, every sixth layer global; local
+    layers with rope base 10000, unscaled; queries scaled by ``head_dim ** -0.5`` (27B: ``(hidden /
+    heads) ** -0.5``)."""
+    num_layers, window = int(config["num_hidden_layers"]), config.get("sliding_window")
+    types = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % int(config.get("sliding_window_pattern", 6)) else "full_attention"
+        for i in range(num_layers)
+    ]
+    expected = [
+        "sliding_attention" if window and (i + 1) % GEMMA3_GLOBAL_EVERY else "full_attention" for i in range(num_layers)
+    ]
+    if list(types) != expected:
+        raise ValueError(
+            f"llama.cpp's gemma3 makes every {GEMMA3_GLOBAL_EVERY}th layer global (all of them without a sliding "
+            f"window); the checkpoint's layer_types are {types}."
+        )
+    rope = config.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention", rope))
+    local = dict(rope.get("sliding_attention") or {"rope_theta": config.get("rope_local_base_freq", 10000.0)})
+    if local.get("rope_type", "default") != "default" or float(local["rope_theta"]) != GEMMA3_LOCAL_ROPE_BASE:
+        raise ValueError(
+            f"llama.cpp's gemma3 gives the local layers plain rope of base {GEMMA3_LOCAL_ROPE_BASE:g}; the "
+            f"checkpoint's are {local}."
+        )
+    heads, head_dim = int(config["num_attention_heads"]), int(config.get("head_dim", 256))
+    scalar = int(config["hidden_size"]) // heads if num_layers == GEMMA3_27B_LAYERS else head_dim
+    if float(config.get("query_pre_attn_scalar", 256)) != scalar:
+        raise ValueError(
+            f"llama.cpp's gemma3 scales the queries by {scalar} ** -0.5 for this shape; the checkpoint's "
+            f"query_pre_attn_scalar is {config.get('query_pre_attn_scalar', 256)}."
+        )
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise ValueError(f"llama.cpp's gemma3 uses gelu_pytorch_tanh, not {config['hidden_activation']!r}.")
+    return full
 
 
 def vocabulary(shape: LlamaShape) -> tuple[list[str], list[int]]:
@@ -318,10 +474,11 @@ def llama3_rope_freqs(shape: LlamaShape) -> np.ndarray:
 
 
 def _more_bits(target: str, num_layers: int) -> bool:
-    """Whether llama.cpp's Q4_K_M writes ``target`` (``blk.N.attn_v`` / ``ffn_down``) in Q6_K: the
-    first and last eighth of the layers and every third one between (its ``use_more_bits``)."""
+    """Whether llama.cpp's Q4_K_M writes ``target`` (``blk.N.attn_v`` / ``ffn_down`` /
+    ``ffn_down_exps``) in Q6_K: the first and last eighth of the layers and every third one
+    between (its ``use_more_bits``)."""
     parts = target.split(".")
-    if len(parts) != 4 or parts[2] not in ("attn_v", "ffn_down"):
+    if len(parts) != 4 or parts[2] not in ("attn_v", "ffn_down", "ffn_down_exps"):
         return False
     i, n = int(parts[1]), num_layers
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
@@ -333,6 +490,9 @@ def _quantized_array(name: str, tensor: torch.Tensor, quant_type: str) -> tuple[
     from engine.model_loader.gguf_quantize import quantize_blocks
 
     try:
+        if tensor.dim() == 3:  # stacked experts: each its rows of blocks
+            blocks = np.stack([quantize_blocks(expert.float().numpy(), quant_type) for expert in tensor])
+            return blocks, getattr(GGMLQuantizationType, quant_type)
         return quantize_blocks(tensor.float().numpy(), quant_type), getattr(GGMLQuantizationType, quant_type)
     except ValueError as exc:
         raise ValueError(f"{name} cannot be written as {quant_type}: {exc}") from None
@@ -370,10 +530,27 @@ def write_gguf(
     writer.add_head_count_kv(shape.num_kv_heads)
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
-    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_dimension_count(shape.rotary_dim or shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
     writer.add_vocab_size(shape.vocab_size)
+    if shape.num_experts:
+        writer.add_expert_count(shape.num_experts)
+        writer.add_expert_used_count(shape.num_experts_per_tok)
+        if arch == "qwen3moe":
+            writer.add_expert_feed_forward_length(shape.expert_intermediate_size)
+    if arch == "gemma3":
+        if shape.sliding_window:
+            writer.add_sliding_window(shape.sliding_window)
+        writer.add_rope_freq_base_swa(GEMMA3_LOCAL_ROPE_BASE)
+        if shape.final_logit_softcapping:
+            writer.add_final_logit_softcapping(shape.final_logit_softcapping)
+        if shape.rope_scaling is not None:  # linear, on the global layers
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(shape.rope_scaling["factor"]))
+    if arch == "phi3":  # as convert_hf_to_gguf.py writes Phi-3: a sliding window of 0 is none
+        writer.add_rope_scaling_orig_ctx_len(shape.original_context_length)
+        writer.add_sliding_window(shape.sliding_window)
     file_type = FILE_TYPE_NAMES[quantization] if quantization else FILE_TYPES[dtype]
     writer.add_file_type(int(getattr(gguf.LlamaFileType, file_type)))
 
@@ -397,18 +574,24 @@ def write_gguf(
     writer.add_add_bos_token(False)
 
     layer_type, head_type = QUANTIZATIONS[quantization] if quantization else (None, None)
-    if shape.rope_scaling is not None:
+    if shape.rope_scaling is not None and shape.rope_scaling["rope_type"] == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(shape), raw_dtype=gguf.GGMLQuantizationType.F32)
+    elif shape.rope_scaling is not None and shape.rope_scaling["rope_type"] == "longrope":
+        for name, factors in longrope_factors(shape).items():
+            writer.add_tensor(name, factors, raw_dtype=gguf.GGMLQuantizationType.F32)
+        writer.add_rope_scaling_attn_factors(longrope_attention_factor(shape))
     written = set()
-    for name, tensor in _tensors(model_path):
+    for name, tensor in _stacked_experts(_tensors(model_path)):
         if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and shape.tie_word_embeddings):
             continue
-        target = gguf_name(name)
+        target = gguf_name(name, arch)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor.float() + 1  # Gemma's norms scale by 1 + weight: llama.cpp stores the sum
         if arch == "llama" and name.endswith("self_attn.q_proj.weight"):
             tensor = permute_for_ggml_rope(tensor, shape.num_heads)
         elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
             tensor = permute_for_ggml_rope(tensor, shape.num_kv_heads)
-        if tensor.dim() == 2 and layer_type is not None:
+        if tensor.dim() >= 2 and layer_type is not None and not target.endswith(UNQUANTIZED):
             more_bits = quantization == "Q4_K_M" and _more_bits(target, shape.num_layers)
             kind_name = head_type if target == "output.weight" or more_bits else layer_type
             data, kind = _quantized_array(target, tensor, kind_name)
@@ -434,11 +617,21 @@ def write_gguf(
 
 def required_layer_tensors(shape: LlamaShape) -> list[str]:
     """The GGUF names (after ``blk.N.``) every layer of ``shape``'s architecture has."""
-    names = [LAYER_NAMES[name] for name in LAYER_NAMES if name.endswith(".weight") and "_norm" not in name]
+    names = ["attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"]
+    if shape.architecture == "phi3":
+        names = ["attn_qkv.weight", "attn_output.weight"]
+    if shape.num_experts:
+        names += ["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"]
+    elif shape.architecture == "phi3":
+        names += ["ffn_up.weight", "ffn_down.weight"]
+    else:
+        names += ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
     if shape.architecture == "qwen2":
         names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
-    if shape.architecture == "qwen3":
+    if shape.architecture in ("qwen3", "qwen3moe", "gemma3"):
         names += ["attn_q_norm.weight", "attn_k_norm.weight"]
+    if shape.architecture == "gemma3":
+        names += ["attn_norm.weight", "post_attention_norm.weight", "ffn_norm.weight", "post_ffw_norm.weight"]
     return names
 
 

@@ -1,20 +1,28 @@
 """GGUF checkpoints: one ``.gguf`` file holding a model's config (metadata), its tokenizer
 and its tensors, as llama.cpp writes them.
 
-- **Config**: ``general.architecture`` ``llama`` (Llama and Mistral), ``qwen2`` or ``qwen3``
-  and its ``<arch>.*`` keys become the HF ``config.json`` of ``LlamaForCausalLM``,
-  ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (:func:`gguf_config`); a file without
-  ``output.weight`` ties the output head to the token embedding. When any tensor is
-  quantized, ``quantization_config`` is ``{"quant_method": "gguf", ...}``, which the
-  ``gguf`` quantizer (engine-gguf) serves.
+- **Config**: ``general.architecture`` and its ``<arch>.*`` keys become the HF ``config.json``
+  (:func:`gguf_config`): ``llama`` (Llama and Mistral; Mixtral when ``llama.expert_count`` is
+  set), ``qwen2``, ``qwen3``, ``qwen3moe`` (experts in every layer, their top-k weights
+  renormalised as llama.cpp does), ``phi3`` (partial rotary dimensions, LongRoPE from the
+  ``rope_factors_long``/``rope_factors_short`` tensors, the sliding window) and ``gemma3`` (with
+  ``attention.sliding_window`` every sixth layer global, the others local with rope base 10000
+  or ``rope.freq_base_swa``; the rope scaling on the global layers; queries scaled as llama.cpp
+  does). A file without ``output.weight`` ties the output head to the token embedding. When
+  any tensor is quantized, ``quantization_config`` is ``{"quant_method": "gguf", ...}``, which
+  the ``gguf`` quantizer (engine-gguf) serves.
 - **Tensors** (:func:`gguf_tensors`): llama.cpp's names (``blk.N.attn_q.weight``) become HF
   names (``model.layers.N.self_attn.q_proj.weight``); the q and k projections of ``llama``
   files have their rows put back from GGML's rope order (neighbouring pairs) into HF's
-  (two halves). Quantized tensors are their raw blocks, uint8 [rows, bytes a row]: rows are
-  whole outputs, so reordering rows moves whole blocks. Every 2-D tensor carries its GGML type
-  (:data:`TYPE_TENSOR` in the layer, see :mod:`engine.layers.quantized_checkpoint`): a linear
-  method that loads ``weight`` and ``ggml_type`` takes the tensor as it is; any other place
-  gets it dequantized (``gguf.quants``, exact in float32).
+  (two halves). A mixture of experts' stacked tensors (``blk.N.ffn_gate_exps.weight``,
+  [experts, outputs, inputs]) become each expert's (``mlp.experts.E.gate_proj.weight``), the
+  router ``ffn_gate_inp`` ``mlp.gate``; Phi-3's fused ``attn_qkv`` and ``ffn_up`` (gate then up)
+  are split into their parts; Gemma 3's norms, which llama.cpp stores as ``1 + weight``, have
+  the 1 taken off. Quantized tensors are their raw blocks, uint8 [rows, bytes a row]: rows are
+  whole outputs, so reordering or splitting rows moves whole blocks. Every 2-D tensor carries its
+  GGML type (:data:`TYPE_TENSOR` in the layer, see :mod:`engine.layers.quantized_checkpoint`): a
+  linear method that loads ``weight`` and ``ggml_type`` takes the tensor as it is; any other
+  place (the embedding, the experts) gets it dequantized (``gguf.quants``, exact in float32).
 - **Tokenizer**: transformers builds it from the metadata
   (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``, see :mod:`engine.tokenizer`).
 
@@ -33,7 +41,15 @@ from engine.layers.quantized_checkpoint import QUANTIZED_ATTR, QuantizedCheckpoi
 
 MAGIC = b"GGUF"
 # GGUF general.architecture -> HF architecture
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",  # MixtralForCausalLM with llama.expert_count > 0
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 DENSE_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # block types the gguf quantizer converts (engine_gguf.blocks)
 QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
@@ -55,8 +71,23 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the router of a mixture of experts
 }
-SKIPPED_TENSORS = ("rope_freqs.weight",)  # llama.cpp's rope factors, read into the config
+# Gemma 3's norms around the attention and the MLP (its ffn_norm is the one before the MLP)
+GEMMA3_LAYER_NAMES = LAYER_NAMES | {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# llama.cpp's Gemma 3: with a sliding window every sixth layer global, the others local with
+# rope base 10000 (unless the file says otherwise), unscaled
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_27B_LAYERS = 62  # llama.cpp scales the 27B model's queries by (hidden / heads) ** -0.5, not head_dim's
+# a mixture of experts' stacked tensors [experts, outputs, inputs] -> each expert's projection
+EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# llama.cpp's rope factors, read into the config
+SKIPPED_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def _require_gguf() -> Any:
@@ -150,6 +181,14 @@ class GgufFile:
             )
         return arch
 
+    @property
+    def hf_architecture(self) -> str:
+        """The HF architecture: :data:`ARCHITECTURES`'s, Mixtral for a ``llama`` file with experts."""
+        arch = self.architecture
+        if arch == "llama" and int(self.value("llama.expert_count") or 0) > 0:
+            return "MixtralForCausalLM"
+        return ARCHITECTURES[arch]
+
     def tensor_type(self, name: str) -> str:
         return self.tensors[name].tensor_type.name
 
@@ -173,11 +212,16 @@ def _config(file: GgufFile) -> dict[str, Any]:
     num_heads = int(file.require(f"{arch}.attention.head_count"))
     vocab_size = int(file.tensors["token_embd.weight"].shape[1])  # GGUF shapes list the inputs first
     head_dim = int(file.value(f"{arch}.attention.key_length") or hidden_size // num_heads)
+    experts = int(file.value(f"{arch}.expert_count") or 0)
+    # Qwen3-MoE files may leave out the dense MLP size their layers do not use
+    intermediate = file.value(f"{arch}.feed_forward_length", file.value(f"{arch}.expert_feed_forward_length"))
+    if intermediate is None:
+        file.require(f"{arch}.feed_forward_length")
     config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [file.hf_architecture],
+        "model_type": MODEL_TYPES.get(arch, arch) if file.hf_architecture != "MixtralForCausalLM" else "mixtral",
         "hidden_size": hidden_size,
-        "intermediate_size": int(file.require(f"{arch}.feed_forward_length")),
+        "intermediate_size": int(intermediate),
         "num_hidden_layers": int(file.require(f"{arch}.block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(file.value(f"{arch}.attention.head_count_kv") or num_heads),
@@ -193,11 +237,35 @@ def _config(file: GgufFile) -> dict[str, Any]:
     }
     if arch == "qwen2":
         config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
+    if experts:
+        used = int(file.require(f"{arch}.expert_used_count"))
+        config |= {"num_experts_per_tok": used}
+        if arch == "qwen3moe":
+            config |= {
+                "num_experts": experts,
+                "moe_intermediate_size": int(file.require(f"{arch}.expert_feed_forward_length")),
+                # llama.cpp renormalises Qwen3-MoE's top-k weights unless the file says otherwise
+                "norm_topk_prob": bool(file.value(f"{arch}.expert_weights_norm", True)),
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
+        else:
+            config |= {"num_local_experts": experts, "sliding_window": None}
+    elif arch == "qwen3moe":
+        file.require(f"{arch}.expert_count")
     rotary_dim = int(file.value(f"{arch}.rope.dimension_count") or head_dim)
+    if arch == "phi3":
+        window = int(file.value(f"{arch}.attention.sliding_window") or 0)
+        config |= {"sliding_window": window or None, "partial_rotary_factor": rotary_dim / head_dim}
+        config["original_max_position_embeddings"] = int(
+            file.value(f"{arch}.rope.scaling.original_context_length") or config["max_position_embeddings"]
+        )
     rope_scaling = _rope_scaling(file, arch, rotary_dim, config["rope_theta"])
-    if rope_scaling is not None:
+    if arch == "gemma3":
+        config |= _gemma3_config(file, config, rope_scaling)
+    elif rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
-    types = {file.tensor_type(name) for name in file.tensors if len(file.tensors[name].shape) == 2}
+    types = {file.tensor_type(name) for name in file.tensors if len(file.tensors[name].shape) >= 2}
     quantized = sorted(types & set(QUANTIZED_TYPES))
     if quantized:
         output = file.tensor_type("output.weight") if "output.weight" in file.tensors else None
@@ -211,6 +279,35 @@ def _config(file: GgufFile) -> dict[str, Any]:
         if dense:
             config["torch_dtype"] = str(DENSE_TYPES[dense[0]]).removeprefix("torch.")
     return config
+
+
+def _gemma3_config(file: GgufFile, config: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """Gemma 3's fields as llama.cpp reads its file: local (sliding-window) layers but every
+    sixth when ``attention.sliding_window`` is set, their own rope base, the rope scaling on the
+    global layers only, the query scale and the final logit cap."""
+    num_layers, window = config["num_hidden_layers"], int(file.value("gemma3.attention.sliding_window") or 0)
+    types = [
+        "sliding_attention" if window and (i + 1) % GEMMA3_GLOBAL_EVERY else "full_attention" for i in range(num_layers)
+    ]
+    full = {"rope_type": "default", "rope_theta": config["rope_theta"]} | (rope_scaling or {})
+    local = {
+        "rope_type": "default",
+        "rope_theta": _float32(file.value("gemma3.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)),
+    }
+    scalar = (
+        config["hidden_size"] // config["num_attention_heads"]
+        if num_layers == GEMMA3_27B_LAYERS
+        else config["head_dim"]
+    )
+    softcap = file.value("gemma3.final_logit_softcapping")
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": types,
+        "sliding_window": window or None,
+        "rope_parameters": {"full_attention": full, "sliding_attention": local},
+        "query_pre_attn_scalar": scalar,
+        "final_logit_softcapping": None if not softcap else _float32(softcap),
+    }
 
 
 def _eos_token_ids(file: GgufFile) -> int | list[int] | None:
@@ -243,6 +340,23 @@ def llama3_rope_factors(rotary_dim: int, theta: float, factor: float, low: float
 
 def _rope_scaling(file: GgufFile, arch: str, rotary_dim: int, theta: float) -> dict[str, Any] | None:
     kind = file.value(f"{arch}.rope.scaling.type")
+    if "rope_factors_long.weight" in file.tensors:  # Phi-3's LongRoPE
+        long, short = (file.tensors.get(f"rope_factors_{part}.weight") for part in ("long", "short"))
+        if short is None or long.data.size != rotary_dim // 2 or short.data.size != rotary_dim // 2:
+            raise ValueError(
+                f"{file.path} scales its rope by LongRoPE factors, which need rope_factors_long and "
+                f"rope_factors_short tensors of {rotary_dim // 2} values each (half the rotary dimensions)."
+            )
+        longrope: dict[str, Any] = {
+            "rope_type": "longrope",
+            "long_factor": [_float32(v) for v in np.asarray(long.data, dtype=np.float32)],
+            "short_factor": [_float32(v) for v in np.asarray(short.data, dtype=np.float32)],
+            "original_max_position_embeddings": int(file.require(f"{arch}.rope.scaling.original_context_length")),
+        }
+        attn_factor = file.value(f"{arch}.rope.scaling.attn_factor")
+        if attn_factor is not None:
+            longrope["attention_factor"] = _float32(attn_factor)
+        return longrope
     if "rope_freqs.weight" in file.tensors:
         factors = np.asarray(file.tensors["rope_freqs.weight"].data, dtype=np.float32)
         llama3 = {"rope_type": "llama3", "factor": float(factors.max()), **LLAMA3_ROPE}
@@ -288,16 +402,24 @@ class GgufDequantizer:
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """The HF name of a llama.cpp tensor name, None for one that is read into the config; a
-    ValueError for one with no place in the model."""
+    ValueError for one with no place in the model. A mixture of experts' stacked tensors
+    (``blk.N.ffn_gate_exps.weight``) name ``model.layers.N.mlp.experts.gate_proj.weight``, whose
+    expert :func:`gguf_tensors` puts in after ``experts``."""
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
     if name in SKIPPED_TENSORS:
         return None
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdecimal() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdecimal():
+        names = GEMMA3_LAYER_NAMES if arch == "gemma3" else LAYER_NAMES
+        if parts[2] in names:
+            return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+        if parts[2] in EXPERT_NAMES:
+            return f"model.layers.{parts[1]}.mlp.experts.{EXPERT_NAMES[parts[2]]}.{parts[3]}"
+        if parts[2] == "attn_qkv":  # Phi-3's fused q, k and v, split by gguf_tensors
+            return f"model.layers.{parts[1]}.self_attn.qkv_proj.{parts[3]}"
     raise ValueError(f"GGUF tensor {name!r} has no place in the model.")
 
 
@@ -313,20 +435,47 @@ def gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, tensor)`` for every tensor of the GGUF at ``path`` (see the module docstring)."""
     file = GgufFile(path)
     config = _config(file)
+    arch = file.architecture
     dequantizer = GgufDequantizer()
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    head_dim = config["head_dim"]
+    qkv_rows = [heads["q_proj"] * head_dim, heads["k_proj"] * head_dim, heads["k_proj"] * head_dim]
     for tensor in file.reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
         kind = tensor.tensor_type
         data = torch.from_numpy(tensor.data)
         if kind.name == "BF16":
             data = data.view(torch.bfloat16)
-        module = name.split(".")[-2]
-        if file.architecture == "llama" and module in heads:
+        module, suffix = name.split(".")[-2:]
+        prefix = name[: -len(module) - len(suffix) - 2]
+        if arch == "llama" and module in heads:
             data = unpermute_from_ggml_rope(data, heads[module])
-        if data.dim() == 2:
-            kept = QuantizedCheckpoint(tensor.name, "weight", TYPE_TENSOR, torch.tensor(int(kind)), dequantizer)
-            setattr(data, QUANTIZED_ATTR, kept)
-        yield name, data
+        if arch == "gemma3" and tensor.name.endswith("norm.weight"):
+            data = data.float() - 1  # llama.cpp stores Gemma's 1 + weight, the checkpoint the weight
+        if prefix.endswith(".experts"):  # [experts, outputs, inputs]: each expert's weight
+            parts = [(f"{prefix}.{expert}.{module}.{suffix}", data[expert]) for expert in range(data.shape[0])]
+        elif module == "qkv_proj":
+            names = [f"{prefix}.{p}_proj.{suffix}" for p in "qkv"]
+            parts = _split_rows(tensor.name, data, qkv_rows, names)
+        elif arch == "phi3" and module == "up_proj":  # gate then up
+            rows = [config["intermediate_size"]] * 2
+            names = [f"{prefix}.gate_proj.{suffix}", name]
+            parts = _split_rows(tensor.name, data, rows, names)
+        else:
+            parts = [(name, data)]
+        for part_name, part in parts:
+            if part.dim() == 2:
+                kept = QuantizedCheckpoint(tensor.name, "weight", TYPE_TENSOR, torch.tensor(int(kind)), dequantizer)
+                setattr(part, QUANTIZED_ATTR, kept)
+            yield part_name, part
+
+
+def _split_rows(name: str, data: torch.Tensor, rows: list[int], names: list[str]) -> list[tuple[str, torch.Tensor]]:
+    """A fused tensor's rows (whole outputs, so whole blocks of a quantized one) as its parts."""
+    if data.shape[0] != sum(rows):
+        raise ValueError(
+            f"GGUF tensor {name!r} has {data.shape[0]} rows; the config's shapes need {' + '.join(map(str, rows))}."
+        )
+    return list(zip(names, data.split(rows)))

@@ -184,3 +184,15 @@ def test_checkpoints_the_export_cannot_express_are_refused():
         llama_shape({**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
     with pytest.raises(ValueError, match="no llama.cpp tensor for the checkpoint's 'model.layers.0.mlp.fc1.weight'"):
         gguf_name("model.layers.0.mlp.fc1.weight")
+
+
+def test_k_quants_fall_back_where_rows_do_not_split_into_super_blocks():
+    """A K-quant needs rows of whole 256-value super-blocks (llama58m's ffn_down has 1408 inputs):
+    such a tensor is written in the 32-value type llama.cpp's quantizer falls back to, one the
+    engine reads."""
+    from engine.bench.gguf_export import fallback_type
+
+    assert fallback_type("Q4_K", 512) == "Q4_K" and fallback_type("Q6_K", 1024) == "Q6_K"
+    assert fallback_type("Q6_K", 1408) == "Q8_0"
+    assert fallback_type("Q4_K", 1408) == "Q4_0" and fallback_type("Q5_K", 1408) == "Q8_0"
+    assert fallback_type("Q8_0", 1408) == "Q8_0"

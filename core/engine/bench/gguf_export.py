@@ -62,6 +62,8 @@ QUANTIZATIONS = {
     "Q6_K": ("Q6_K", "Q6_K"),
     "Q4_K_M": ("Q4_K", "Q6_K"),
 }
+K_SUPER_BLOCK = 256
+K_FALLBACKS = {"Q4_K": "Q4_0", "Q5_K": "Q8_0", "Q6_K": "Q8_0"}
 FILE_TYPE_NAMES = {"Q8_0": "MOSTLY_Q8_0", "Q4_0": "MOSTLY_Q4_0", "Q4_K": "MOSTLY_Q4_K_S", "Q5_K": "MOSTLY_Q5_K_S"}
 FILE_TYPE_NAMES |= {"Q6_K": "MOSTLY_Q6_K", "Q4_K_M": "MOSTLY_Q4_K_M"}
 GGUF_TYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -484,6 +486,15 @@ def _more_bits(target: str, num_layers: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
+def fallback_type(quant_type: str, row: int) -> str:
+    """``quant_type``, or for a K-quant whose rows do not split into its 256-value super-blocks the
+    32-value type llama.cpp's quantizer falls back to (Q6_K -> Q8_0; Q4_K and Q5_K to Q4_0 and Q8_0,
+    where llama.cpp takes Q5_0 and Q5_1, which the engine does not read)."""
+    if quant_type in K_FALLBACKS and row % K_SUPER_BLOCK:
+        return K_FALLBACKS[quant_type]
+    return quant_type
+
+
 def _quantized_array(name: str, tensor: torch.Tensor, quant_type: str) -> tuple[np.ndarray, Any]:
     from gguf import GGMLQuantizationType
 
@@ -594,7 +605,7 @@ def write_gguf(
         if tensor.dim() >= 2 and layer_type is not None and not target.endswith(UNQUANTIZED):
             more_bits = quantization == "Q4_K_M" and _more_bits(target, shape.num_layers)
             kind_name = head_type if target == "output.weight" or more_bits else layer_type
-            data, kind = _quantized_array(target, tensor, kind_name)
+            data, kind = _quantized_array(target, tensor, fallback_type(kind_name, tensor.shape[-1]))
         else:
             data, kind = _gguf_array(tensor, dtype)
         writer.add_tensor(target, data, raw_dtype=kind)

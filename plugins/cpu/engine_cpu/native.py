@@ -56,6 +56,7 @@ SOURCES = [
         "amx_attention.cpp",
         "dot_linear.cpp",
         "group_quant.cpp",
+        "mamba2.cpp",
     )
 ]
 # -fopenmp: at::parallel_for is inline and runs serially in code compiled without it

@@ -50,6 +50,20 @@ void dot_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Tens
 void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                         torch::Tensor offsets, int64_t bits, int64_t group_size, torch::Tensor bias);
 
+// mamba2.cpp
+void mamba2_conv(torch::Tensor x_out, torch::Tensor b_out, torch::Tensor c_out, torch::Tensor xbc,
+                 torch::Tensor kept, torch::Tensor weight, torch::Tensor bias, torch::Tensor query_start_loc,
+                 torch::Tensor query_lens);
+void mamba2_chunk_scores(torch::Tensor scores, torch::Tensor cb, torch::Tensor cumulative, torch::Tensor delta,
+                         double log_floor);
+void mamba2_pass_states(torch::Tensor states, torch::Tensor decays, torch::Tensor initial, torch::Tensor final_state);
+void mamba2_gather_outputs(torch::Tensor out, torch::Tensor y, torch::Tensor entering, torch::Tensor x,
+                           torch::Tensor cumulative, torch::Tensor D, torch::Tensor token_seq,
+                           torch::Tensor token_row, double log_floor);
+void mamba2_decode(torch::Tensor out, torch::Tensor xbc, torch::Tensor state, torch::Tensor slots,
+                   torch::Tensor fresh, torch::Tensor weight, torch::Tensor bias, torch::Tensor delta,
+                   torch::Tensor A, torch::Tensor D, int64_t groups, int64_t state_size);
+
 // the instruction-set extensions this build was compiled with (its variant's -march flags)
 std::vector<std::string> compiled_isa() {
   std::vector<std::string> isa;
@@ -101,6 +115,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; x = weight * rms-normalised residual (in place)");
   m.def("rotary", &rotary, "rotate-half RoPE on q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up");
+  m.def("mamba2_conv", &mamba2_conv,
+        "Mamba-2 short convolution + SiLU, rounded to the inputs' dtype (fp32 / bf16), per chunk head-major");
+  m.def("mamba2_chunk_scores", &mamba2_chunk_scores, "Mamba-2 causal decayed scores within chunks (fp32)");
+  m.def("mamba2_pass_states", &mamba2_pass_states, "Mamba-2 states entering each chunk, in place (fp32)");
+  m.def("mamba2_gather_outputs", &mamba2_gather_outputs,
+        "Mamba-2 chunk outputs summed and gathered to token rows (fp32)");
+  m.def("mamba2_decode", &mamba2_decode, "Mamba-2 step of one token a sequence, in place on the state slots");
   m.def("argmax", &argmax, "out[r] = first index of the maximum of logits[r] (fp32 / bf16)");
   m.def("apply_token_bitmask", &apply_token_bitmask, "logits[rows[j], t] = -inf where bitmask[j] clears t");
 }

@@ -55,6 +55,36 @@ def test_shared_blocks_are_reference_counted():
     assert manager.num_free_blocks == 16
 
 
+def published(manager: KVCacheManager, request: Request) -> list[bool]:
+    """For each full block of the request: whether the prefix cache maps its hash to it."""
+    full = request.num_tokens // manager.block_size
+    return [manager.cached.get(request.block_hashes[i]) == request.block_ids[i] for i in range(full)]
+
+
+def test_blocks_are_published_again_after_a_reset_and_once_a_duplicate_is_evicted():
+    manager = KVCacheManager(16, 4)
+    a = computed(manager, list(range(12)), "a")
+    assert published(manager, a) == [True, True, True]
+    # a running request's blocks lose their hashes with the reset, and get them back at its next step
+    manager.reset_prefix_cache()
+    assert not manager.cached
+    a.append_token(12)
+    assert manager.allocate(a, 1)
+    assert published(manager, a) == [True, True, True]
+    # a's prompt and one block more, computed without a hit: the blocks that repeat a's stay
+    # unpublished while a's hold the hashes...
+    b = Request("b", list(range(16)), Params())
+    assert manager.allocate(b, 16)
+    b.num_computed_tokens = 16
+    assert published(manager, b) == [False, False, False, True]
+    # ...and are published at b's next step once a's blocks were evicted
+    manager.free(a)
+    manager.return_free_blocks(manager.take_free_blocks(manager.num_free_blocks))
+    b.append_token(16)
+    assert manager.allocate(b, 1)
+    assert published(manager, b) == [True, True, True, True]
+
+
 def test_lru_eviction_drops_the_oldest_cached_blocks_first():
     manager = KVCacheManager(4, 4)
     old = computed(manager, [1] * 4 + [0], "old")  # caches one block, holds two

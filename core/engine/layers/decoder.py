@@ -5,9 +5,9 @@ or a plain parameter.
 
 The layers call their parts' ``forward`` directly rather than through ``nn.Module.__call__``:
 a module call costs about a microsecond of Python, and a batch-1 decode step of an 8-layer
-model made 85 of them. Forward hooks on the norms, projections and MLPs are therefore not
-called; those on the ``Attention`` modules are (models call them as modules, and the bench's
-attention timer hooks them)."""
+model made 85 of them. Forward hooks on the embedding, norms, projections and MLPs are
+therefore not called; those on the ``Attention`` modules are (models call them as modules,
+and the bench's attention timer hooks them)."""
 
 from __future__ import annotations
 
@@ -131,12 +131,12 @@ class DecoderStack(nn.Module):
         cos_sin: Callable[[torch.dtype], tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden]; ``cos_sin(dtype)`` gives the step's rope table."""
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens.forward(input_ids)
         table = cos_sin(h.dtype)
         residual = None
         for layer in self.layers:
             h, residual = layer.forward(h, residual, ctx, table)
-        h, _ = self.norm(h, residual, ops=ctx.ops)
+        h, _ = self.norm.forward(h, residual, ops=ctx.ops)
         return h
 
 

@@ -154,10 +154,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
         self.max_positions = max_positions
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for ``positions`` [T]: [T, rotary_dim] each, in ``dtype``; gather once per step."""
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+        _, cos, sin = self._tables_in(dtype)
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    def _tables_in(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the fp32 cos buffer they were made from, cos, sin) in ``dtype``: converted once, not
+        every step (rounding then gathering gives the same rows as gathering then rounding), and
+        again after the buffers were replaced (``module.to(...)``)."""
+        tables = self._tables.get(dtype)
+        if tables is None or tables[0] is not self.cos:
+            tables = self._tables[dtype] = (self.cos, self.cos.to(dtype), self.sin.to(dtype))
+        return tables
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, ops: LayerOps = REFERENCE_OPS

@@ -91,6 +91,7 @@ class KVCacheManager:
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id
+        self.cache_generation = 0  # advanced by reset_prefix_cache: requests' published_blocks are stale
         # blocks nobody holds, least recently used first; popping the front evicts
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.stats = PrefixCacheStats()
@@ -315,17 +316,26 @@ class KVCacheManager:
             self.return_free_blocks(extra)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        # the blocks this step fills will hold valid KV once it runs: publish them
+        # the blocks this step fills will hold valid KV once it runs: publish them. A leading run
+        # of published blocks stays published while the request holds them (only free blocks are
+        # evicted), so each step starts after it instead of at the first block
         self.update_hashes(request, num_tokens)
-        for i in range(num_tokens // self.block_size):
+        generation, start = request.published_blocks
+        if generation != self.cache_generation:
+            start = 0
+        leading = True
+        for i in range(start, num_tokens // self.block_size):
             block = request.block_ids[i]
-            if self.block_hashes[block] is not None:
-                continue
-            h = request.block_hashes[i]
-            if h in self.cached:  # the same content computed twice concurrently: keep the first
-                continue
-            self.block_hashes[block] = h
-            self.cached[h] = block
+            if self.block_hashes[block] is None:
+                h = request.block_hashes[i]
+                if h in self.cached:  # the same content computed twice concurrently: keep the first
+                    leading = False  # tried again next step: the first may be evicted meanwhile
+                    continue
+                self.block_hashes[block] = h
+                self.cached[h] = block
+            if leading:
+                start = i + 1
+        request.published_blocks = (self.cache_generation, start)
 
     def _evict(self, block: int) -> None:
         h = self.block_hashes[block]
@@ -418,6 +428,7 @@ class KVCacheManager:
                 if self.block_hashes[block] is None:
                     self.free_queue.move_to_end(block, last=False)
         request.block_ids = []
+        request.published_blocks = (self.cache_generation, 0)
         if request.state_slot is not None:  # a preempted request recomputes from a fresh state
             self.free_state_slots.append(request.state_slot)
             request.state_slot = None
@@ -426,5 +437,6 @@ class KVCacheManager:
         """Forget every cached hash (blocks in use keep their contents)."""
         self.cached.clear()
         self.block_hashes = [None] * self.num_blocks
+        self.cache_generation += 1
         for row in list(self.snapshot_hashes):
             self._drop_snapshot(row)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,7 +23,28 @@ from engine.runtime.verify import verify
 
 
 def select_rows(hidden: torch.Tensor, rows: slice | list[int]) -> torch.Tensor:
-    return hidden[rows] if isinstance(rows, slice) else hidden[torch.tensor(rows, device=hidden.device)]
+    """``hidden[rows]``; consecutive rows (every decode step's) as a view, without a gather."""
+    if isinstance(rows, slice):
+        return hidden[rows]
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return hidden[rows[0] : rows[0] + len(rows)]
+    return hidden[torch.tensor(rows, device=hidden.device)]
+
+
+def padded_block_table(tables: list[list[int]]) -> np.ndarray:
+    """[num_seqs, longest table] int64, each table's row padded with zeros."""
+    if len(tables) < PADDED_ROWS_MIN_SEQS:
+        width = max(map(len, tables))
+        return np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
+    # many rows: the tables' ids in one flat array, put in place by a mask of the valid columns
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    table = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lengths.sum()))
+    table[np.arange(table.shape[1]) < lengths[:, None]] = flat
+    return table
+
+
+PADDED_ROWS_MIN_SEQS = 16  # fewer rows: padding Python lists costs less than the numpy calls
 
 
 def step_arrays(
@@ -37,8 +59,7 @@ def step_arrays(
     sequence's ``num_new`` tokens (``input_ids``, concatenated) at positions from its
     ``context`` on, written to the slots its block table (``tables``) gives them."""
     num_seqs = len(num_new)
-    width = max(map(len, tables))
-    block_table = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64)
+    block_table = padded_block_table(tables)
     bs = block_size
     if all(n == 1 for n in num_new):
         # one token a sequence, at position context: a few Python lines cost less than the

@@ -56,6 +56,9 @@ class Request:
         self.block_ids: list[int] = []
         self.state_slot: int | None = None  # hybrid models: the slot of its recurrent state, while it has blocks
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of token_ids
+        # (the KV cache manager's cache generation, how many leading blocks of block_ids it has
+        # published to the prefix cache): where its next publishing scan starts
+        self.published_blocks: tuple[int, int] = (0, 0)
         self.stop_reason: int | str | None = None  # stop token id or stop string
         self.generator = None  # torch.Generator for seeded sampling, made by the sampler
         self.grammar = None  # GrammarMatcher of its structured_outputs constraint, set by the engine

@@ -101,12 +101,10 @@ class LlamaAttentionBlock(nn.Module):
         self.attn = Attention(layer_index, spec)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj.forward(x).split(self.qkv_proj.output_sizes, dim=-1)
-        # q: [T, H, D]; k, v: [T, Hkv, D]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, num_heads, num_kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        # q: [T, H, D]; k, v: [T, Hkv, D], views of the fused projection's output
+        qkv = self.qkv_proj.forward(x).view(num_tokens, num_heads + 2 * num_kv_heads, self.head_dim)
+        q, k, v = qkv.split_with_sizes((num_heads, num_kv_heads, num_kv_heads), dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q, ops=ctx.ops), self.k_norm(k, ops=ctx.ops)
         q, k = ctx.ops.rotary(q, k, *cos_sin)
@@ -197,7 +195,7 @@ class LlamaForCausalLM(Model):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden [T, hidden_size]
-        return self.model(input_ids, ctx, lambda dtype: self.rotary.cos_sin(positions, dtype))
+        return self.model.forward(input_ids, ctx, lambda dtype: self.rotary.cos_sin(positions, dtype))
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head, hidden_states)

@@ -125,7 +125,10 @@ def test_a_prequantized_checkpoint_runs_on_the_engine_and_each_peer_that_can(
     peers = ["--peers", "vllm,hf,llamacpp", "--peer-python", python]
     report = bench_json(capsys, "throughput", "--checkpoint", str(gptq), *peers)
     setup = report["setup"]
-    assert setup["model"] == f"{gptq}, safetensors quantized with gptq (bits 4, group_size 32)"
+    assert setup["model"] == (
+        f"{gptq}, safetensors quantized with gptq (bits 4, group_size 32, sym True, desc_act False, "
+        "checkpoint_format gptq)"
+    )
     assert setup["weights"] == logged_weights(gptq)
     # llama.cpp is not tried: the bench exports dense checkpoints only
     assert report["runners"] == ["engine", "vllm", "hf"]

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import UnquantizedLinearMethod
+from engine_cpu.tuning import ROW_BANDS, band_of
 
 logger = logging.getLogger("engine.cpu")
 
@@ -95,7 +96,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         weight = layer.weight.data
         if self._gemv_copy_fits(weight):
             layer.gemv_weight = pack_gemv_weight(weight)
-            layer.packed_kernels, layer.packed_beyond = _GEMV_ROWS, None
+            layer.packed_kernels, layer.packed_beyond = _GEMV_ROWS, _NONE_BEYOND
             layer.gemv_out = weight.shape[0]
             layer.gemv_bias = layer.bias.data if layer.bias is not None else _EMPTY
             if self.copy_budget_bytes is not None:
@@ -133,7 +134,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
                 None if rows == 0 else PACKED_KERNELS.get(choice[tuning.band_of(rows)])
                 for rows in range(GEMV_MAX_ROWS + 1)
             )
-            layer.packed_beyond = PACKED_KERNELS.get(choice[-1])
+            layer.packed_beyond = tuple(PACKED_KERNELS.get(name) for name in choice[_FIRST_BEYOND:])
         logger.info("bf16 linear kernels by shape and rows: %s", self.describe())
 
     def describe(self) -> str | None:
@@ -143,16 +144,18 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
 
         parts = []
         for (n, k), choice in sorted(self.choices.items()):
-            runs, lo = [], 1
-            for b, name in enumerate(choice[:-1]):
-                hi = tuning.ROW_BANDS[b]
+            runs, lo = [], 1  # [first rows, last rows (None: every count above), kernel]
+            for b, name in enumerate(choice):
+                hi = tuning.ROW_BANDS[b] if b < len(choice) - 1 else None
                 if runs and runs[-1][2] == name:
                     runs[-1][1] = hi
                 else:
                     runs.append([lo, hi, name])
-                lo = hi + 1
-            bands = ", ".join(f"{name} {a}" if a == b else f"{name} {a}-{b}" for a, b, name in runs)
-            parts.append(f"{n}x{k}: {bands}, {choice[-1]} beyond")
+                lo = (hi or 0) + 1
+            bands = ", ".join(
+                f"{name} {a}+" if b is None else f"{name} {a}" if a == b else f"{name} {a}-{b}" for a, b, name in runs
+            )
+            parts.append(f"{n}x{k}: {bands}")
         return "; ".join(parts)
 
     def _gemv_copy_fits(self, weight: torch.Tensor) -> bool:
@@ -179,7 +182,9 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         if gemv_weight is not None and x.dtype == torch.bfloat16:
             rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             n = rows.shape[0]
-            kernel = attrs["packed_kernels"][n] if n <= GEMV_MAX_ROWS else attrs["packed_beyond"]
+            kernel = (
+                attrs["packed_kernels"][n] if n <= GEMV_MAX_ROWS else attrs["packed_beyond"][band_of(n) - _FIRST_BEYOND]
+            )
             if kernel is not None and rows.stride(-1) == 1:
                 out = torch.empty(n, attrs["gemv_out"], dtype=x.dtype)
                 getattr(self.kernels, kernel)(out, rows, gemv_weight, attrs["gemv_bias"])
@@ -192,6 +197,10 @@ PACKED_KERNELS = {"gemv": "gemv", "amx": "amx_linear"}
 # the fixed rule: gemv for 1 to GEMV_MAX_ROWS rows, oneDNN beyond
 _GEMV_ROWS = tuple(None if rows == 0 else "gemv" for rows in range(GEMV_MAX_ROWS + 1))
 _EMPTY = torch.empty(0, dtype=torch.bfloat16)
+# the measured bands past GEMV_MAX_ROWS (prefill chunks): a layer's packed_beyond has a kernel
+# (or None: oneDNN) for each of them
+_FIRST_BEYOND = band_of(GEMV_MAX_ROWS + 1)
+_NONE_BEYOND = (None,) * (len(ROW_BANDS) - _FIRST_BEYOND)
 
 
 class BatchInvariantGemvLinearMethod(UnquantizedLinearMethod):

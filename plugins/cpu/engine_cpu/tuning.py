@@ -30,8 +30,10 @@ from torch import nn
 logger = logging.getLogger("engine.cpu")
 
 # a band covers the row counts above the previous bound up to its own; it is timed at its bound;
-# the last covers every row count above the one before it (prefill chunks), timed at its bound
-ROW_BANDS = (1, 2, 4, 8, 16, 32, 64, 512)
+# the last covers every row count above the one before it (long prefill chunks), timed at its
+# bound. Short and long prefill chunks are bands of their own: a tile kernel that wins at a few
+# hundred rows can lose to oneDNN's blocking from a couple of thousand on (an AMX Xeon).
+ROW_BANDS = (1, 2, 4, 8, 16, 32, 64, 512, 2048)
 # the measurement stops adding repeats once it has taken this long
 BUDGET_SECONDS = 4.0
 MAX_REPEATS = 5

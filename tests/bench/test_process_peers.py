@@ -373,6 +373,41 @@ def test_llamacpp_gets_the_gguf_and_reports_it(capsys, tiny_llama, tmp_path, mon
     assert (Path(tiny_llama).parent / setup.split("GGUF ")[1].split(" ")[0]).exists()
 
 
+def test_llamacpp_killed_in_its_extra_buffer_types_runs_again_without_them(capsys, tiny_llama, tmp_path, monkeypatch):
+    """llama-cpp-python 0.3.36 segfaults in its repacked buffer types on quantized GGUFs on some
+    CPUs: the bench runs the worker once more with them off and says so; any other failure, or
+    a crash without them, stays an error."""
+    pytest.importorskip("gguf", reason="gguf is in engine's test extras")
+    python = stand_in_python(tmp_path, "llama_cpp")
+    crashes = """
+if job["settings"]["extra_buffer_types"]:
+    print("repacking weights", file=sys.stderr)
+    os.kill(os.getpid(), signal.SIGSEGV)
+"""
+    body = crashes + PROTOCOL_WORKER.replace(
+        '"n_threads": job["threads"]',
+        '"n_threads": job["threads"], "use_extra_bufts": job["settings"]["extra_buffer_types"]',
+    )
+    monkeypatch.setattr(LlamaCppPeer, "script", stand_in_worker(tmp_path, body))
+    argv = bench("throughput", "--model", tiny_llama, "--peers", "llamacpp", "--peer-python", python, "--json")
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["sections"]["w2"]["figures"]["wall_s"]["values"]["llamacpp"] == 2.0
+    assert "extra (repacked) buffer types off (the first try was killed by SIGSEGV)" in report["setup"]["llamacpp"]
+    assert "The llamacpp peer was killed by SIGSEGV with llama.cpp's extra (repacked) buffer types" in captured.err
+
+    # killed without them too: the error, not a third try
+    monkeypatch.setattr(LlamaCppPeer, "script", stand_in_worker(tmp_path, "os.kill(os.getpid(), signal.SIGSEGV)\n"))
+    assert main(argv) == 1
+    assert "The llamacpp peer failed:" in capsys.readouterr().err and "killed by SIGSEGV" in captured.err
+    # an exit status is no crash in the buffer types: no second try
+    monkeypatch.setattr(LlamaCppPeer, "script", stand_in_worker(tmp_path, "sys.exit(3)\n"))
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "exited with status 3" in err and "running it again" not in err
+
+
 def test_a_crashing_worker_is_an_error_with_its_output(capsys, tiny_llama, tmp_path, monkeypatch):
     python = stand_in_python(tmp_path, "vllm")
     crash = 'print("loading the model", file=sys.stderr)\nprint("Traceback: weights not found", file=sys.stderr)\nsys.exit(3)\n'

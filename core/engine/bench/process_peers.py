@@ -60,7 +60,12 @@ print(json.dumps({"python": sys.version.split()[0], "modules": found}))
 
 
 class PeerError(RuntimeError):
-    """A peer that cannot run, or a worker that failed: the message says why and what to do."""
+    """A peer that cannot run, or a worker that failed: the message says why and what to do.
+    ``signal``: the signal that killed the worker, where one did."""
+
+    def __init__(self, message: str, signal: int | None = None) -> None:
+        super().__init__(message)
+        self.signal = signal
 
 
 # variables of this Python's environment that would make the peer's Python import from elsewhere
@@ -230,7 +235,8 @@ def run_worker(name: str, python: str, script: Path, job: dict[str, Any], env: d
     if done.returncode != 0:
         raise PeerError(
             f"The {name} peer failed: {python} {script.name} {_exit_text(done.returncode)}. "
-            f"The last lines of its output:\n{tail(output)}{where}"
+            f"The last lines of its output:\n{tail(output)}{where}",
+            signal=-done.returncode if done.returncode < 0 else None,
         )
     try:
         result = json.loads(result_path.read_text(encoding="utf-8"))
@@ -367,7 +373,30 @@ class LlamaCppPeer(ProcessPeer):
         return self._gguf
 
     def worker_settings(self) -> dict[str, Any]:
-        return {"gguf": str(self.gguf())}
+        return {"gguf": str(self.gguf()), "extra_buffer_types": self.extra_buffer_types}
+
+    # llama.cpp's extra CPU buffer types hold weights repacked for its fastest kernels
+    # (use_extra_bufts); llama-cpp-python 0.3.36 crashes in them on some CPUs with quantized
+    # tensors (SIGSEGV on an AMX Xeon), so a worker killed by one of these signals runs once
+    # more without them, and the report says so
+    extra_buffer_types = True
+    retry_reason = ""
+    RETRY_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGABRT)
+
+    def runs(self, workload: Workload, warmup: BenchRequest, repeat: int) -> list[PeerRun]:
+        try:
+            return super().runs(workload, warmup, repeat)
+        except PeerError as exc:
+            if not self.extra_buffer_types or exc.signal not in self.RETRY_SIGNALS:
+                raise
+            self.retry_reason = _exit_text(-exc.signal)
+            print(
+                f"The {self.name} peer {self.retry_reason} with llama.cpp's extra (repacked) buffer types; "
+                "running it again without them.",
+                file=sys.stderr,
+            )
+            self.extra_buffer_types = False
+            return super().runs(workload, warmup, repeat)
 
     def weight_bytes(self) -> int:
         from engine.bench.gguf_export import gguf_weight_bytes
@@ -379,6 +408,10 @@ class LlamaCppPeer(ProcessPeer):
 
         v, s = self.versions, self.settings
         features = ", ".join(s.get("cpu_features") or []) or "none reported"
+        if s.get("use_extra_bufts", True):
+            extra = "extra (repacked) buffer types on"
+        else:
+            extra = f"extra (repacked) buffer types off (the first try {self.retry_reason})"
         if self.given_gguf:  # the checkpoint itself
             types = f"the --checkpoint file, tensors {', '.join(gguf_tensor_types(self.gguf()))}"
         else:
@@ -389,7 +422,7 @@ class LlamaCppPeer(ProcessPeer):
             f"({types}), n_threads {s.get('n_threads')}, flash attention "
             f"{s.get('flash_attn_type')}, n_seq_max {s.get('n_seq_max')}, n_ctx {s.get('n_ctx')} "
             f"({s.get('n_ctx_seq')} per sequence, a KV stream each), n_batch {s.get('n_batch')}, "
-            f"n_ubatch {s.get('n_ubatch')}, greedy sampler; CPU features: {features}"
+            f"n_ubatch {s.get('n_ubatch')}, greedy sampler, {extra}; CPU features: {features}"
         )
 
 

@@ -15,7 +15,9 @@ sampled. EOS means nothing here: each request decodes exactly its stated length.
   one token for every unfinished sequence, each under its own ``seq_id``.
 
 The context holds the longest request (prompt + output, warm-up included) per sequence;
-``n_threads`` is the job's ``threads``. One untimed warm-up request runs first.
+``n_threads`` is the job's ``threads``; ``use_extra_bufts`` (weights repacked for llama.cpp's
+fastest CPU kernels) is on unless ``job["settings"]["extra_buffer_types"]`` is false. One
+untimed warm-up request runs first.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class Driver:
         ll.llama_backend_init()
         model_params = ll.llama_model_default_params()
         model_params.n_gpu_layers = 0
+        # weights repacked into llama.cpp's extra CPU buffer types (its fastest kernels) unless the
+        # bench turned them off (process_peers.LlamaCppPeer: a crash in them)
+        self.use_extra_bufts = bool(job["settings"].get("extra_buffer_types", True))
+        model_params.use_extra_bufts = self.use_extra_bufts
         self.model = ll.llama_model_load_from_file(self.gguf.encode(), model_params)
         if not self.model:
             raise RuntimeError(f"{PEER}: llama.cpp could not load {self.gguf} (its log above says why).")
@@ -170,6 +176,7 @@ class Driver:
             "n_seq_max": ll.llama_n_seq_max(self.ctx),
             "n_threads": ll.llama_n_threads(self.ctx),
             "kv_unified": False,
+            "use_extra_bufts": self.use_extra_bufts,
             "flash_attn_type": {-1: "auto", 0: "off", 1: "on"}.get(self.flash_attn_type, self.flash_attn_type),
             "cpu_features": features,
         }

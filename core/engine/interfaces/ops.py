@@ -59,7 +59,11 @@ class LayerOps:
         """x [T, K] times a group-quantized weight (``engine.interfaces.group_quant``'s layout),
         transposed, plus ``bias``: [T, N] in x's dtype. The reference sums in float32 the
         products of x with the float32 dequantized weight; a kernel must agree with it to
-        float32 rounding of the sums (it may sum in any order)."""
+        float32 rounding of the sums (it may sum in any order). With 16-bit x a kernel may also
+        round x to int8, as llama.cpp does, in blocks of at most 128 consecutive inputs of one
+        group (the inputs after ``input_order``), each with the symmetric scale
+        ``dx = max|x| / 127``: it may then differ from the reference by up to
+        ``(dx / 2) @ |scales * q|^T`` more (the platform kit allows exactly that)."""
         from engine.interfaces.group_quant import group_quant_linear
 
         return group_quant_linear(x, weight, bias)

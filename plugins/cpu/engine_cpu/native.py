@@ -81,11 +81,12 @@ VARIANTS = (
     Variant("generic", (), frozenset()),
     Variant("avx2", ("-march=x86-64-v3",), _V3),
     Variant("avx512", ("-march=x86-64-v4",), _V4),
-    Variant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16"), _V4 | {"avx512_bf16"}),
+    # every CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later) has AVX512-VNNI
+    Variant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"), _V4 | {"avx512_bf16", "avx512_vnni"}),
     Variant(
         "amx",
-        ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
-        _V4 | {"avx512_bf16", "amx_tile", "amx_bf16"},
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
+        _V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"},
     ),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -18,8 +19,18 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 class NativeLayerOps(LayerOps):
     """One kernel call per op; other dtypes and layouts fall back to the reference."""
 
-    def __init__(self, kernels: ModuleType) -> None:
+    def __init__(self, kernels: ModuleType, *, int8_activations: bool | None = None) -> None:
+        """``int8_activations``: bf16 decode rows of group-quantized layers may be quantized to
+        int8 where the kernels have AVX512-VNNI (``group_quant_linear``); None reads
+        ``ENGINE_CPU_INT8_ACTIVATIONS`` (on unless it is 0)."""
         self.kernels = kernels
+        if int8_activations is None:
+            int8_activations = os.environ.get("ENGINE_CPU_INT8_ACTIVATIONS", "1").strip().lower() not in (
+                "0",
+                "false",
+                "off",
+            )
+        self.int8_activations = int8_activations
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype not in NATIVE_DTYPES or x.stride(-1) != 1:
@@ -77,5 +88,6 @@ class NativeLayerOps(LayerOps):
             weight.bits,
             weight.group_size,
             bias,
+            self.int8_activations,
         )
         return out.view(*x.shape[:-1], weight.out_features)

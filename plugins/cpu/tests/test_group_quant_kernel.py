@@ -6,6 +6,10 @@ float64 from the integers, scales and offsets. fp32 outputs may differ from it b
 in float32 costs: a few float32 epsilons of the size of the terms, ``|x| @ (|s q| + |m|)^T``
 (both the kernel and the reference stay within 1.5 of them here). bf16 outputs: that, plus one
 rounding to bf16 (half a bf16 step).
+
+With int8 activations (bf16 decode rows, builds with AVX512-VNNI), x is rounded to int8 per block
+of min(group, 128) inputs (4 bits; 64 for 8) with the scale dx = max|x| / 127, so each input moves
+by at most dx / 2 and the output by at most ``(dx / 2) @ |s q|^T`` more: the contract checked.
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ FP32_EPSILONS = 4.0  # of the terms' size: the fp32 tolerance
 
 @pytest.fixture(scope="module")
 def ops(each_isa):
-    return NativeLayerOps(native.load())
+    return NativeLayerOps(native.load(), int8_activations=False)
+
+
+@pytest.fixture(scope="module")
+def int8_ops(each_isa):
+    return NativeLayerOps(native.load(), int8_activations=True)
 
 
 def random_weight(bits: int, group_size: int, gen: torch.Generator, *, ordered: bool = False) -> GroupQuantWeight:
@@ -94,6 +103,48 @@ def test_input_order_gathers_the_inputs(ops, bits, rows, dtype):
     # without its order the weight multiplies other inputs: the test can tell
     plain = GroupQuantWeight(w.qweight, w.scales, w.offsets, bits, 32, K, N)
     assert (ops.group_quant_linear(x, plain, bias).float() - out.float()).abs().max() > 0.1
+
+
+def int8_block(bits: int, group_size: int) -> int:
+    return min(group_size, 128 if bits == 4 else 64)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("group_size", [16, 32, 64, 128, K])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_activations_stay_within_their_contract(int8_ops, ops, bits, group_size, rows):
+    kernels = int8_ops.kernels
+    vnni = "avx512_vnni" in native.chosen_variant().requires
+    supported = kernels.group_quant_int8_supported(bits, K, group_size)
+    assert supported == vnni  # every size here: whole chunks, blocks of whole lanes
+    if not supported:
+        pytest.skip(f"the {kernels.variant} build has no int8 activations for {bits} bits, groups of {group_size}")
+    gen = torch.Generator().manual_seed(bits * 7 + group_size + rows)
+    w = random_weight(bits, group_size, gen)
+    x = (torch.randn(rows, K, generator=gen) * torch.rand(rows, K, generator=gen) * 3).bfloat16()
+    bias = torch.randn(N, generator=gen)
+    out = int8_ops.group_quant_linear(x, w, bias)
+    exact, size = exact_and_size(x, w, bias)
+    block = int8_block(bits, group_size)
+    dx = x.double().abs().view(rows, K // block, block).amax(-1) / 127
+    moved = (dx * 0.505).repeat_interleave(block, dim=1)  # half a step, and the scale's own rounding
+    s = w.scales.double().repeat_interleave(group_size, dim=1)
+    activations = moved @ (s * w.values().double()).abs().t()
+    bound = FP32_EPSILONS * torch.finfo(torch.float32).eps * size + activations
+    bound = bound * (1 + 2**-8) + 2**-8 * exact.abs()
+    error = (out.double() - exact).abs()
+    assert (error / bound).max().item() <= 1.0
+    # the int8 path ran: it differs from the exact kernel well past bf16 ties, and stays close
+    plain = ops.group_quant_linear(x, w, bias)
+    assert (out != plain).float().mean().item() > 0.1
+    assert ((out.double() - exact).abs() / size).median().item() < 2e-3
+
+
+def test_int8_activations_are_a_switch(monkeypatch):
+    monkeypatch.setenv("ENGINE_CPU_INT8_ACTIVATIONS", "0")
+    assert not NativeLayerOps(native.load()).int8_activations
+    monkeypatch.delenv("ENGINE_CPU_INT8_ACTIVATIONS")
+    assert NativeLayerOps(native.load()).int8_activations
 
 
 def test_other_dtypes_fall_back_to_the_reference(ops):

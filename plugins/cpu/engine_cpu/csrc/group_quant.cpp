@@ -13,6 +13,17 @@
 // AVX-512: 32 inputs (16 bytes) a step for 4 bits, 16 for 8; AVX2: 16 and 8; group sizes that do
 // not hold whole steps, and the generic build, take plain C++.
 //
+// int8 activations (bf16 x, builds with AVX512-VNNI, when the caller allows them): each row of x is
+// quantized per block of inputs (the group, at most one chunk of 128 inputs for 4 bits, 64 for 8)
+// to int8 with the symmetric scale dx = max|x| / 127 (round to nearest even), and the unsigned
+// weight integers meet them in vpdpbusd, four products summed in int32 a lane:
+//   y += s * dx * dot_int(q_g, xq_g) - m * sum(x_g)
+// with sum(x_g) the exact fp32 sum of the unquantized x, so only the s q x part carries the
+// activations' rounding: at most sum_k |s q_k| dx_k / 2 (the contract the tests check). A chunk's
+// 16 int32 lanes each cover one block (8 inputs a lane for 4 bits, 4 for 8), scaled in fp32 by
+// their block's s * dx. This is llama.cpp's scheme (Q8 activations); it reads the same bytes and
+// does a quarter of the instructions of the fp32 path.
+//
 // More rows (prefill, large batches): with bf16 x, an AMX build and groups of whole 32-input steps,
 // the same sums on AMX tiles (the integers are exact in bf16, so each product is; see amx_prefill).
 // Otherwise each thread dequantizes a tile of output rows and of inputs to fp32 and multiplies it
@@ -329,6 +340,148 @@ void store_row(T* out, int64_t n, float v, const float* bias) {
   out[n] = static_cast<T>(v);  // bf16: round to nearest even, once
 }
 
+// ---- AVX512-VNNI: int8 activations (see the header) ----
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int64_t kVnniRows = 4;  // rows of x per pass
+
+// inputs per chunk: one 64-byte load of weights
+constexpr int64_t vnni_chunk(int64_t bits) { return bits == 4 ? 128 : 64; }
+
+// whether the int8 path takes this weight: whole chunks, and blocks (min(g, chunk)) of whole lanes
+bool vnni_fits(int64_t bits, int64_t K, int64_t g) {
+  const int64_t chunk = vnni_chunk(bits), lane = bits == 4 ? 8 : 4;
+  if (K % chunk != 0) return false;
+  return g % chunk == 0 || (chunk % g == 0 && g % lane == 0);
+}
+
+// x quantized: xq [T, K] int8 (4 bits: each chunk's even inputs, then its odd ones); dx [T, K / chunk,
+// 16]: the scale of each lane's block, per chunk (a lane covers 8 inputs for 4 bits, 4 for 8)
+struct QuantInput {
+  const int8_t* xq;
+  const float* dx;
+  const float* sums;  // [T, G_pad] exact sums of x per group, zero past G
+  int64_t K, G_pad, block;
+  const int32_t* lane_block;  // [16] each lane's block within its chunk
+};
+
+template <typename T>
+void quantize_input(const T* x, int64_t T_, int64_t K, int64_t g, int64_t bits, int64_t G_pad, int8_t* xq,
+                    float* dx, float* sums) {
+  const int64_t chunk = vnni_chunk(bits), block = std::min(g, chunk), G = K / g;
+  const int64_t lane_inputs = bits == 4 ? 8 : 4;
+  at::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> xf(K), scale(K / block);
+    std::vector<int8_t> natural(K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* xr = x + t * K;
+      for (int64_t k = 0; k < K; ++k) xf[k] = load(xr, k);
+      for (int64_t j = 0; j < G_pad; ++j) {
+        float total = 0.f;
+        if (j < G)
+          for (int64_t k = j * g; k < (j + 1) * g; ++k) total += xf[k];
+        sums[t * G_pad + j] = total;
+      }
+      for (int64_t b = 0; b < K / block; ++b) {
+        float amax = 0.f;
+        for (int64_t k = b * block; k < (b + 1) * block; ++k) amax = std::max(amax, std::abs(xf[k]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        scale[b] = amax / 127.f;
+        for (int64_t k = b * block; k < (b + 1) * block; ++k)
+          natural[k] = static_cast<int8_t>(std::clamp(std::nearbyint(xf[k] * inv), -127.f, 127.f));
+      }
+      int8_t* out = xq + t * K;
+      float* lanes = dx + t * (K / chunk) * 16;
+      for (int64_t c = 0; c < K; c += chunk) {
+        if (bits == 4) {
+          for (int64_t i = 0; i < chunk / 2; ++i) {
+            out[c + i] = natural[c + 2 * i];
+            out[c + chunk / 2 + i] = natural[c + 2 * i + 1];
+          }
+        } else {
+          std::memcpy(out + c, natural.data() + c, chunk);
+        }
+        for (int64_t L = 0; L < 16; ++L) lanes[c / chunk * 16 + L] = scale[(c + L * lane_inputs) / block];
+      }
+    }
+  });
+}
+
+template <int R, int BITS>
+void row_vnni(const Weight& w, const QuantInput& in, int64_t n, int64_t t0, float* y) {
+  constexpr int64_t chunk = BITS == 4 ? 128 : 64;
+  const uint8_t* q = w.q + n * w.row_bytes();
+  const float* s = w.scales + n * w.G;
+  const float* m = w.offsets + n * w.G;
+  const int64_t g = w.g, per_chunk = chunk / in.block;  // blocks a chunk holds (1 when g >= chunk)
+  const int64_t chunks = in.K / chunk;
+  const __m512i lanes = _mm512_loadu_si512(in.lane_block);
+  const __mmask16 first = static_cast<__mmask16>((1u << per_chunk) - 1);
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i lo, hi = _mm512_setzero_si512();
+    if constexpr (BITS == 4) {
+      const __m512i b = _mm512_loadu_si512(q + c * chunk / 2);
+      lo = _mm512_and_si512(b, nibble);
+      hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+    } else {
+      lo = _mm512_loadu_si512(q + c * chunk);
+    }
+    // the weight scale of each lane: s of the group its block lies in
+    const int64_t j0 = c * chunk / g;
+    const __m512 ws = per_chunk == 1 ? _mm512_set1_ps(s[j0])
+                                     : _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(first, s + j0));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = in.xq + (t0 + r) * in.K + c * chunk;
+      __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
+      if constexpr (BITS == 4) d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xr + 64));
+      const __m512 dv = _mm512_loadu_ps(in.dx + ((t0 + r) * chunks + c) * 16);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, dv), acc[r]);
+    }
+  }
+  // minus sum_j m_j sum(x_j), 16 groups a step (sums are zero past G)
+  for (int64_t j = 0; j < w.G; j += 16) {
+    const __mmask16 mask = w.G - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (w.G - j)) - 1);
+    const __m512 mv = _mm512_maskz_loadu_ps(mask, m + j);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_fnmadd_ps(mv, _mm512_loadu_ps(in.sums + (t0 + r) * in.G_pad + j), acc[r]);
+  }
+  for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <typename T>
+void decode_int8(const Weight& w, const T* x, int64_t T_, const float* bias, T* out) {
+  const int64_t chunk = vnni_chunk(w.bits), block = std::min(w.g, chunk);
+  const int64_t lane_inputs = w.bits == 4 ? 8 : 4, G_pad = (w.G + 15) / 16 * 16;
+  alignas(64) int32_t lane_block[16];
+  for (int64_t L = 0; L < 16; ++L) lane_block[L] = static_cast<int32_t>(L * lane_inputs / block);
+  std::vector<int8_t> xq(T_ * w.K);
+  std::vector<float> dx(T_ * (w.K / chunk) * 16), sums(T_ * G_pad);
+  quantize_input(x, T_, w.K, w.g, w.bits, G_pad, xq.data(), dx.data(), sums.data());
+  const QuantInput in{xq.data(), dx.data(), sums.data(), w.K, G_pad, block, lane_block};
+  at::parallel_for(0, w.N, kDecodeGrainRows, [&](int64_t n0, int64_t n1) {
+    float y[kVnniRows];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t t0 = 0; t0 < T_; t0 += kVnniRows) {
+        const int64_t R = std::min(kVnniRows, T_ - t0);
+        auto run = [&](auto rows) {
+          constexpr int RR = decltype(rows)::value;
+          w.bits == 4 ? row_vnni<RR, 4>(w, in, n, t0, y) : row_vnni<RR, 8>(w, in, n, t0, y);
+        };
+        switch (R) {
+          case 1: run(std::integral_constant<int, 1>{}); break;
+          case 2: run(std::integral_constant<int, 2>{}); break;
+          case 3: run(std::integral_constant<int, 3>{}); break;
+          default: run(std::integral_constant<int, 4>{}); break;
+        }
+        for (int64_t r = 0; r < R; ++r) store_row(out + (t0 + r) * w.N, n, y[r], bias);
+      }
+  });
+}
+#endif
+
 template <typename T>
 void decode(const Weight& w, const T* x, int64_t T_, const float* bias, T* out) {
   const Path path = path_for(w.bits, w.g);
@@ -526,9 +679,11 @@ void amx_prefill(const Weight& w, const at::BFloat16* x, int64_t T_, const float
 
 // out [T, N] = x [T, K] @ W^T + bias for a group-quantized W (engine.interfaces.group_quant):
 // x and out fp32 or bf16 (one dtype), qweight uint8 [N, K * bits / 8], scales and offsets fp32
-// [N, K / group_size], bias fp32 [N] or empty. fp32 sums; bf16 out rounded once.
+// [N, K / group_size], bias fp32 [N] or empty. fp32 sums; bf16 out rounded once. int8_activations:
+// bf16 decode rows may be quantized to int8 (see the header) where this build has AVX512-VNNI.
 void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                        torch::Tensor offsets, int64_t bits, int64_t group_size, torch::Tensor bias) {
+                        torch::Tensor offsets, int64_t bits, int64_t group_size, torch::Tensor bias,
+                        bool int8_activations) {
   TORCH_CHECK(bits == 4 || bits == 8, "group_quant_linear: 4 or 8 bits a value, not ", bits);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(),
               "group_quant_linear: x and out must be contiguous 2-D");
@@ -551,6 +706,7 @@ void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweigh
   if (T_ == 0 || N == 0) return;
   const Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(), N, K, K / g, g,
                  bits};
+  (void)int8_activations;  // builds without AVX512-VNNI
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
     if (T_ <= kDecodeRows)
@@ -559,6 +715,12 @@ void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweigh
       prefill(w, x, b, out.data_ptr<float>());
   } else {
     if (T_ <= kDecodeRows) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (int8_activations && vnni_fits(bits, K, g)) {
+        decode_int8(w, x.data_ptr<at::BFloat16>(), T_, b, out.data_ptr<at::BFloat16>());
+        return;
+      }
+#endif
       decode(w, x.data_ptr<at::BFloat16>(), T_, b, out.data_ptr<at::BFloat16>());
       return;
     }
@@ -570,4 +732,16 @@ void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweigh
 #endif
     prefill(w, x, b, out.data_ptr<at::BFloat16>());
   }
+}
+
+// whether group_quant_linear's int8 activations (int8_activations=true) run in this build for a
+// weight of `bits` with `in_features` inputs in groups of `group_size`
+bool group_quant_int8_supported(int64_t bits, int64_t in_features, int64_t group_size) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return (bits == 4 || bits == 8) && group_size > 0 && in_features % group_size == 0 &&
+         vnni_fits(bits, in_features, group_size);
+#else
+  (void)bits, (void)in_features, (void)group_size;
+  return false;
+#endif
 }

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from engine.interfaces.group_quant import GroupQuantWeight
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+_NO_BIAS = torch.empty(0)
 
 
 class NativeLayerOps(LayerOps):
@@ -74,20 +75,29 @@ class NativeLayerOps(LayerOps):
     def group_quant_linear(
         self, x: torch.Tensor, weight: GroupQuantWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if x.dtype not in NATIVE_DTYPES or x.device.type != "cpu" or weight.qweight.device.type != "cpu":
+        # a decode step calls this for every quantized layer: no work beyond the kernel's checks
+        # (the layout's tensors are contiguous by construction; the kernel refuses any that is not)
+        if x.dtype not in NATIVE_DTYPES or not x.is_cpu or not weight.qweight.is_cpu:
             return super().group_quant_linear(x, weight, bias)
-        rows = weight.order_inputs(x).reshape(-1, weight.in_features).contiguous()
+        if weight.input_order is not None:
+            x = x.index_select(-1, weight.input_order)
+        rows = x if x.dim() == 2 else x.reshape(-1, weight.in_features)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
         out = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
-        bias = torch.empty(0) if bias is None else bias.float().contiguous()
+        if bias is None:
+            bias = _NO_BIAS
+        elif bias.dtype != torch.float32 or not bias.is_contiguous():
+            bias = bias.float().contiguous()
         self.kernels.group_quant_linear(
             out,
             rows,
-            weight.qweight.contiguous(),
-            weight.scales.contiguous(),
-            weight.offsets.contiguous(),
+            weight.qweight,
+            weight.scales,
+            weight.offsets,
             weight.bits,
             weight.group_size,
             bias,
             self.int8_activations,
         )
-        return out.view(*x.shape[:-1], weight.out_features)
+        return out if rows is x else out.view(*x.shape[:-1], weight.out_features)

@@ -26,7 +26,7 @@ logger = logging.getLogger("engine.gptq")
 SUPPORTED_BITS = (4, 8)
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")  # v1 stores zero - 1, v2 the zero itself
 # what --quantization-config takes (quantizing while loading)
-ON_THE_FLY_KEYS = frozenset({"bits", "group_size", "sym", "desc_act", "checkpoint_format"})
+ON_THE_FLY_KEYS = frozenset({"bits", "group_size", "sym", "desc_act", "checkpoint_format", "lm_head"})
 TENSORS = ("qweight", "qzeros", "scales")
 # the GroupQuantWeight fields a layer holds as parameters (input_order only with act-order)
 
@@ -40,6 +40,7 @@ class Settings:
     sym: bool = True
     desc_act: bool = False  # act-order: g_idx permutes the input rows' groups
     checkpoint_format: str = "gptq"
+    lm_head: bool = False  # the output head quantized too (GPTQModel's lm_head=True; vLLM reads it)
 
     @property
     def zeros_minus_one(self) -> bool:
@@ -73,14 +74,12 @@ class Settings:
             )
         if config.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
             raise ValueError(f"GPTQ pack_dtype {config['pack_dtype']!r} is not supported; only int32 words.")
-        if config.get("lm_head"):
-            raise ValueError("The checkpoint's GPTQ quantization_config quantizes lm_head; engine-gptq does not.")
         if config.get("dynamic"):
             raise ValueError(
                 "The checkpoint's GPTQ quantization_config has per-module overrides (dynamic); engine-gptq "
                 "takes one bits / group_size for every layer."
             )
-        for key in ("sym", "desc_act"):
+        for key in ("sym", "desc_act", "lm_head"):
             if not isinstance(config.get(key, False), bool):
                 raise ValueError(f"GPTQ {key} must be true or false, got {config[key]!r} ({where}).")
         return cls(
@@ -89,12 +88,17 @@ class Settings:
             sym=config.get("sym", True),
             desc_act=config.get("desc_act", False),
             checkpoint_format=checkpoint_format,
+            lm_head=config.get("lm_head", False),
         )
 
     def describe(self) -> str:
         group = "one group per row" if self.group_size == -1 else f"groups of {self.group_size}"
         order = ", act-order" if self.desc_act else ""
-        return f"{self.bits}-bit {'symmetric' if self.sym else 'asymmetric'}, {group}{order} ({self.checkpoint_format})"
+        head = ", lm_head too" if self.lm_head else ""
+        return (
+            f"{self.bits}-bit {'symmetric' if self.sym else 'asymmetric'}, {group}{order}{head} "
+            f"({self.checkpoint_format})"
+        )
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -256,7 +260,8 @@ class GptqQuantizer(Quantizer):
         return cls(Settings.parse(quantization_config, prequantized=prequantized), prequantized)
 
     def get_linear_method(self, layer_name: str) -> LinearMethod | None:
-        if layer_name.split(".")[-1] in ("lm_head", "gate"):  # output head, MoE router
+        last = layer_name.split(".")[-1]
+        if last == "gate" or (last == "lm_head" and not self.settings.lm_head):  # MoE router; head unless lm_head
             return None
         return GptqLinearMethod(self.settings, self.prequantized)
 
@@ -269,6 +274,7 @@ class GptqQuantizer(Quantizer):
             "sym": s.sym,
             "desc_act": s.desc_act,
             "checkpoint_format": s.checkpoint_format,
+            "lm_head": s.lm_head,
         }
 
     def export_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -213,7 +213,7 @@ AUTOGPTQ_CONFIG = {
         ({"is_marlin_format": True}, r"checkpoint_format 'gptq' .* is not supported"),
         ({"checkpoint_format": "marlin"}, r"checkpoint_format 'marlin' .* reads gptq and gptq_v2"),
         ({"pack_dtype": "int16"}, r"pack_dtype 'int16' is not supported; only int32"),
-        ({"lm_head": True}, r"quantizes lm_head"),
+        ({"lm_head": "yes"}, r"lm_head must be true or false, got 'yes'"),
         ({"dynamic": {"-:.*down_proj": {}}}, r"per-module overrides \(dynamic\)"),
         ({"sym": "yes"}, r"sym must be true or false, got 'yes'"),
     ],
@@ -227,3 +227,59 @@ def test_checkpoint_settings(change, message):
         return
     with pytest.raises(ValueError, match=message):
         GptqQuantizer.from_config(config, prequantized=True)
+
+
+@pytest.fixture(scope="module")
+def head_checkpoints(tmp_path_factory):
+    """An untied Llama and its GPTQ checkpoint with ``lm_head: true`` (GPTQModel's option): the
+    output head quantized too; and that checkpoint dequantized."""
+    root = tmp_path_factory.mktemp("gptq-head")
+    make_tiny_checkpoint(
+        "LlamaForCausalLM",
+        root / "base",
+        dtype="bfloat16",
+        initializer_range=0.1,
+        hidden_size=128,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+    )
+    state = load_file(root / "base" / "model.safetensors")
+    settings = {**SETTINGS, "lm_head": True}
+    quantizer = GptqQuantizer.from_config(settings, prequantized=False)
+    quantized, dequantized = {}, {}
+    for name, tensor in state.items():
+        module = name.removesuffix(".weight")
+        if module.split(".")[-1] not in (*LINEAR, "lm_head"):
+            quantized[name] = dequantized[name] = tensor
+            continue
+        gptq = quantizer.export_weight(tensor, None)
+        quantized.update({f"{module}.{key}": value for key, value in gptq.items()})
+        numpy_tensors = {key: value.numpy() for key, value in gptq.items()}
+        dequantized[name] = torch.from_numpy(dequantize(numpy_tensors, settings["bits"])).float()
+    assert "lm_head.qweight" in quantized
+    write_checkpoint(root / "base", root / "gptq", quantized, {"quant_method": "gptq", **settings})
+    write_checkpoint(root / "base", root / "dequantized", dequantized, None)
+    return root / "base", root / "gptq", root / "dequantized"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_quantized_lm_head_runs_from_its_packed_weight(head_checkpoints, dtype):
+    base, gptq, dequantized = head_checkpoints
+    llm = make_llm(gptq, dtype)
+    head = llm.engine.model.lm_head
+    assert not hasattr(head, "weight") and head.qweight.dtype == torch.uint8, "the head holds a dense weight"
+    prompts = make_prompts(2)
+    for got, want in zip(llm.prompt_logits(prompts), make_llm(dequantized, dtype).prompt_logits(prompts)):
+        error = (got.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+        assert error <= TOLERANCE[dtype], f"{dtype}: relative logit difference {error:.2e}"
+    # quantizing while loading with lm_head gives the very same head
+    on_the_fly = make_llm(base, dtype, quantization="gptq", quantization_config={**SETTINGS, "lm_head": True})
+    assert torch.equal(on_the_fly.engine.model.lm_head.qweight, head.qweight)
+    assert on_the_fly.engine.quantizer.checkpoint_config()["lm_head"] is True
+
+
+def test_a_tied_head_is_not_quantized_by_lm_head(tmp_path):
+    """lm_head: true on a model whose head is its embedding: refused at start, naming the head."""
+    make_tiny_checkpoint("LlamaForCausalLM", tmp_path / "tied", hidden_size=128, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="lm_head, whose weight is tied to model.embed_tokens"):
+        make_llm(tmp_path / "tied", "bfloat16", quantization="gptq", quantization_config={**SETTINGS, "lm_head": True})

@@ -127,7 +127,7 @@ def test_a_prequantized_checkpoint_runs_on_the_engine_and_each_peer_that_can(
     setup = report["setup"]
     assert setup["model"] == (
         f"{gptq}, safetensors quantized with gptq (bits 4, group_size 32, sym True, desc_act False, "
-        "checkpoint_format gptq)"
+        "checkpoint_format gptq, lm_head False)"
     )
     assert setup["weights"] == logged_weights(gptq)
     # llama.cpp is not tried: the bench exports dense checkpoints only

@@ -123,6 +123,7 @@ def test_the_copy_carries_the_config_the_tokenizer_and_the_generation_config(sou
             "sym": True,
             "desc_act": False,
             "checkpoint_format": "gptq",
+            "lm_head": False,
         }
         del config["quantization_config"]
         assert config == json.loads((source / "config.json").read_text())

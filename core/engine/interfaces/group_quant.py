@@ -160,6 +160,35 @@ class GroupQuantWeight:
         )
 
 
+def join(parts: list[GroupQuantWeight]) -> GroupQuantWeight:
+    """Weights of one layout (bits, group size, inputs and input order) stacked along the
+    outputs: one weight whose rows are the parts' rows in turn."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if not all(joinable(first, part) for part in parts[1:]):
+        raise ValueError("only weights of one layout (bits, group size, inputs, input order) join")
+    return GroupQuantWeight(
+        torch.cat([p.qweight for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        torch.cat([p.offsets for p in parts]),
+        first.bits,
+        first.group_size,
+        first.in_features,
+        sum(p.out_features for p in parts),
+        first.input_order,
+    )
+
+
+def joinable(a: GroupQuantWeight, b: GroupQuantWeight) -> bool:
+    """Whether :func:`join` takes ``a`` and ``b`` together."""
+    if (a.bits, a.group_size, a.in_features) != (b.bits, b.group_size, b.in_features):
+        return False
+    if a.input_order is None or b.input_order is None:
+        return a.input_order is None and b.input_order is None
+    return torch.equal(a.input_order, b.input_order)
+
+
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     """[N, K] integers in ``[0, 2**bits)`` -> uint8 storage (``bits`` 4 or 8, the module's layout)."""
     v = values.to(torch.uint8)

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
+    from engine.interfaces.group_quant import GroupQuantWeight
+
 
 class LinearMethod(ABC):
     """How one linear layer stores and applies its weight.
@@ -79,6 +81,28 @@ class LinearMethod(ABC):
         """x: [T, input_size] -> [T, sum(output_sizes)] in x's dtype, bias included."""
 
 
+class ExpertsMethod(ABC):
+    """How a quantizer holds a mixture-of-experts layer's routed experts
+    (:class:`engine.layers.moe.Experts`): each expert's ``gate_proj``, ``up_proj`` and
+    ``down_proj`` in the group-quantized layout (``engine.interfaces.group_quant``), computed
+    with the platform's ``group_quant_linear``. The experts stage every checkpoint tensor of an
+    expert projection by its suffix (``experts.<e>.<proj>.<suffix>``: ``weight`` in an
+    unquantized checkpoint, the format's own names in a prequantized one) and, once all are
+    loaded, ask :meth:`expert_weight` for the weight."""
+
+    @abstractmethod
+    def expert_weight(
+        self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int, what: str
+    ) -> GroupQuantWeight:
+        """One expert projection ([out_features, in_features]) from its checkpoint ``tensors``
+        by suffix: quantized from ``weight`` while loading, or converted from the format's
+        tensors. Raise ``ValueError`` naming ``what`` for tensors that do not fit."""
+
+    def describe(self) -> str | None:
+        """One line for the logs and ``engine bench``'s setup, or None."""
+        return None
+
+
 class Quantizer(ABC):
     """A quantization method.
 
@@ -122,6 +146,13 @@ class Quantizer(ABC):
         """The method for the linear layer ``layer_name`` (the model's module path,
         e.g. ``model.layers.0.self_attn.qkv_proj``), or None to leave it unquantized.
         Decline the output head (``lm_head``) and MoE router gates (``...mlp.gate``)."""
+
+    def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
+        """The method for the routed experts ``layer_name`` (e.g. ``model.layers.0.mlp.experts``),
+        or None (the default) to keep them dense: an unquantized checkpoint's experts stay in
+        the compute dtype, and a prequantized checkpoint's quantized expert tensors are refused
+        at load, by name."""
+        return None
 
     def checkpoint_config(self) -> dict[str, Any]:
         """The ``quantization_config`` a prequantized checkpoint of :meth:`export_weight`'s tensors

@@ -18,16 +18,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import TensorParallel, resolve_tp
+from engine.interfaces.group_quant import GroupQuantWeight, join, joinable
 from engine.layers.decoder import GATE_UP_PARAMS, GatedMLP, load_tensor
 from engine.layers.linear import linear_layers
 from engine.layers.quantized_checkpoint import dense_tensor
 
 if TYPE_CHECKING:
     from engine.interfaces.forward_context import ForwardContext
+    from engine.interfaces.quantizer import ExpertsMethod, Quantizer
 
+# an expert projection's tensor: `weight`, or a quantized format's own names (qweight, scales, ...)
 EXPERT_TENSOR = re.compile(
-    r"(?P<moe>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+    r"(?P<moe>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>[A-Za-z_]+)$"
 )
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 FUSED_EXPERT_TENSOR = re.compile(r"(?P<moe>.+\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
@@ -148,9 +152,59 @@ class Experts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h, dtype=dtype), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, h, i, dtype=dtype), requires_grad=False)
         self.intermediate_size = i
+        self.num_experts, self.hidden_size = e, h
         self.swiglu_limit = swiglu_limit
         self.custom_activation = activation
         self._loaded: set[tuple[int, str]] = set()
+        # a quantizer's experts (set_method): each expert projection's tensors by suffix until
+        # loading ends, then per expert the gate and up weights (joined where they share a
+        # layout) and the down weight in the group-quantized layout
+        self.method: ExpertsMethod | None = None
+        self._staged: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        self.gate_up: list[list[GroupQuantWeight]] = []
+        self.down: list[GroupQuantWeight] = []
+
+    def set_method(self, method: ExpertsMethod) -> None:
+        """Hold the experts quantized by ``method`` (before loading): the dense stacks go."""
+        if self.tp.is_parallel:
+            raise ValueError(
+                f"Quantized experts cannot be split across {self.tp.size} tensor-parallel ranks yet; "
+                "use --tensor-parallel-size 1."
+            )
+        self.method = method
+        del self.w13, self.w2
+
+    def _stage(self, expert: int, proj: str, suffix: str, tensor: torch.Tensor) -> bool:
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"Expert {expert} {proj}: the model has {self.num_experts} experts.")
+        self._staged.setdefault((expert, proj), {})[suffix] = tensor
+        return False  # the weights exist once loading ends (process_weights_after_loading)
+
+    def process_weights_after_loading(self, path: str = "experts") -> None:
+        """With a method: every expert projection's staged tensors into the layout, held as
+        parameters; a projection the checkpoint did not give is an error naming it."""
+        if self.method is None:
+            return
+        missing = [
+            f"{path}.{e}.{proj}"
+            for e in range(self.num_experts)
+            for proj in PROJECTIONS
+            if (e, proj) not in self._staged
+        ]
+        if missing:
+            shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+            raise ValueError(f"The checkpoint did not provide these expert projections: {shown}.")
+        i, h = self.intermediate_size, self.hidden_size
+        for e in range(self.num_experts):
+
+            def weight(proj: str, out_features: int, in_features: int, e: int = e) -> GroupQuantWeight:
+                tensors = self._staged.pop((e, proj))
+                return self.method.expert_weight(tensors, out_features, in_features, f"{path}.{e}.{proj}")
+
+            gate, up = weight("gate_proj", i, h), weight("up_proj", i, h)
+            parts = [join([gate, up])] if joinable(gate, up) else [gate, up]
+            self.gate_up.append([part.attach(self, f"_{e}_gate_up_{n}") for n, part in enumerate(parts)])
+            self.down.append(weight("down_proj", h, i).attach(self, f"_{e}_down"))
 
     def _local(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's part of a full-intermediate-size tensor along ``dim``."""
@@ -158,8 +212,16 @@ class Experts(nn.Module):
             return tensor  # whole, or a shape mismatch the caller reports
         return tensor.narrow(dim, self.start, self.intermediate_size)
 
-    def load(self, expert: int, proj: str, tensor: torch.Tensor) -> bool:
-        """One expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` weight; True once all are in."""
+    def load(self, expert: int, proj: str, tensor: torch.Tensor, suffix: str = "weight") -> bool:
+        """One expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` tensor (``weight``, or with a
+        method a quantized format's tensor); True once all dense weights are in."""
+        if self.method is not None:
+            return self._stage(expert, proj, suffix, tensor)
+        if suffix != "weight":
+            raise ValueError(
+                f"Expert {expert} {proj}.{suffix}: a quantized expert tensor, and these experts hold dense "
+                f"weights (the checkpoint's quantization method does not compute quantized experts)."
+            )
         i = self.intermediate_size
         tensor = dense_tensor(f"experts.{expert}.{proj}", tensor, self.w13.dtype)
         tensor = self._local(tensor, 1 if proj == "down_proj" else 0)
@@ -178,6 +240,15 @@ class Experts(nn.Module):
 
     def load_fused(self, proj: str, tensor: torch.Tensor) -> bool:
         """transformers' stacked layout: ``gate_up_proj`` [E, 2I, hidden], ``down_proj`` [E, hidden, I]."""
+        if self.method is not None:  # dense stacks, quantized expert by expert once loaded
+            i = self.intermediate_size
+            for e, expert in enumerate(tensor):
+                if proj == "gate_up_proj":
+                    self._stage(e, "gate_proj", "weight", expert[:i])
+                    self._stage(e, "up_proj", "weight", expert[i:])
+                else:
+                    self._stage(e, "down_proj", "weight", expert)
+            return False
         target = self.w13 if proj == "gate_up_proj" else self.w2
         tensor = dense_tensor(f"experts.{proj}", tensor, target.dtype)
         if self.tp.is_parallel and proj == "gate_up_proj" and tensor.dim() == 3:
@@ -202,7 +273,7 @@ class Experts(nn.Module):
         flat = expert_ids.flatten()
         order = flat.argsort(stable=True)
         token_of = order // k  # the token behind each (token, choice) in expert order
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         start = 0
         for expert, count in enumerate(counts):
@@ -211,9 +282,17 @@ class Experts(nn.Module):
             rows = order[start : start + count]
             tokens = token_of[start : start + count]
             start += count
-            h = self.activation(x[tokens] @ self.w13[expert].t(), ctx) @ self.w2[expert].t()
+            if self.method is not None:
+                h = self._quantized_expert(expert, x[tokens], ctx)
+            else:
+                h = self.activation(x[tokens] @ self.w13[expert].t(), ctx) @ self.w2[expert].t()
             out.index_add_(0, tokens, h.float() * weights.flatten()[rows].unsqueeze(1))
         return self.tp.all_reduce(out).to(x.dtype)
+
+    def _quantized_expert(self, expert: int, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        parts = [ctx.ops.group_quant_linear(x, part) for part in self.gate_up[expert]]
+        gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return ctx.ops.group_quant_linear(self.activation(gate_up, ctx), self.down[expert])
 
     def activation(self, gate_up: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.custom_activation is not None:
@@ -269,7 +348,7 @@ def load_named_tensors(
             match = expert or fused
             experts = module.get_submodule(match.group("moe"))
             done = (
-                experts.load(int(expert.group("expert")), expert.group("proj"), tensor)
+                experts.load(int(expert.group("expert")), expert.group("proj"), tensor, expert.group("suffix"))
                 if expert
                 else experts.load_fused(fused.group("proj"), tensor)
             )
@@ -278,3 +357,23 @@ def load_named_tensors(
             continue
         loaded |= load_tensor(module, params, linears, name, tensor, stacked)
     return loaded
+
+
+def quantize_experts(model: nn.Module, quantizer: Quantizer) -> list[str]:
+    """Give every :class:`Experts` of a model not loaded yet the method ``quantizer`` chooses
+    for it (``Quantizer.get_experts_method``); returns their paths."""
+    quantized = []
+    for path, module in model.named_modules():
+        if isinstance(module, Experts):
+            method = quantizer.get_experts_method(path)
+            if method is not None:
+                module.set_method(method)
+                quantized.append(path)
+    return quantized
+
+
+def finish_experts(model: nn.Module) -> None:
+    """After loading: quantized experts convert what they staged (``process_weights_after_loading``)."""
+    for path, module in model.named_modules():
+        if isinstance(module, Experts):
+            module.process_weights_after_loading(path)

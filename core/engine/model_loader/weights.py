@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from engine.interfaces.model import Model
 from engine.layers.linear import linear_layers, tied_linear_layers
+from engine.layers.moe import finish_experts
 from engine.model_loader.checkpoint import GGUF_SUFFIX
 from engine.model_loader.dequant import CheckpointDequantizer, dequantize_stream
 from engine.model_loader.gguf import gguf_tensors
@@ -103,7 +104,8 @@ def load_weights(
 
 def load_tensors(model: Model, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
     """Fill every parameter of ``model`` from ``(name, tensor)`` pairs, raising naming what is
-    missing, then let each linear layer's method process what it loaded (quantize, repack)."""
+    missing, then let quantized experts and each linear layer's method process what they
+    loaded (quantize, repack)."""
     loaded = model.load_weights(weights)
     tied = tied_linear_layers(model)
     layers = {path: layer for path, layer in linear_layers(model).items() if path not in tied}
@@ -114,5 +116,6 @@ def load_tensors(model: Model, weights: Iterator[tuple[str, torch.Tensor]]) -> N
     if missing:
         shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise ValueError(f"The checkpoint did not provide these parameters: {shown}.")
+    finish_experts(model)  # quantized experts: their staged tensors into the layout
     for layer in layers.values():
         layer.method.process_weights_after_loading(layer)

@@ -24,7 +24,7 @@ from engine.layers.linear import (
     make_batch_invariant,
     quantize_model,
 )
-from engine.layers.moe import Experts
+from engine.layers.moe import Experts, quantize_experts
 from engine.model_config import HFConfig
 from engine.model_loader.checkpoint import safetensors_files
 from engine.model_loader.dequant import CheckpointDequantizer
@@ -51,12 +51,14 @@ def construct_model(
     model.eval()
     if quantizer is not None:
         quantized, declined = quantize_model(model, quantizer)
+        experts = quantize_experts(model, quantizer)
         logger.info(
-            "quantization %s: %d linear layers quantized, %d left as they are (%s)",
+            "quantization %s: %d linear layers quantized, %d left as they are (%s)%s",
             quantizer.name,
             len(quantized),
             len(declined),
             ", ".join(declined) or "none",
+            f"; the routed experts of {len(experts)} layers quantized" if experts else "",
         )
     return model
 

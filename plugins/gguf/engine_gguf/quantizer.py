@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.interfaces.group_quant import GroupQuantWeight
+from engine.interfaces.group_quant import GroupQuantWeight, join
 from engine.interfaces.quantizer import LinearMethod, Quantizer
 from engine.layers.quantized_checkpoint import quantized_checkpoint
 from engine.model_loader.gguf_quantize import QUANT_TYPES, quantize_blocks
@@ -63,22 +63,6 @@ def quantize(weight: torch.Tensor, quant_type: str, what: str) -> torch.Tensor:
 def _layout(weight: GroupQuantWeight | torch.Tensor) -> tuple[int, int] | None:
     """What shards must share to be joined: (bits, group size); None for a dense part."""
     return None if isinstance(weight, torch.Tensor) else (weight.bits, weight.group_size)
-
-
-def join(parts: list[GroupQuantWeight]) -> GroupQuantWeight:
-    """Group-quantized weights of one layout stacked along the outputs."""
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    return GroupQuantWeight(
-        torch.cat([p.qweight for p in parts]),
-        torch.cat([p.scales for p in parts]),
-        torch.cat([p.offsets for p in parts]),
-        first.bits,
-        first.group_size,
-        first.in_features,
-        sum(p.out_features for p in parts),
-    )
 
 
 class GgufLinearMethod(LinearMethod):

@@ -17,7 +17,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from engine.interfaces.quantizer import LinearMethod, Quantizer
+from engine.interfaces.group_quant import GroupQuantWeight
+from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
 from engine_gptq.convert import to_group_quant
 from engine_gptq.packing import quantize_rtn, values_per_word
 
@@ -101,6 +102,75 @@ class Settings:
         )
 
 
+def checked_tensors(
+    settings: Settings, tensors: dict[str, torch.Tensor], rows: int, inputs: int, what: str
+) -> dict[str, torch.Tensor]:
+    """One module's GPTQ tensors (``qweight``, ``qzeros``, ``scales``, optional ``g_idx``)
+    checked against its shape ([rows, inputs]) and the settings; ``g_idx`` filled in order
+    when absent. ``what`` names the module in errors."""
+    bits, pack = settings.bits, values_per_word(settings.bits)
+    absent = [name for name in TENSORS if name not in tensors]
+    if absent:
+        raise ValueError(f"{what} has no GPTQ {', '.join(absent)}; a GPTQ module holds {', '.join(TENSORS)}.")
+    unknown = sorted(set(tensors) - {*TENSORS, "g_idx"})
+    if unknown:
+        raise ValueError(f"{what} has tensors a GPTQ module does not hold: {', '.join(unknown)}.")
+    tensors = dict(tensors)
+    groups = tensors["scales"].shape[0]
+    expected = {
+        "qweight": ((inputs // pack, rows), (torch.int32,)),
+        "qzeros": ((groups, rows // pack), (torch.int32,)),
+        "scales": ((groups, rows), (torch.float16, torch.bfloat16, torch.float32)),
+    }
+    for name, (shape, dtypes) in expected.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
+            raise ValueError(
+                f"{what}'s GPTQ {name} is {tuple(tensor.shape)} {tensor.dtype}; a {bits}-bit layer of "
+                f"{inputs} inputs and {rows} outputs expects {shape} {dtypes[0]} (is bits in config.json right?)."
+            )
+    size = inputs if settings.group_size == -1 else settings.group_size
+    if "g_idx" not in tensors:
+        if settings.desc_act:
+            raise ValueError(f"{what} has no g_idx, which an act-order (desc_act) GPTQ checkpoint needs.")
+        tensors["g_idx"] = torch.arange(inputs, dtype=torch.int32) // size
+    g_idx = tensors["g_idx"].to(torch.int32)
+    if tuple(g_idx.shape) != (inputs,) or (g_idx.numel() and not 0 <= int(g_idx.min()) <= int(g_idx.max()) < groups):
+        raise ValueError(
+            f"{what}'s GPTQ g_idx must give each of the {inputs} input rows a group in [0, {groups}); "
+            f"got shape {tuple(g_idx.shape)}, values {int(g_idx.min())}..{int(g_idx.max())}."
+        )
+    tensors["g_idx"] = g_idx
+    return tensors
+
+
+class GptqExpertsMethod(ExpertsMethod):
+    """Each routed expert's projections as GPTQ modules (``experts.<e>.<proj>.qweight``,
+    ``qzeros``, ``scales``, ``g_idx``), or their dense ``weight`` quantized while loading by
+    round-to-nearest, in the group-quantized layout."""
+
+    def __init__(self, settings: Settings, prequantized: bool) -> None:
+        self.settings = settings
+        self.prequantized = prequantized
+
+    def expert_weight(self, tensors, out_features, in_features, what) -> GroupQuantWeight:
+        s = self.settings
+        if set(tensors) == {"weight"}:  # an unquantized expert (quantizing while loading)
+            weight = tensors["weight"]
+            if tuple(weight.shape) != (out_features, in_features):
+                raise ValueError(
+                    f"{what}: the model expects ({out_features}, {in_features}), the checkpoint has "
+                    f"{tuple(weight.shape)}."
+                )
+            tensors = quantize_rtn(weight, s.bits, s.group_size, s.sym, s.desc_act, s.zeros_minus_one)
+        else:
+            tensors = checked_tensors(s, tensors, out_features, in_features, what)
+        return to_group_quant(**tensors, bits=s.bits, zeros_minus_one=s.zeros_minus_one, what=what)
+
+    def describe(self) -> str:
+        return f"GPTQ {self.settings.describe()} experts, group-quantized layout"
+
+
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
@@ -156,39 +226,11 @@ class GptqLinearMethod(LinearMethod):
 
     def _shard_tensors(self, layer, shard: int) -> dict[str, torch.Tensor]:
         """Shard ``shard``'s tensors, checked against the layer's shape and the settings."""
-        bits, pack = self.settings.bits, values_per_word(self.settings.bits)
         rows, inputs = layer.output_sizes[shard], layer.input_size
         if not self.prequantized:
             return self.quantize(layer.weight.data[layer._rows(shard)])
         tensors = {name: t for (name, s), t in layer.gptq_staged.items() if s == shard}
-        groups = tensors["scales"].shape[0]
-        expected = {
-            "qweight": ((inputs // pack, rows), (torch.int32,)),
-            "qzeros": ((groups, rows // pack), (torch.int32,)),
-            "scales": ((groups, rows), (torch.float16, torch.bfloat16, torch.float32)),
-        }
-        for name, (shape, dtypes) in expected.items():
-            tensor = tensors[name]
-            if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
-                raise ValueError(
-                    f"Shard {shard}'s GPTQ {name} is {tuple(tensor.shape)} {tensor.dtype}; a {bits}-bit layer of "
-                    f"{inputs} inputs and {rows} outputs expects {shape} {dtypes[0]} (is bits in config.json right?)."
-                )
-        size = inputs if self.settings.group_size == -1 else self.settings.group_size
-        if "g_idx" not in tensors:
-            if self.settings.desc_act:
-                raise ValueError(f"Shard {shard} has no g_idx, which an act-order (desc_act) GPTQ checkpoint needs.")
-            tensors["g_idx"] = torch.arange(inputs, dtype=torch.int32) // size
-        g_idx = tensors["g_idx"].to(torch.int32)
-        if tuple(g_idx.shape) != (inputs,) or (
-            g_idx.numel() and not 0 <= int(g_idx.min()) <= int(g_idx.max()) < groups
-        ):
-            raise ValueError(
-                f"Shard {shard}'s GPTQ g_idx must give each of the {inputs} input rows a group in [0, {groups}); "
-                f"got shape {tuple(g_idx.shape)}, values {int(g_idx.min())}..{int(g_idx.max())}."
-            )
-        tensors["g_idx"] = g_idx
-        return tensors
+        return checked_tensors(self.settings, tensors, rows, inputs, f"Shard {shard}")
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         s = self.settings
@@ -264,6 +306,9 @@ class GptqQuantizer(Quantizer):
         if last == "gate" or (last == "lm_head" and not self.settings.lm_head):  # MoE router; head unless lm_head
             return None
         return GptqLinearMethod(self.settings, self.prequantized)
+
+    def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
+        return GptqExpertsMethod(self.settings, self.prequantized)
 
     def checkpoint_config(self) -> dict[str, Any]:
         s = self.settings

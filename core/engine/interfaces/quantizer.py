@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -101,6 +101,35 @@ class ExpertsMethod(ABC):
     def describe(self) -> str | None:
         """One line for the logs and ``engine bench``'s setup, or None."""
         return None
+
+
+class FormatExpertsMethod(ExpertsMethod):
+    """An :class:`ExpertsMethod` for a format whose linear modules convert into the
+    group-quantized layout: ``convert(tensors, out_features, in_features, what)`` checks one
+    module's checkpoint tensors and converts them, ``quantize(weight)`` rounds a dense weight
+    [out, in] into the format's tensors (for ``weight``, an unquantized checkpoint)."""
+
+    def __init__(
+        self,
+        convert: Callable[[dict[str, torch.Tensor], int, int, str], GroupQuantWeight],
+        quantize: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+        description: str | None = None,
+    ) -> None:
+        self.convert, self.quantize, self.description = convert, quantize, description
+
+    def expert_weight(self, tensors, out_features, in_features, what) -> GroupQuantWeight:
+        if set(tensors) == {"weight"}:  # unquantized: rounded into the format's tensors first
+            weight = tensors["weight"]
+            if tuple(weight.shape) != (out_features, in_features):
+                raise ValueError(
+                    f"{what}: the model expects ({out_features}, {in_features}), the checkpoint has "
+                    f"{tuple(weight.shape)}."
+                )
+            tensors = self.quantize(weight)
+        return self.convert(tensors, out_features, in_features, what)
+
+    def describe(self) -> str | None:
+        return self.description
 
 
 class Quantizer(ABC):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.interfaces.group_quant import GroupQuantWeight
-from engine.interfaces.quantizer import LinearMethod, Quantizer
+from engine.interfaces.quantizer import ExpertsMethod, FormatExpertsMethod, LinearMethod, Quantizer
 from engine_awq.packing import BITS, PACK, quantize_rtn, unpack
 
 logger = logging.getLogger("engine.awq")
@@ -108,6 +108,34 @@ def to_group_quant(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     return GroupQuantWeight.from_values(q.t(), group_scales, group_scales * zeros.t().float(), BITS)
 
 
+def checked_tensors(
+    settings: Settings, tensors: dict[str, torch.Tensor], rows: int, inputs: int, what: str
+) -> dict[str, torch.Tensor]:
+    """One module's AWQ tensors checked against its shape ([rows, inputs]) and the settings;
+    ``what`` names the module in errors."""
+    absent = [name for name in TENSORS if name not in tensors]
+    unknown = sorted(set(tensors) - set(TENSORS))
+    if absent or unknown:
+        raise ValueError(
+            f"{what} holds {', '.join(sorted(tensors))}; an AWQ module holds exactly {', '.join(TENSORS)}."
+        )
+    groups = 1 if settings.group_size == -1 else inputs // settings.group_size
+    expected = {
+        "qweight": ((inputs, rows // PACK), (torch.int32,)),
+        "qzeros": ((groups, rows // PACK), (torch.int32,)),
+        "scales": ((groups, rows), (torch.float16, torch.bfloat16, torch.float32)),
+    }
+    for name, (shape, dtypes) in expected.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
+            raise ValueError(
+                f"{what}'s AWQ {name} is {tuple(tensor.shape)} {tensor.dtype}; a GEMM-layout layer of "
+                f"{inputs} inputs, {rows} outputs and groups of {settings.group_size} expects {shape} "
+                f"{dtypes[0]} (are group_size and version in config.json right?)."
+            )
+    return tensors
+
+
 class AwqLinearMethod(LinearMethod):
     """Loads ``qweight`` [K, N / 8], ``qzeros`` [G, N / 8] and ``scales`` [G, N] per output shard,
     then holds the layer as one GroupQuantWeight over the shards joined along N (parameters
@@ -161,21 +189,7 @@ class AwqLinearMethod(LinearMethod):
         if not self.prequantized:
             return self.quantize(layer.weight.data[layer._rows(shard)])
         tensors = {name: t for (name, s), t in layer.awq_staged.items() if s == shard}
-        groups = 1 if self.settings.group_size == -1 else inputs // self.settings.group_size
-        expected = {
-            "qweight": ((inputs, rows // PACK), (torch.int32,)),
-            "qzeros": ((groups, rows // PACK), (torch.int32,)),
-            "scales": ((groups, rows), (torch.float16, torch.bfloat16, torch.float32)),
-        }
-        for name, (shape, dtypes) in expected.items():
-            tensor = tensors[name]
-            if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
-                raise ValueError(
-                    f"Shard {shard}'s AWQ {name} is {tuple(tensor.shape)} {tensor.dtype}; a GEMM-layout layer of "
-                    f"{inputs} inputs, {rows} outputs and groups of {self.settings.group_size} expects {shape} "
-                    f"{dtypes[0]} (are group_size and version in config.json right?)."
-                )
-        return tensors
+        return checked_tensors(self.settings, tensors, rows, inputs, f"Shard {shard}")
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         return quantize_rtn(weight, self.settings.group_size, self.settings.zero_point)
@@ -233,6 +247,19 @@ class AwqQuantizer(Quantizer):
         if any(module in layer_name for module in self.settings.modules_to_not_convert):
             return None  # left in full precision by the checkpoint (matched as AutoAWQ and vLLM match them)
         return AwqLinearMethod(self.settings, self.prequantized)
+
+    def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
+        if any(module in layer_name for module in self.settings.modules_to_not_convert):
+            return None
+        s = self.settings
+
+        def convert(tensors, rows, inputs, what) -> GroupQuantWeight:
+            return to_group_quant(**checked_tensors(s, tensors, rows, inputs, what))
+
+        def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+            return quantize_rtn(weight, s.group_size, s.zero_point)
+
+        return FormatExpertsMethod(convert, quantize, f"AWQ {s.describe()} experts, group-quantized layout")
 
     def checkpoint_config(self) -> dict[str, Any]:
         s = self.settings

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from engine.interfaces.group_quant import GroupQuantWeight
-from engine.interfaces.quantizer import LinearMethod, Quantizer
+from engine.interfaces.quantizer import ExpertsMethod, FormatExpertsMethod, LinearMethod, Quantizer
 from engine_compressed_tensors.packing import PACKED_BITS, pack_factor, quantize_rtn, unpack
 
 logger = logging.getLogger("engine.compressed_tensors")
@@ -184,6 +184,42 @@ def to_group_quant(tensors: dict[str, torch.Tensor], settings: Settings, rows: i
     return GroupQuantWeight.from_values(values, scales, scales * stored_zeros, bits)
 
 
+def checked_tensors(
+    settings: Settings, tensors: dict[str, torch.Tensor], rows: int, inputs: int, what: str
+) -> dict[str, torch.Tensor]:
+    """One module's pack-quantized tensors checked against its shape ([rows, inputs]) and the
+    settings; ``what`` names the module in errors."""
+    names = ("weight_packed", "weight_scale", "weight_shape")
+    absent = [name for name in names if name not in tensors]
+    unknown = sorted(set(tensors) - {*names, "weight_zero_point"})
+    if absent or unknown:
+        raise ValueError(
+            f"{what} holds {', '.join(sorted(tensors))}; a pack-quantized module holds {', '.join(names)} "
+            "and, when asymmetric, weight_zero_point."
+        )
+    per_word, groups = pack_factor(settings.bits), settings.groups(inputs)
+    expected = {
+        "weight_packed": ((rows, -(-inputs // per_word)), (torch.int32,)),
+        "weight_scale": ((rows, groups), SCALE_DTYPES),
+    }
+    zeros = tensors.get("weight_zero_point")
+    if zeros is not None:
+        packed = zeros.dtype == torch.int32 and zeros.shape[0] != rows
+        expected["weight_zero_point"] = ((-(-rows // per_word) if packed else rows, groups), INTEGER_DTYPES)
+    for name, (shape, dtypes) in expected.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
+            raise ValueError(
+                f"{what}'s pack-quantized {name} is {tuple(tensor.shape)} {tensor.dtype}; a layer of "
+                f"{inputs} inputs and {rows} outputs, {settings.describe()}, expects {shape} {dtypes[0]} "
+                f"(do config_groups' num_bits, strategy and group_size in config.json match the tensors?)."
+            )
+    shape = tensors["weight_shape"]
+    if shape.dtype not in INTEGER_DTYPES or shape.tolist() != [rows, inputs]:
+        raise ValueError(f"{what}'s weight_shape is {shape.tolist()}; this module is [{rows}, {inputs}].")
+    return tensors
+
+
 class PackQuantizedLinearMethod(LinearMethod):
     """Loads ``weight_packed`` [N, K / p], ``weight_scale`` [N, G], ``weight_shape`` [2] (and
     ``weight_zero_point``) per output shard, then holds the layer as one GroupQuantWeight over
@@ -248,29 +284,7 @@ class PackQuantizedLinearMethod(LinearMethod):
         if not self.prequantized:
             return self.quantize(layer.weight.data[layer._rows(shard)])
         tensors = {name: t for (name, s), t in layer.ct_staged.items() if s == shard}
-        per_word, groups = pack_factor(self.settings.bits), self.settings.groups(inputs)
-        expected = {
-            "weight_packed": ((rows, -(-inputs // per_word)), (torch.int32,)),
-            "weight_scale": ((rows, groups), SCALE_DTYPES),
-        }
-        zeros = tensors.get("weight_zero_point")
-        if zeros is not None:
-            packed = zeros.dtype == torch.int32 and zeros.shape[0] != rows
-            expected["weight_zero_point"] = ((-(-rows // per_word) if packed else rows, groups), INTEGER_DTYPES)
-        for name, (shape, dtypes) in expected.items():
-            tensor = tensors[name]
-            if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
-                raise ValueError(
-                    f"Shard {shard}'s pack-quantized {name} is {tuple(tensor.shape)} {tensor.dtype}; a layer of "
-                    f"{inputs} inputs and {rows} outputs, {self.settings.describe()}, expects {shape} {dtypes[0]} "
-                    f"(do config_groups' num_bits, strategy and group_size in config.json match the tensors?)."
-                )
-        shape = tensors["weight_shape"]
-        if shape.dtype not in INTEGER_DTYPES or shape.tolist() != [rows, inputs]:
-            raise ValueError(
-                f"Shard {shard}'s weight_shape is {shape.tolist()}; this layer's shard is [{rows}, {inputs}]."
-            )
-        return tensors
+        return checked_tensors(self.settings, tensors, rows, inputs, f"Shard {shard}")
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         size = self.settings.group_size or weight.shape[1]
@@ -361,6 +375,22 @@ class PackQuantizedQuantizer(Quantizer):
         if self.settings.ignores(layer_name):
             return None  # left in full precision by the checkpoint
         return PackQuantizedLinearMethod(self.settings, self.prequantized)
+
+    def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
+        if self.settings.ignores(f"{layer_name}.0.gate_proj"):
+            return None
+        s = self.settings
+
+        def convert(tensors, rows, inputs, what) -> GroupQuantWeight:
+            return to_group_quant(checked_tensors(s, tensors, rows, inputs, what), s, rows, inputs)
+
+        def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+            size = s.group_size or weight.shape[1]
+            return quantize_rtn(weight, s.bits, size, s.symmetric, weight.dtype)
+
+        return FormatExpertsMethod(
+            convert, quantize, f"compressed-tensors {s.describe()} experts, group-quantized layout"
+        )
 
     def checkpoint_config(self) -> dict[str, Any]:
         s = self.settings

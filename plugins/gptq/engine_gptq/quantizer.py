@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.interfaces.group_quant import GroupQuantWeight
-from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
+from engine.interfaces.quantizer import ExpertsMethod, FormatExpertsMethod, LinearMethod, Quantizer
 from engine_gptq.convert import to_group_quant
 from engine_gptq.packing import quantize_rtn, values_per_word
 
@@ -142,33 +142,6 @@ def checked_tensors(
         )
     tensors["g_idx"] = g_idx
     return tensors
-
-
-class GptqExpertsMethod(ExpertsMethod):
-    """Each routed expert's projections as GPTQ modules (``experts.<e>.<proj>.qweight``,
-    ``qzeros``, ``scales``, ``g_idx``), or their dense ``weight`` quantized while loading by
-    round-to-nearest, in the group-quantized layout."""
-
-    def __init__(self, settings: Settings, prequantized: bool) -> None:
-        self.settings = settings
-        self.prequantized = prequantized
-
-    def expert_weight(self, tensors, out_features, in_features, what) -> GroupQuantWeight:
-        s = self.settings
-        if set(tensors) == {"weight"}:  # an unquantized expert (quantizing while loading)
-            weight = tensors["weight"]
-            if tuple(weight.shape) != (out_features, in_features):
-                raise ValueError(
-                    f"{what}: the model expects ({out_features}, {in_features}), the checkpoint has "
-                    f"{tuple(weight.shape)}."
-                )
-            tensors = quantize_rtn(weight, s.bits, s.group_size, s.sym, s.desc_act, s.zeros_minus_one)
-        else:
-            tensors = checked_tensors(s, tensors, out_features, in_features, what)
-        return to_group_quant(**tensors, bits=s.bits, zeros_minus_one=s.zeros_minus_one, what=what)
-
-    def describe(self) -> str:
-        return f"GPTQ {self.settings.describe()} experts, group-quantized layout"
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -308,7 +281,16 @@ class GptqQuantizer(Quantizer):
         return GptqLinearMethod(self.settings, self.prequantized)
 
     def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
-        return GptqExpertsMethod(self.settings, self.prequantized)
+        s = self.settings
+
+        def convert(tensors, rows, inputs, what) -> GroupQuantWeight:
+            tensors = checked_tensors(s, tensors, rows, inputs, what)
+            return to_group_quant(**tensors, bits=s.bits, zeros_minus_one=s.zeros_minus_one, what=what)
+
+        def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+            return quantize_rtn(weight, s.bits, s.group_size, s.sym, s.desc_act, s.zeros_minus_one)
+
+        return FormatExpertsMethod(convert, quantize, f"GPTQ {s.describe()} experts, group-quantized layout")
 
     def checkpoint_config(self) -> dict[str, Any]:
         s = self.settings

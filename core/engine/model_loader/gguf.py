@@ -21,8 +21,9 @@ and its tensors, as llama.cpp writes them.
   the 1 taken off. Quantized tensors are their raw blocks, uint8 [rows, bytes a row]: rows are
   whole outputs, so reordering or splitting rows moves whole blocks. Every 2-D tensor carries its
   GGML type (:data:`TYPE_TENSOR` in the layer, see :mod:`engine.layers.quantized_checkpoint`): a
-  linear method that loads ``weight`` and ``ggml_type`` takes the tensor as it is; any other
-  place (the embedding, the experts) gets it dequantized (``gguf.quants``, exact in float32).
+  linear method that loads ``weight`` and ``ggml_type`` (or a quantizer's experts method)
+  takes the tensor as it is; any other place (the embedding; experts without such a method)
+  gets it dequantized (``gguf.quants``, exact in float32).
 - **Tokenizer**: transformers builds it from the metadata
   (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``, see :mod:`engine.tokenizer`).
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.interfaces.group_quant import GroupQuantWeight, join
-from engine.interfaces.quantizer import LinearMethod, Quantizer
+from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
 from engine.layers.quantized_checkpoint import quantized_checkpoint
 from engine.model_loader.gguf_quantize import QUANT_TYPES, quantize_blocks
 from engine_gguf.blocks import BLOCKS, to_group_quant
@@ -166,6 +166,41 @@ class GgufLinearMethod(LinearMethod):
         return f"{source}, group-quantized layout, the platform's group_quant_linear"
 
 
+class GgufExpertsMethod(ExpertsMethod):
+    """Each routed expert's projection from its slice of the file's stacked blocks
+    (``blk.N.ffn_gate_exps.weight`` [experts, outputs, bytes a row] arrives per expert, its type
+    beside it), kept in its blocks' values; on the fly, a dense expert quantized to the type."""
+
+    def __init__(self, quant_type: str | None) -> None:
+        self.quant_type = quant_type
+
+    def expert_weight(self, tensors, out_features, in_features, what) -> GroupQuantWeight:
+        if set(tensors) - {TYPE_TENSOR} != {"weight"}:
+            raise ValueError(
+                f"{what}: a GGUF expert holds its weight (and {TYPE_TENSOR}), not {', '.join(sorted(tensors))}."
+            )
+        tensor = tensors["weight"]
+        if self.quant_type is not None and TYPE_TENSOR not in tensors:
+            raw = quantize(tensor, self.quant_type, what)
+            return to_group_quant(self.quant_type, raw, in_features, what=what)
+        # the type: beside the blocks (a safetensors copy of GGUF modules), or carried by them (a GGUF file)
+        kept = quantized_checkpoint(tensor)
+        code = tensors.get(TYPE_TENSOR, None if kept is None else kept.scale)
+        kind = None if code is None else gguf.GGMLQuantizationType(int(code)).name
+        if kind is None or kind in DENSE_TYPES:
+            raise ValueError(
+                f"{what} is {kind or tensor.dtype} in a quantized GGUF file; engine-gguf computes the experts of "
+                "such a file in their blocks' types (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K)."
+            )
+        if tensor.shape[0] != out_features:
+            raise ValueError(f"{what} has {tensor.shape[0]} rows; the model expects {out_features}.")
+        return to_group_quant(kind, tensor, in_features, what=what)
+
+    def describe(self) -> str:
+        source = f"{self.quant_type} quantized while loading" if self.quant_type else "GGUF blocks"
+        return f"{source} experts, group-quantized layout"
+
+
 class GgufQuantizer(Quantizer):
     """``quant_method: gguf`` (set by the engine for a ``.gguf`` file with quantized tensors)."""
 
@@ -213,6 +248,9 @@ class GgufQuantizer(Quantizer):
         if last == "lm_head" and not self.output_quantized:  # tied to the embedding, or dense in the file
             return None
         return GgufLinearMethod(self.quant_type)
+
+    def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
+        return GgufExpertsMethod(self.quant_type)
 
     def export_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """One linear module's tensors as a GGUF file holds them: ``weight`` the blocks of the

@@ -220,7 +220,7 @@ def test_f32_file_matches_the_original_checkpoint(files, family):
 
 @pytest.mark.parametrize("family, kind", [(family, kind) for family, kinds in QUANTIZED.items() for kind in kinds])
 def test_quantized_file_matches_its_round_trip(files, family, kind):
-    """The attention (and a dense MLP) stays in its blocks; the experts are dequantized at load."""
+    """The attention, a dense MLP and the routed experts stay in their blocks."""
     llm = check_file(files, f"{family}-{kind}", 1)
     layer = llm.engine.model.model.layers[0]
     parts = [weight for _, _, weight in layer.self_attn.qkv_proj.gguf_parts]
@@ -229,7 +229,10 @@ def test_quantized_file_matches_its_round_trip(files, family, kind):
     if family in ("Phi3", "Gemma3"):
         assert [(w.bits, w.group_size) for _, _, w in layer.mlp.gate_up_proj.gguf_parts] == [bits]
     else:
-        assert layer.mlp.experts.w13.dtype == torch.float32
+        experts = layer.mlp.experts
+        assert not hasattr(experts, "w13"), "the experts were dequantized"
+        held = [w for parts in experts.gate_up for w in parts] + list(experts.down)
+        assert all(isinstance(w, GroupQuantWeight) and (w.bits, w.group_size) == bits for w in held), held
 
 
 @pytest.mark.parametrize("family", ["Qwen3Moe", "Phi3", "Gemma3"])

@@ -329,7 +329,7 @@ class QuantizerTests(KitTests):
                     )
 
     def test_quantized_experts_within_the_error_bound(self) -> None:
-        """Where ``get_experts_method`` gives a method: routed experts (3 experts of 128 over 256
+        """Where ``get_experts_method`` gives a method: routed experts (3 experts of 256 over 256
         inputs, 2 a token) quantized while loading from dense weights give, for 1, 7 and 40
         tokens, ‖y_q − y‖/‖y‖ within 4 × error_bound of the dense experts in float32 (an expert
         is two layers and the product of two outputs); with ``export_weight``, the experts
@@ -346,7 +346,7 @@ class QuantizerTests(KitTests):
         on_the_fly = self.quantizers()
         if all(quantizer.get_experts_method(name) is None for _, quantizer in on_the_fly):
             capability_skip("get_experts_method")
-        experts_n, inter, hidden = 3, 128, INPUT_SIZE
+        experts_n, inter, hidden = 3, INPUT_SIZE, INPUT_SIZE
         ctx = types.SimpleNamespace(ops=REFERENCE_OPS)
         gen = torch.Generator().manual_seed(11)
         dense = {

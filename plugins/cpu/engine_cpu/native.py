@@ -15,7 +15,10 @@ A build runs in a private directory under an exclusive ``flock`` and is renamed
 into place when complete: a build killed midway leaves no lock behind (the
 kernel drops a dead process's ``flock``) and its directory is cleared by the
 next builder. A build or a wait for another process's build reports its
-progress every :data:`PROGRESS_SECONDS`.
+progress every :data:`PROGRESS_SECONDS`. Each import stamps its build's directory; after a
+new build, builds of the same variant beyond the :data:`KEEP_BUILDS` most recently used are
+removed (another engine-cpu version sharing the cache rebuilds its own once, if it was one of
+them), so upgrades do not pile up builds.
 
 ``python -m engine_cpu.native [VARIANT ...|all]`` builds ahead of time (for an
 image, say).
@@ -62,6 +65,8 @@ SOURCES = [
 # -fopenmp: at::parallel_for is inline and runs serially in code compiled without it
 COMMON_CFLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fno-finite-math-only")
 PROGRESS_SECONDS = 15.0
+KEEP_BUILDS = 3  # per variant, the most recently used (this one included)
+USED_STAMP = "last-used"  # touched in a build's directory at each import
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,42 @@ def build(variant: Variant, root: Path | None = None, sources: Sequence[Path] = 
                 module = _compile(variant, work, sources)
             os.replace(work, root / key)  # the loaded library stays mapped
             sys.modules.setdefault(module_name(variant), module)
+            _stamp(root / key)
+            prune_builds(root, variant, keep=key)
     return _import(variant, library)
+
+
+def _stamp(directory: Path) -> None:
+    """Mark a build as used now (a read-only cache just goes unstamped)."""
+    try:
+        (directory / USED_STAMP).touch()
+    except OSError:
+        pass
+
+
+def _last_used(directory: Path) -> float:
+    stamp = directory / USED_STAMP
+    try:
+        return stamp.stat().st_mtime if stamp.exists() else directory.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def prune_builds(root: Path, variant: Variant, keep: str, count: int = KEEP_BUILDS) -> list[Path]:
+    """Remove the builds of ``variant`` under ``root`` beyond the ``count`` most recently used
+    (``keep``, the key just built, always stays); returns the directories removed. Builds in
+    progress (``*.build-<pid>``) and lock files are left alone."""
+    pattern = f"{variant.name}-" + "[0-9a-f]" * 20
+    builds = sorted(
+        (path for path in root.glob(pattern) if path.is_dir() and path.name != keep),
+        key=_last_used,
+        reverse=True,
+    )
+    removed = builds[max(count - 1, 0) :]
+    for path in removed:
+        logger.info("removing an older kernel build (not among the %d last used): %s", count, path)
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def _compile(variant: Variant, work: Path, sources: Sequence[Path]) -> ModuleType:
@@ -253,6 +293,7 @@ def _import(variant: Variant, library: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[name] = module
+    _stamp(library.parent)
     return module
 
 

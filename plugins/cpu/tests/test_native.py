@@ -214,3 +214,39 @@ def test_waiting_for_another_build_says_so_and_goes_on_when_its_holder_dies(tmp_
 def test_the_build_command_refuses_unknown_variants(capsys):
     assert native.main(["avx9000"]) == 2
     assert "unknown variant(s) avx9000" in capsys.readouterr().err
+
+
+def test_older_builds_of_a_variant_are_pruned_after_a_new_one(tmp_path):
+    """After a build, the variant's builds beyond the most recently used KEEP_BUILDS go; other
+    variants, builds in progress, lock files and the new build stay."""
+    import os
+
+    amx, avx2 = native.VARIANTS_BY_NAME["amx"], native.VARIANTS_BY_NAME["avx2"]
+    now = 1_000_000_000
+    keys = [f"amx-{i:020x}" for i in range(5)]
+    for age, key in enumerate(keys):  # keys[0] used last, keys[4] longest ago
+        (tmp_path / key).mkdir()
+        (tmp_path / key / native.USED_STAMP).touch()
+        os.utime(tmp_path / key / native.USED_STAMP, (now - age * 3600, now - age * 3600))
+        (tmp_path / f"{key}.lock").touch()
+    other = tmp_path / f"avx2-{0:020x}"
+    other.mkdir()
+    running = tmp_path / f"amx-{9:020x}.build-123"
+    running.mkdir()
+    new = f"amx-{8:020x}"
+    (tmp_path / new).mkdir()
+    removed = native.prune_builds(tmp_path, amx, keep=new, count=3)
+    assert sorted(p.name for p in removed) == sorted(keys[2:])  # the new one and the 2 last used stay
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == sorted(
+        [*keys[:2], new, other.name, running.name]
+    )
+    assert all((tmp_path / f"{key}.lock").exists() for key in keys)
+    assert native.prune_builds(tmp_path, avx2, keep="none", count=3) == []
+
+
+def test_importing_a_build_stamps_it(tmp_path):
+    kernels = native.load()
+    if kernels is None:
+        pytest.skip("no native kernels here")
+    stamp = Path(kernels.__file__).parent / native.USED_STAMP
+    assert stamp.exists()

@@ -207,3 +207,50 @@ def test_a_format_of_a_method_writes_that_method_and_format(source, tmp_path):
     )
     for a, b in zip(prequantized.prompt_logits(PROMPTS), on_the_fly.prompt_logits(PROMPTS)):
         assert torch.equal(a, b)
+
+
+def test_a_mixture_of_experts_copy_holds_its_experts_quantized(tmp_path):
+    """Qwen3-MoE saved by transformers (stacked experts): the copy holds each expert's projection
+    as a GPTQ module (``mlp.experts.<e>.<proj>.qweight``, as GPTQModel writes them), and loads
+    with the logits of quantizing while loading."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from engine.config import EngineConfig
+    from engine.testing.quantized_experts import MOE_CONFIG, NUM_EXPERTS
+    from engine.tools.quantize_checkpoint import quantize_checkpoint
+
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**MOE_CONFIG)).to(torch.bfloat16).save_pretrained(tmp_path / "moe")
+    settings = {"bits": 4, "group_size": 32}
+    config = EngineConfig(
+        model=str(tmp_path / "moe"), plugins=["cpu", "llama", "gptq"], quantization="gptq", quantization_config=settings
+    )
+    written = quantize_checkpoint(config, tmp_path / "moe-gptq", progress=False)
+    saved = {}
+    for file in written.files:
+        saved.update(load_file(tmp_path / "moe-gptq" / file))
+    for e in range(NUM_EXPERTS):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            assert f"model.layers.1.mlp.experts.{e}.{proj}.qweight" in saved
+    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in saved)
+    # 2 layers of q, k, v, o and 4 experts x 3 projections
+    assert written.num_modules == 2 * (4 + NUM_EXPERTS * 3)
+    prompts = [[5, 9, 200, 31], list(range(3, 40))]
+    copy = LLM(
+        str(tmp_path / "moe-gptq"),
+        plugins=["cpu", "llama", "gptq"],
+        dtype="bfloat16",
+        progress=False,
+        kv_cache_memory=0.05,
+    )
+    on_the_fly = LLM(
+        str(tmp_path / "moe"),
+        plugins=["cpu", "llama", "gptq"],
+        dtype="bfloat16",
+        progress=False,
+        kv_cache_memory=0.05,
+        quantization="gptq",
+        quantization_config=settings,
+    )
+    for a, b in zip(copy.prompt_logits(prompts), on_the_fly.prompt_logits(prompts)):
+        assert torch.equal(a, b)

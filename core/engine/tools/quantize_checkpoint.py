@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.engine.setup import resolve_setup
 from engine.interfaces.quantizer import LinearMethod, Quantizer
 from engine.layers.linear import MergedLinear, linear_layers, quantize_model
+from engine.layers.moe import EXPERT_TENSOR, FUSED_EXPERT_TENSOR, Experts
 from engine.model_loader.checkpoint import resolve_model_path, safetensors_files
 from engine.model_loader.weights import iterate_weights
 from engine.plugins.manager import get_plugin_manager
@@ -47,7 +48,7 @@ class QuantizedCheckpoint:
     path: Path
     quantization_config: dict[str, Any]
     dtype: str  # the dtype the weights were rounded to before quantizing
-    num_modules: int  # checkpoint linear modules written quantized
+    num_modules: int  # checkpoint linear modules written quantized (routed experts' projections included)
     num_kept: int  # checkpoint tensors written as they were
     files: list[str] = field(default_factory=list)
     bytes_written: int = 0
@@ -127,6 +128,35 @@ class _ShardWriter:
         return [*names, SAFETENSORS_INDEX]
 
 
+def _expert_modules(
+    model: torch.nn.Module, quantizer: Quantizer, name: str, tensor: torch.Tensor
+) -> list[tuple[str, torch.Tensor]] | None:
+    """A routed expert's dense weight (``mlp.experts.<e>.<proj>.weight``) or transformers'
+    stacked ones (``mlp.experts.gate_up_proj`` [E, 2I, hidden], ``down_proj`` [E, hidden, I]) as
+    ``(checkpoint module, weight)`` per expert projection, where the quantizer quantizes that
+    layer's experts (``get_experts_method``); None for any other tensor."""
+    match = EXPERT_TENSOR.match(name) or FUSED_EXPERT_TENSOR.match(name)
+    if match is None or (EXPERT_TENSOR.match(name) and match.group("suffix") != "weight"):
+        return None
+    moe = match.group("moe")
+    try:
+        module = model.get_submodule(moe)
+    except AttributeError:
+        return None
+    if not isinstance(module, Experts) or quantizer.get_experts_method(moe) is None:
+        return None
+    if EXPERT_TENSOR.match(name):
+        return [(name.removesuffix(".weight"), tensor)]
+    if match.group("proj") == "down_proj":
+        return [(f"{moe}.{e}.down_proj", tensor[e]) for e in range(tensor.shape[0])]
+    gate, up = tensor.chunk(2, dim=1)
+    return [
+        (f"{moe}.{e}.{proj}", part[e])
+        for e in range(tensor.shape[0])
+        for proj, part in (("gate_proj", gate), ("up_proj", up))
+    ]
+
+
 def _has_export(quantizer: Quantizer) -> bool:
     return type(quantizer).export_weight is not Quantizer.export_weight
 
@@ -181,6 +211,7 @@ def quantize_checkpoint(
         taken: set[str] = set()  # checkpoint names of the quantized layers' tensors
         waiting: dict[str, dict[str, torch.Tensor]] = {}  # checkpoint module -> its tensors so far
         total = sum(len(layers[path].output_sizes) for path in quantized)
+        num_experts = 0  # expert projections written quantized
         bar = tqdm(total=total, desc="Quantizing", unit="module", disable=not progress, leave=False)
 
         def receive(layer: MergedLinear, name: str, shard: int, tensor: torch.Tensor) -> None:
@@ -219,8 +250,18 @@ def quantize_checkpoint(
         if missing:
             raise ValueError(f"The checkpoint did not complete these quantized layers' tensors: {', '.join(missing)}.")
         kept = [(name, tensor) for name, tensor in streamed.values() if name not in taken]
+        dtype = getattr(torch, setup.dtype_name)
+        num_kept = 0
         for name, tensor in kept:
-            writer.add(name, tensor.clone())
+            experts = _expert_modules(model, quantizer, name, tensor)
+            if experts is None:
+                writer.add(name, tensor.clone())
+                num_kept += 1
+                continue
+            for module, weight in experts:  # a routed expert's projection, in the method's format
+                for key, value in quantizer.export_weight(weight.to(dtype), None).items():
+                    writer.add(f"{module}.{key}", value)
+                num_experts += 1
         written = writer.close()
         config_out = dict(raw_config, quantization_config=quantization_config)
         (partial / "config.json").write_text(json.dumps(config_out, indent=2), encoding="utf-8")
@@ -239,8 +280,8 @@ def quantize_checkpoint(
         dst,
         quantization_config,
         setup.dtype_name,
-        num_modules=total,
-        num_kept=len(kept),
+        num_modules=total + num_experts,
+        num_kept=num_kept,
         files=written,
         bytes_written=writer.total_bytes,
         source_bytes=sum(f.stat().st_size for f in files),

@@ -25,10 +25,10 @@ position order: a token's output is then bitwise the same alone, in any batch an
 chunks its prompt was cut into. Without the native kernels, each token gets its own attention
 call over exactly its keys.
 
-Layers with attention sinks (``AttentionSpec.sinks``, GPT-OSS) take the torch path whatever
-the kernels: the native kernels have no sink in their softmax, so the sinks' groups attend in
-float32 torch code (:func:`attend_with_sinks`), batched as above or token by token when batch
-invariant.
+Layers with attention sinks (``AttentionSpec.sinks``, GPT-OSS: one more logit per head in the
+softmax, adding no value) run the packed kernels with the sink in each head's max and sum (the
+online softmax starts from it); with the unpacked layout the sinks' groups attend in float32
+torch code (:func:`attend_with_sinks`), batched as above or token by token when batch invariant.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from engine.interfaces.attention import (
 )
 
 LONG_PREFILL_MIN_QUERY = 16
+_NO_SINKS = torch.empty(0)
 
 
 @dataclass
@@ -94,8 +95,7 @@ class CpuPagedAttention(AttentionBackend):
         super().__init__(spec, block_size, dtype, device)
         from engine_cpu import native
 
-        # the native kernels have no attention sinks: a group with sinks runs the torch path
-        self.kernels = None if spec.sinks else native.load()
+        self.kernels = native.load()
 
     @property
     def kernels(self):
@@ -112,6 +112,8 @@ class CpuPagedAttention(AttentionBackend):
             and self.dtype == torch.bfloat16
             and kernels.packed_kv_supported(self.spec.head_size, self.block_size)
         )
+        if self.spec.sinks and not self.packed:  # only the packed kernels weigh sinks: the torch path
+            self._kernels = None
 
     def kv_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         spec = self.spec
@@ -229,7 +231,7 @@ class CpuPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
         if self.packed:
-            return self._forward_packed(q, k, v, kv_cache, metadata)
+            return self._forward_packed(q, k, v, kv_cache, metadata, sinks)
         key_cache = kv_cache[0].view(-1, spec.num_kv_heads, spec.head_size)
         value_cache = kv_cache[1].view(-1, spec.num_kv_heads, spec.head_size)
         if self.kernels is not None:
@@ -300,9 +302,16 @@ class CpuPagedAttention(AttentionBackend):
         return out
 
     def _forward_packed(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, metadata: CpuAttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: CpuAttentionMetadata,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         spec, common = self.spec, metadata.common
+        sinks = _NO_SINKS if sinks is None else sinks.float().contiguous()
         # the kernels take q, k and v as slices of a fused projection: no copies
         if not _rows_of_heads(q):
             q = q.contiguous()
@@ -325,6 +334,7 @@ class CpuPagedAttention(AttentionBackend):
                 metadata.kernel_tokens,
                 spec.scale,
                 window,
+                sinks,
             )
         if metadata.prefill_seqs is not None:
             self.kernels.prefill_attention(
@@ -337,6 +347,7 @@ class CpuPagedAttention(AttentionBackend):
                 metadata.prefill_seqs,
                 spec.scale,
                 window,
+                sinks,
             )
         return out
 

@@ -12,8 +12,9 @@ from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec, Comm
 from engine_cpu.attention import CpuPagedAttention
 
 
-def naive_attention(q, k, v, context_len, scale, window):
-    """q: [n, H, D] at positions context_len..; k, v: [L, Hkv, D] for positions 0..L-1."""
+def naive_attention(q, k, v, context_len, scale, window, sinks=None):
+    """q: [n, H, D] at positions context_len..; k, v: [L, Hkv, D] for positions 0..L-1; sinks:
+    [H] logits, each one more term of its head's softmax that adds no value (or None)."""
     n, num_heads, _ = q.shape
     group = num_heads // k.shape[1]
     out = torch.empty_like(q)
@@ -25,7 +26,11 @@ def naive_attention(q, k, v, context_len, scale, window):
             scores = keys @ q[i, h].float() * scale
             if window is not None:
                 scores[: max(0, pos + 1 - window)] = -math.inf
-            out[i, h] = (scores.softmax(0) @ values).to(q.dtype)
+            if sinks is not None:
+                weights = torch.cat([scores, sinks[h : h + 1].float()]).softmax(0)[:-1]
+            else:
+                weights = scores.softmax(0)
+            out[i, h] = (weights @ values).to(q.dtype)
     return out
 
 
@@ -43,7 +48,7 @@ def make_backend(spec, block_size, dtype, path, batch_invariant=False):
     backend.batch_invariant = batch_invariant
     if path == "torch":
         backend.kernels = None
-    elif backend.kernels is None:  # "native" alone: the variant this CPU chooses
+    elif backend.kernels is None and not spec.sinks:  # sinks without the packed layout: torch by design
         pytest.fail("the engine-cpu native kernels failed to build (see the engine.cpu log)")
     return backend
 
@@ -86,6 +91,7 @@ def run_case(
     path,
     fused_qkv=False,
     batch_invariant=False,
+    sinks=False,
 ):
     gen = torch.Generator().manual_seed(seed)
     spec = AttentionSpec(
@@ -95,6 +101,7 @@ def run_case(
         head_size=head_size,
         scale=head_size**-0.5,
         sliding_window=window,
+        sinks=sinks,
     )
     backend = make_backend(spec, block_size, dtype, path, batch_invariant)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
@@ -146,10 +153,15 @@ def run_case(
             part.view(-1, heads, head_size) for part, heads in zip(parts, (num_heads, num_kv_heads, num_kv_heads))
         )
         assert not q.is_contiguous()
-    out = backend.forward(q, k, v, cache, backend.build_metadata(common))
+    # sink logits around the scores' range: from a little to most of a head's weight
+    sink_logits = torch.randn(num_heads, generator=gen) * 2 + 1 if sinks else None
+    out = backend.forward(q, k, v, cache, backend.build_metadata(common), sinks=sink_logits)
 
     expected = torch.cat(
-        [naive_attention(qs[b], full_k[b], full_v[b], c, spec.scale, window) for b, c in enumerate(context_lens)]
+        [
+            naive_attention(qs[b], full_k[b], full_v[b], c, spec.scale, window, sink_logits)
+            for b, c in enumerate(context_lens)
+        ]
     )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert out.shape == q.shape
@@ -498,3 +510,46 @@ def test_batch_invariant_rows_are_bitwise_the_same_in_any_batch_and_any_chunking
     decode = [attend_rows(backend, cache, tables, [(0, p, 1)], q_of, kv_of)[0] for p in range(60)]
     assert torch.equal(torch.cat(pieces), whole)
     assert torch.equal(torch.cat(decode), whole)
+
+
+@pytest.mark.parametrize(
+    "context_lens,query_lens,num_heads,num_kv_heads,window",
+    [
+        ([40, 7, 0], [1, 1, 1], 8, 2, None),  # decodes, GQA
+        ([0, 33, 5], [16, 40, 3], 4, 2, None),  # long chunks after cached prefixes, a short one
+        ([10, 0], [40, 64], 4, 4, 13),  # sliding window (GPT-OSS alternates it)
+    ],
+)
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_attention_sinks_in_bf16(path, context_lens, query_lens, num_heads, num_kv_heads, window, batch_invariant):
+    """Sinks (GPT-OSS): the packed kernels put each head's sink in its max and sum (decode, short
+    and long chunks, AMX or AVX-512 prefill, batch invariant); the torch path as well."""
+    run_case(
+        seed=31,
+        context_lens=context_lens,
+        query_lens=query_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=64,
+        block_size=16,
+        window=window,
+        dtype=torch.bfloat16,
+        path=path,
+        batch_invariant=batch_invariant,
+        sinks=True,
+    )
+
+
+def test_sinks_run_the_packed_kernels_and_only_them():
+    """A layer with sinks keeps the native kernels where the cache is packed (bf16), and takes
+    the torch path where it is not (fp32)."""
+    spec = AttentionSpec(kind=MHA, num_heads=4, num_kv_heads=2, head_size=64, scale=0.125, sinks=True)
+    packed = CpuPagedAttention(spec, 16, torch.bfloat16, torch.device("cpu"))
+    if packed.kernels is None:
+        pytest.skip("no native kernels here")
+    if not packed.kernels.packed_kv_supported(64, 16):
+        assert not packed.packed and packed.kernels is None
+        pytest.skip("this build has no packed layout")
+    assert packed.packed and packed.kernels is not None
+    plain = CpuPagedAttention(spec, 16, torch.float32, torch.device("cpu"))
+    assert plain.kernels is None and not plain.packed

@@ -54,7 +54,7 @@ template <int D>
 void slice(at::BFloat16* out, const at::BFloat16* q, int64_t q_row, const at::BFloat16* key_cache,
            const at::BFloat16* value_cache, const int64_t* table, int64_t q_start, int rows, int64_t first_pos,
            int64_t head, int64_t g, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale,
-           int64_t window) {
+           int64_t window, const float* sinks) {
   constexpr int64_t kSteps = D / 32;  // Q K^T tile products per 16 keys
   constexpr int64_t kBlocks = D / 16;  // P V output tiles
   const int64_t seg = block_size * D;
@@ -66,9 +66,9 @@ void slice(at::BFloat16* out, const at::BFloat16* q, int64_t q_row, const at::BF
   alignas(64) float o[16][16];
   alignas(64) float acc[16][D];
   float m[16], l[16];
-  for (int r = 0; r < rows; ++r) {
-    m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.f;
+  for (int r = 0; r < rows; ++r) {  // a sink: the max starts at it, the sum at exp(sink - sink) = 1
+    m[r] = sinks ? sinks[head] : -std::numeric_limits<float>::infinity();
+    l[r] = sinks ? 1.f : 0.f;
     for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(&acc[r][d], _mm512_setzero_ps());
   }
   const at::BFloat16* qs = q + q_start * q_row + head * D;
@@ -177,7 +177,7 @@ void slice(at::BFloat16* out, const at::BFloat16* q, int64_t q_row, const at::BF
 void amx_prefill_item(at::BFloat16* out, const at::BFloat16* q, int64_t q_row, const at::BFloat16* key_cache,
                       const at::BFloat16* value_cache, const int64_t* table, int64_t q_start, int64_t rows,
                       int64_t first_pos, int64_t g, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                      int64_t block_size, float scale, int64_t window) {
+                      int64_t block_size, float scale, int64_t window, const float* sinks) {
 #if defined(ENGINE_CPU_AMX)
   const int64_t group = num_heads / num_kv_heads;
   int configured = -1;
@@ -191,14 +191,14 @@ void amx_prefill_item(at::BFloat16* out, const at::BFloat16* q, int64_t q_row, c
       // (amx_attention_supported leaves head size 16, which with_head_size also instantiates, out)
       engine_cpu::with_head_size(head_size, [&](auto d) {
         slice<decltype(d)::value>(out, q, q_row, key_cache, value_cache, table, q_start + r0, n, first_pos + r0,
-                                  head, g, num_heads, num_kv_heads, block_size, scale, window);
+                                  head, g, num_heads, num_kv_heads, block_size, scale, window, sinks);
       });
     }
   }
 #else
   (void)out, (void)q, (void)q_row, (void)key_cache, (void)value_cache, (void)table, (void)q_start, (void)rows;
   (void)first_pos, (void)g, (void)num_heads, (void)num_kv_heads, (void)head_size, (void)block_size, (void)scale;
-  (void)window;
+  (void)window, (void)sinks;
   TORCH_CHECK(false, "amx_prefill_item: not an AMX build");
 #endif
 }

@@ -27,13 +27,13 @@ void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask, torch::Ten
 bool packed_kv_supported(int64_t head_size, int64_t block_size);
 void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                             torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
-                            torch::Tensor tokens, double scale, int64_t window);
+                            torch::Tensor tokens, double scale, int64_t window, torch::Tensor sinks);
 void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor k, torch::Tensor v);
 
 // prefill_attention.cpp
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                        torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor seqs, double scale,
-                       int64_t window);
+                       int64_t window, torch::Tensor sinks);
 
 // gemv.cpp
 bool gemv_supported();

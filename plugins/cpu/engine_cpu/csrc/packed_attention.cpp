@@ -68,7 +68,7 @@ template <int D>
 void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* key_cache,
                  const at::BFloat16* value_cache, const int64_t* table, int64_t pos, int64_t lo, int64_t g0,
                  int64_t g1, int64_t group, int64_t num_kv_heads, int64_t block_size, float scale,
-                 DecodeScratch& scratch) {
+                 const float* sinks, DecodeScratch& scratch) {
   constexpr int64_t P = D / 2, C = D / 16;
   static_assert(P % 4 == 0, "head sizes are multiples of 8");
   const int64_t seg = block_size * D, heads = (g1 - g0) * group;
@@ -159,7 +159,10 @@ void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k
   // dtype) and each head's sum of the unrounded ones
   std::vector<float>& l = scratch.vmax;  // reused: head h's sum in l[h * 16] once its max is read
   for (int64_t h = 0; h < heads; ++h) {
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(vmax + h * 16)));
+    // a sink (sinks[h], this item's heads) is one more logit that adds no value: in the max and the sum
+    const float keys_max = _mm512_reduce_max_ps(_mm512_loadu_ps(vmax + h * 16));
+    const float head_max = sinks ? std::max(keys_max, sinks[h]) : keys_max;
+    const __m512 mx = _mm512_set1_ps(head_max);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t chunk = chunk_lo; chunk <= chunk_hi; chunk += 16) {
       const int64_t i = h * span + (chunk - key0);
@@ -168,7 +171,7 @@ void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k
       sum = _mm512_add_ps(sum, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs + i), (__m256i)_mm512_cvtneps_pbh(e));
     }
-    l[h * 16] = _mm512_reduce_add_ps(sum);
+    l[h * 16] = _mm512_reduce_add_ps(sum) + (sinks ? std::exp(sinks[h] - head_max) : 0.f);
   }
   // pass 3: P @ V (its first blocks prefetched before pass 2, which reads no memory)
   for (int64_t n = first_block; n <= last_block; ++n) {
@@ -213,7 +216,7 @@ void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k
 // rows to compute (int64), or empty for all T. Rows of out not computed are untouched.
 void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                             torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
-                            torch::Tensor tokens, double scale, int64_t window) {
+                            torch::Tensor tokens, double scale, int64_t window, torch::Tensor sinks) {
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_size = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(2), block_size = kv_cache.size(3) / head_size;
   TORCH_CHECK(packed_kv_supported(head_size, block_size), "paged_attention_packed: unsupported head or block size");
@@ -224,7 +227,11 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.is_contiguous(), "block_tables: int64");
   TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous(), "tokens: contiguous int64");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
+                                     sinks.numel() == num_heads),
+              "paged_attention_packed: sinks must be fp32 [num_heads] or empty");
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const float* sink_ptr = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
   const int64_t* token_ptr = tokens.numel() > 0 ? tokens.data_ptr<int64_t>() : nullptr;
   const int64_t num_rows = token_ptr ? tokens.numel() : num_tokens;
   const int64_t group = num_heads / num_kv_heads;
@@ -271,7 +278,7 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
         auto run = [&](auto d) {
           decode_item<decltype(d)::value>(out_ptr + offset, q_ptr + q_offset, key_cache, value_cache,
                                           tables + b * max_blocks, pos, lo, g0, g1, group, num_kv_heads, block_size,
-                                          fscale, scratch);
+                                          fscale, sink_ptr ? sink_ptr + g0 * group : nullptr, scratch);
         };
         engine_cpu::with_head_size(head_size, run);
       }

@@ -25,7 +25,7 @@ bool amx_attention_supported(int64_t head_size);
 void amx_prefill_item(at::BFloat16* out, const at::BFloat16* q, int64_t q_row, const at::BFloat16* key_cache,
                       const at::BFloat16* value_cache, const int64_t* table, int64_t q_start, int64_t rows,
                       int64_t first_pos, int64_t g, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
-                      int64_t block_size, float scale, int64_t window);
+                      int64_t block_size, float scale, int64_t window, const float* sinks);
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 namespace {
@@ -39,7 +39,7 @@ template <int D>
 void prefill_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* key_cache,
                   const at::BFloat16* value_cache, const int64_t* table, int64_t q_start, int64_t rows,
                   int64_t first_pos, int64_t g, int64_t num_heads, int64_t num_kv_heads, int64_t block_size,
-                  float scale, int64_t window, int64_t q_row) {
+                  float scale, int64_t window, int64_t q_row, const float* sinks) {
   constexpr int64_t P = D / 2, C = D / 16;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t seg = block_size * D;
@@ -58,8 +58,10 @@ void prefill_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* 
       float m[kRows], l[kRows];
       for (int64_t r = 0; r < kRows; ++r) {
         for (int64_t c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-        m[r] = -std::numeric_limits<float>::infinity();
-        l[r] = 0.f;
+        // a sink is one more logit in the softmax that adds no value: the running max starts at
+        // it and the running sum at its exp(sink - sink) = 1
+        m[r] = sinks ? sinks[head] : -std::numeric_limits<float>::infinity();
+        l[r] = sinks ? 1.f : 0.f;
       }
       const int64_t row_last = first_pos + r0 + nr - 1;
       for (int64_t t = 0; t * kKeys + k0 <= row_last; ++t) {
@@ -146,10 +148,11 @@ void prefill_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* 
 #endif
 
 // out, q: [T, H, D] bf16 contiguous; kv_cache [2, num_blocks, Hkv, block_size * D] packed; seqs:
-// the sequences (rows of block_tables / query_start_loc / context_lens) whose query rows to compute.
+// the sequences (rows of block_tables / query_start_loc / context_lens) whose query rows to compute;
+// sinks: fp32 [H], one more logit per head in the softmax that adds no value (GPT-OSS), or empty.
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
                        torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor seqs, double scale,
-                       int64_t window) {
+                       int64_t window, torch::Tensor sinks) {
   const int64_t num_heads = q.size(1), head_size = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(2), block_size = kv_cache.size(3) / head_size;
   TORCH_CHECK(packed_kv_supported(head_size, block_size), "prefill_attention: unsupported head or block size, or CPU");
@@ -158,7 +161,11 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cach
   TORCH_CHECK(rows_of_heads(q) && out.is_contiguous() && kv_cache.is_contiguous(),
               "prefill_attention: q rows of contiguous heads, out and kv_cache contiguous");
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
+                                     sinks.numel() == num_heads),
+              "prefill_attention: sinks must be fp32 [num_heads] or empty");
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const float* sink_ptr = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* ctx = context_lens.data_ptr<int64_t>();
   const int64_t* seq = seqs.data_ptr<int64_t>();
@@ -185,14 +192,15 @@ void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cach
         if (tiles) {
           amx_prefill_item(out.data_ptr<at::BFloat16>(), q.data_ptr<at::BFloat16>(), q.stride(0), key_cache,
                            value_cache, tables + it.b * max_blocks, start, rows, ctx[it.b] + it.tile * kQueryTile, it.g,
-                           num_heads, num_kv_heads, head_size, block_size, static_cast<float>(scale), window);
+                           num_heads, num_kv_heads, head_size, block_size, static_cast<float>(scale), window,
+                           sink_ptr);
           continue;
         }
         auto run = [&](auto d) {
           prefill_item<decltype(d)::value>(
               out.data_ptr<at::BFloat16>(), q.data_ptr<at::BFloat16>(), key_cache, value_cache,
               tables + it.b * max_blocks, start, rows, ctx[it.b] + it.tile * kQueryTile, it.g, num_heads,
-              num_kv_heads, block_size, static_cast<float>(scale), window, q.stride(0));
+              num_kv_heads, block_size, static_cast<float>(scale), window, q.stride(0), sink_ptr);
         };
         engine_cpu::with_head_size(head_size, run);
       }

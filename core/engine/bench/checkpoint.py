@@ -68,13 +68,16 @@ class BenchCheckpoint:
 
 
 def _gguf_reader(path: Path) -> Any:
+    """The file's reader, from the parse the engine's loader shares (``open_gguf``)."""
     try:
-        import gguf
+        import gguf  # noqa: F401
     except ImportError:
         raise RuntimeError(
             f"Reading the GGUF file {path} needs the gguf package: pip install gguf (in engine's test extras)."
         ) from None
-    return gguf.GGUFReader(str(path))
+    from engine.model_loader.gguf import open_gguf
+
+    return open_gguf(path).reader
 
 
 def gguf_vocab_size(path: Path) -> int:

@@ -194,9 +194,26 @@ class GgufFile:
         return self.tensors[name].tensor_type.name
 
 
+_OPENED: dict[tuple[str, int, int], GgufFile] = {}  # the last files opened, by path, size and mtime
+
+
+def open_gguf(path: str | Path) -> GgufFile:
+    """The :class:`GgufFile` at ``path``, parsed once while the file stays the same: the config,
+    the weights and the bench all read it (a large vocabulary's metadata takes seconds)."""
+    resolved = Path(path).resolve()
+    stat = resolved.stat()
+    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
+    file = _OPENED.get(key)
+    if file is None:
+        file = GgufFile(resolved)
+        _OPENED.clear()  # one file at a time: a cached reader keeps its file mapped
+        _OPENED[key] = file
+    return file
+
+
 def gguf_config(path: str | Path) -> dict[str, Any]:
     """The HF ``config.json`` of the GGUF model at ``path`` (see the module docstring)."""
-    return _config(GgufFile(path))
+    return _config(open_gguf(path))
 
 
 def _config(file: GgufFile) -> dict[str, Any]:
@@ -434,7 +451,7 @@ def unpermute_from_ggml_rope(rows: torch.Tensor, num_heads: int) -> torch.Tensor
 
 def gguf_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, tensor)`` for every tensor of the GGUF at ``path`` (see the module docstring)."""
-    file = GgufFile(path)
+    file = open_gguf(path)
     config = _config(file)
     arch = file.architecture
     dequantizer = GgufDequantizer()

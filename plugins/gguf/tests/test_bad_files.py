@@ -65,3 +65,26 @@ def test_an_unsupported_tensor_type_is_named(tmp_path):
         start(path)
     with pytest.raises(ValueError, match="Q2_K"):
         gguf_config(path)
+
+
+def test_a_file_is_parsed_once_while_it_stays_the_same(tmp_path, monkeypatch):
+    """The config, the weights and the bench share one parse of a file; a file written again
+    (another size or time) is parsed again, and so is one whose damage came after a parse."""
+    from engine.model_loader import gguf as loader
+
+    parsed = []
+    real = loader.GgufFile.__init__
+
+    def counting(self, path):
+        parsed.append(path)
+        real(self, path)
+
+    monkeypatch.setattr(loader.GgufFile, "__init__", counting)
+    path = write(tmp_path / "m.gguf", "llama", EMBEDDING)
+    first = loader.open_gguf(path)
+    assert loader.open_gguf(str(path)) is first and len(parsed) == 1
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated after the parse: found by the next one
+    with pytest.raises(ValueError, match="truncated"):
+        loader.open_gguf(path)
+    assert len(parsed) == 2

@@ -49,3 +49,23 @@ def dense_tensor(name: str, tensor: torch.Tensor, target_dtype: torch.dtype) -> 
             f"{target_dtype}: the checkpoint's quantization_config does not describe this tensor."
         )
     return tensor
+
+
+def check_tensor_shapes(
+    what: str,
+    fmt: str,
+    tensors: dict[str, torch.Tensor],
+    expected: dict[str, tuple[tuple[int, ...], tuple[torch.dtype, ...]]],
+    layer: str,
+    hint: str,
+) -> None:
+    """Raise ``ValueError`` for the first of a module's checkpoint ``tensors`` whose shape or dtype
+    is not the ``expected`` ``(shape, dtypes)`` of its name: "<what>'s <fmt> <name> is <shape>
+    <dtype>; <layer> expects <shape> <dtype> (<hint>)."."""
+    for name, (shape, dtypes) in expected.items():
+        tensor = tensors[name]
+        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
+            raise ValueError(
+                f"{what}'s {fmt} {name} is {tuple(tensor.shape)} {tensor.dtype}; {layer} expects {shape} "
+                f"{dtypes[0]} ({hint})."
+            )

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import torch
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -156,7 +157,6 @@ def check_quantizing_while_loading_matches(
 def check_load_errors(checkpoints: MoECheckpoints, plugins: list[str], tmp_path: Path) -> None:
     """Quantized expert tensors with no quantization_config are refused by name; so is a
     checkpoint that leaves out one expert projection."""
-    import pytest
     from safetensors.torch import load_file
 
     config = json.loads((checkpoints.quantized / "config.json").read_text())
@@ -169,3 +169,48 @@ def check_load_errors(checkpoints: MoECheckpoints, plugins: list[str], tmp_path:
     save(tmp_path / "short", config, short)
     with pytest.raises(ValueError, match=r"expert projections: model\.layers\.0\.mlp\.experts\.2\.up_proj"):
         _llm(tmp_path / "short", plugins, "float32")
+
+
+class QuantizedExpertsTests:
+    """The checks above as a test class: subclass with ``plugins``, ``quantization`` (the
+    ``--quantization`` name), ``quantization_config`` (the checkpoint's), ``export(weight)`` (one
+    module's tensors in the format) and ``dequantize(tensors)`` (the format's reference);
+    ``on_the_fly_dtype`` is the dtype quantizing while loading is compared in (the model's, for
+    formats whose scales take it)."""
+
+    plugins: list[str]
+    quantization: str
+    quantization_config: dict
+    on_the_fly_dtype = "float32"
+    # fp32: the order of the float32 sums; bf16: the dense reference rounds its weights to bf16,
+    # and the routed experts carry it on (measured up to 3.2e-2)
+    tolerance = {"float32": 1e-4, "bfloat16": 5e-2}
+
+    @classmethod
+    def export(cls, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    @classmethod
+    def dequantize(cls, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def checkpoints(cls, tmp_path_factory: pytest.TempPathFactory) -> MoECheckpoints:
+        return moe_checkpoints(tmp_path_factory.mktemp("moe"), cls.quantization_config, cls.export, cls.dequantize)
+
+    def test_experts_run_from_their_packed_weights_in_float32(self, checkpoints) -> None:
+        check_experts_match_dequantized(checkpoints, self.plugins, "float32", self.tolerance["float32"])
+
+    def test_experts_run_from_their_packed_weights_in_bfloat16(self, checkpoints) -> None:
+        check_experts_match_dequantized(checkpoints, self.plugins, "bfloat16", self.tolerance["bfloat16"])
+
+    def test_quantizing_experts_while_loading_matches_the_checkpoint(self, checkpoints) -> None:
+        check_quantizing_while_loading_matches(
+            checkpoints, self.plugins, self.quantization, self.quantization_config, self.on_the_fly_dtype
+        )
+
+    def test_quantized_experts_without_a_method_or_a_projection_are_refused_by_name(
+        self, checkpoints, tmp_path
+    ) -> None:
+        check_load_errors(checkpoints, self.plugins, tmp_path)

@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.interfaces.group_quant import GroupQuantWeight
 from engine.interfaces.quantizer import ExpertsMethod, FormatExpertsMethod, LinearMethod, Quantizer
+from engine.layers.quantized_checkpoint import check_tensor_shapes
 from engine_awq.packing import BITS, PACK, quantize_rtn, unpack
 
 logger = logging.getLogger("engine.awq")
@@ -125,14 +126,8 @@ def checked_tensors(
         "qzeros": ((groups, rows // PACK), (torch.int32,)),
         "scales": ((groups, rows), (torch.float16, torch.bfloat16, torch.float32)),
     }
-    for name, (shape, dtypes) in expected.items():
-        tensor = tensors[name]
-        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
-            raise ValueError(
-                f"{what}'s AWQ {name} is {tuple(tensor.shape)} {tensor.dtype}; a GEMM-layout layer of "
-                f"{inputs} inputs, {rows} outputs and groups of {settings.group_size} expects {shape} "
-                f"{dtypes[0]} (are group_size and version in config.json right?)."
-            )
+    layer = f"a GEMM-layout layer of {inputs} inputs, {rows} outputs and groups of {settings.group_size}"
+    check_tensor_shapes(what, "AWQ", tensors, expected, layer, "are group_size and version in config.json right?")
     return tensors
 
 

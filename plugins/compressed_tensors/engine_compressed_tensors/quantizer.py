@@ -23,6 +23,7 @@ from torch import nn
 
 from engine.interfaces.group_quant import GroupQuantWeight
 from engine.interfaces.quantizer import ExpertsMethod, FormatExpertsMethod, LinearMethod, Quantizer
+from engine.layers.quantized_checkpoint import check_tensor_shapes
 from engine_compressed_tensors.packing import PACKED_BITS, pack_factor, quantize_rtn, unpack
 
 logger = logging.getLogger("engine.compressed_tensors")
@@ -206,14 +207,9 @@ def checked_tensors(
     if zeros is not None:
         packed = zeros.dtype == torch.int32 and zeros.shape[0] != rows
         expected["weight_zero_point"] = ((-(-rows // per_word) if packed else rows, groups), INTEGER_DTYPES)
-    for name, (shape, dtypes) in expected.items():
-        tensor = tensors[name]
-        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
-            raise ValueError(
-                f"{what}'s pack-quantized {name} is {tuple(tensor.shape)} {tensor.dtype}; a layer of "
-                f"{inputs} inputs and {rows} outputs, {settings.describe()}, expects {shape} {dtypes[0]} "
-                f"(do config_groups' num_bits, strategy and group_size in config.json match the tensors?)."
-            )
+    layer = f"a layer of {inputs} inputs and {rows} outputs, {settings.describe()},"
+    hint = "do config_groups' num_bits, strategy and group_size in config.json match the tensors?"
+    check_tensor_shapes(what, "pack-quantized", tensors, expected, layer, hint)
     shape = tensors["weight_shape"]
     if shape.dtype not in INTEGER_DTYPES or shape.tolist() != [rows, inputs]:
         raise ValueError(f"{what}'s weight_shape is {shape.tolist()}; this module is [{rows}, {inputs}].")

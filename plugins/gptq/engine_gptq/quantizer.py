@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.interfaces.group_quant import GroupQuantWeight
 from engine.interfaces.quantizer import ExpertsMethod, FormatExpertsMethod, LinearMethod, Quantizer
+from engine.layers.quantized_checkpoint import check_tensor_shapes
 from engine_gptq.convert import to_group_quant
 from engine_gptq.packing import quantize_rtn, values_per_word
 
@@ -122,13 +123,8 @@ def checked_tensors(
         "qzeros": ((groups, rows // pack), (torch.int32,)),
         "scales": ((groups, rows), (torch.float16, torch.bfloat16, torch.float32)),
     }
-    for name, (shape, dtypes) in expected.items():
-        tensor = tensors[name]
-        if tuple(tensor.shape) != shape or tensor.dtype not in dtypes:
-            raise ValueError(
-                f"{what}'s GPTQ {name} is {tuple(tensor.shape)} {tensor.dtype}; a {bits}-bit layer of "
-                f"{inputs} inputs and {rows} outputs expects {shape} {dtypes[0]} (is bits in config.json right?)."
-            )
+    layer = f"a {bits}-bit layer of {inputs} inputs and {rows} outputs"
+    check_tensor_shapes(what, "GPTQ", tensors, expected, layer, "is bits in config.json right?")
     size = inputs if settings.group_size == -1 else settings.group_size
     if "g_idx" not in tensors:
         if settings.desc_act:

@@ -47,10 +47,9 @@ def write_checkpoint(base, path, tensors: dict, quantization_config: dict | None
     save_file({name: t.contiguous() for name, t in tensors.items()}, path / "model.safetensors", {"format": "pt"})
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    """(bf16 checkpoint, its GPTQ checkpoint, the GPTQ weights dequantized, unquantized)."""
-    root = tmp_path_factory.mktemp("gptq")
+def gptq_checkpoints(root, settings: dict, modules: tuple[str, ...] = LINEAR, **overrides):
+    """(a tiny bf16 Llama, its GPTQ checkpoint with ``modules`` quantized by the plugin's
+    round-to-nearest, those GPTQ weights dequantized by gptq_reference.py, unquantized)."""
     make_tiny_checkpoint(
         "LlamaForCausalLM",
         root / "base",
@@ -58,22 +57,29 @@ def checkpoints(tmp_path_factory):
         initializer_range=0.1,
         hidden_size=128,
         intermediate_size=256,
+        **overrides,
     )
     state = load_file(root / "base" / "model.safetensors")
-    quantizer = GptqQuantizer.from_config(SETTINGS, prequantized=False)
+    quantizer = GptqQuantizer.from_config(settings, prequantized=False)
     quantized, dequantized = {}, {}
     for name, tensor in state.items():
         module = name.removesuffix(".weight")
-        if module.split(".")[-1] not in LINEAR:
+        if module.split(".")[-1] not in modules:
             quantized[name] = dequantized[name] = tensor
             continue
         gptq = quantizer.export_weight(tensor, None)
         quantized.update({f"{module}.{key}": value for key, value in gptq.items()})
         numpy_tensors = {key: value.numpy() for key, value in gptq.items()}
-        dequantized[name] = torch.from_numpy(dequantize(numpy_tensors, SETTINGS["bits"])).float()
-    write_checkpoint(root / "base", root / "gptq", quantized, {"quant_method": "gptq", **SETTINGS})
+        dequantized[name] = torch.from_numpy(dequantize(numpy_tensors, settings["bits"])).float()
+    write_checkpoint(root / "base", root / "gptq", quantized, {"quant_method": "gptq", **settings})
     write_checkpoint(root / "base", root / "dequantized", dequantized, None)
     return root / "base", root / "gptq", root / "dequantized"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(bf16 checkpoint, its GPTQ checkpoint, the GPTQ weights dequantized, unquantized)."""
+    return gptq_checkpoints(tmp_path_factory.mktemp("gptq"), SETTINGS)
 
 
 def make_llm(path, dtype: str, **kwargs) -> LLM:
@@ -234,32 +240,9 @@ def head_checkpoints(tmp_path_factory):
     """An untied Llama and its GPTQ checkpoint with ``lm_head: true`` (GPTQModel's option): the
     output head quantized too; and that checkpoint dequantized."""
     root = tmp_path_factory.mktemp("gptq-head")
-    make_tiny_checkpoint(
-        "LlamaForCausalLM",
-        root / "base",
-        dtype="bfloat16",
-        initializer_range=0.1,
-        hidden_size=128,
-        intermediate_size=256,
-        tie_word_embeddings=False,
-    )
-    state = load_file(root / "base" / "model.safetensors")
-    settings = {**SETTINGS, "lm_head": True}
-    quantizer = GptqQuantizer.from_config(settings, prequantized=False)
-    quantized, dequantized = {}, {}
-    for name, tensor in state.items():
-        module = name.removesuffix(".weight")
-        if module.split(".")[-1] not in (*LINEAR, "lm_head"):
-            quantized[name] = dequantized[name] = tensor
-            continue
-        gptq = quantizer.export_weight(tensor, None)
-        quantized.update({f"{module}.{key}": value for key, value in gptq.items()})
-        numpy_tensors = {key: value.numpy() for key, value in gptq.items()}
-        dequantized[name] = torch.from_numpy(dequantize(numpy_tensors, settings["bits"])).float()
-    assert "lm_head.qweight" in quantized
-    write_checkpoint(root / "base", root / "gptq", quantized, {"quant_method": "gptq", **settings})
-    write_checkpoint(root / "base", root / "dequantized", dequantized, None)
-    return root / "base", root / "gptq", root / "dequantized"
+    found = gptq_checkpoints(root, {**SETTINGS, "lm_head": True}, (*LINEAR, "lm_head"), tie_word_embeddings=False)
+    assert "lm_head.qweight" in load_file(found[1] / "model.safetensors")
+    return found
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -306,11 +306,12 @@ def test_the_setup_shows_the_linear_kernels_the_platform_chose(capsys, tiny_llam
     assert main(args) == 0
     line = json.loads(capsys.readouterr().out)["setup"]["engine linear kernels"]
     assert line.startswith("OneDNNLinearMethod: ")
-    # every layer shape with a kernel for each band of rows: which wins is the machine's to say
+    # every layer shape with a kernel for each band of rows, the last open-ended: which wins is
+    # the machine's to say
     kernel = "(gemv|onednn|amx)"
     band = rf"{kernel} \d+(-\d+)?"
     for part in line.removeprefix("OneDNNLinearMethod: ").split("; "):
-        assert re.fullmatch(rf"\d+x\d+: {band}(, {band})*, {kernel} beyond", part), part
+        assert re.fullmatch(rf"\d+x\d+: ({band}, )*{kernel} \d+\+", part), part
     assert (tmp_path / "tuning.json").exists()
 
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from engine.interfaces.group_quant import GroupQuantWeight
-from engine.interfaces.quantizer import ExpertsMethod, FormatExpertsMethod, LinearMethod, Quantizer
+from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
+from engine.layers.group_quant_method import GroupQuantLinearMethod
 from engine.layers.quantized_checkpoint import check_tensor_shapes
 from engine_awq.packing import BITS, PACK, quantize_rtn, unpack
 
@@ -96,10 +96,6 @@ class Settings:
         return f"4-bit, {group}, {'zero points' if self.zero_point else 'symmetric'} (GEMM layout)"
 
 
-def _frozen(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor, requires_grad=False)
-
-
 def to_group_quant(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) -> GroupQuantWeight:
     """The GroupQuantWeight of AWQ tensors (one module's, or several joined along N):
     W[n, k] = scales[k // g, n] * q[k, n] - scales[k // g, n] * z[k // g, n]."""
@@ -131,16 +127,19 @@ def checked_tensors(
     return tensors
 
 
-class AwqLinearMethod(LinearMethod):
-    """Loads ``qweight`` [K, N / 8], ``qzeros`` [G, N / 8] and ``scales`` [G, N] per output shard,
-    then holds the layer as one GroupQuantWeight over the shards joined along N (parameters
-    ``qweight`` uint8 [N, K / 2], ``scales`` and ``offsets`` float32 [N, G])."""
+class AwqLinearMethod(GroupQuantLinearMethod):
+    """Loads ``qweight`` [K, N / 8], ``qzeros`` [G, N / 8] and ``scales`` [G, N] per output shard
+    (``engine.layers.group_quant_method``), then holds the layer as one GroupQuantWeight over the
+    shards joined along N (parameters ``qweight`` uint8 [N, K / 2], ``scales`` and ``offsets``
+    float32 [N, G])."""
+
+    format_name = "AWQ"
 
     def __init__(self, settings: Settings, prequantized: bool) -> None:
+        super().__init__(prequantized)
         self.settings = settings
-        self.prequantized = prequantized
 
-    def create_weights(self, layer, input_size, output_sizes, bias, dtype) -> None:
+    def check_layer(self, input_size, output_sizes) -> None:
         size = input_size if self.settings.group_size == -1 else self.settings.group_size
         odd = [rows for rows in output_sizes if rows % PACK]
         if odd or input_size % size:
@@ -148,61 +147,21 @@ class AwqLinearMethod(LinearMethod):
                 f"An AWQ layer packs {PACK} outputs a word in groups of {size} inputs; this layer's output shards "
                 f"({output_sizes}) must be multiples of {PACK} and its {input_size} inputs a multiple of {size}."
             )
-        if not self.prequantized:  # a plain weight, quantized after loading
-            layer.weight = _frozen(torch.empty(sum(output_sizes), input_size, dtype=dtype))
-        layer.bias = _frozen(torch.empty(sum(output_sizes), dtype=dtype)) if bias else None
-        layer.awq_staged = {}  # prequantized: (name, shard) -> tensor, until loading ends
-        layer.awq_device = torch.empty(0).device
 
-    def checkpoint_tensors(self, layer) -> tuple[str, ...]:
-        if not self.prequantized:
-            return super().checkpoint_tensors(layer)
-        return (*TENSORS, "bias") if layer.has_bias else TENSORS
+    def tensor_names(self) -> tuple[str, ...]:
+        return TENSORS
 
-    def local_part(self, layer, name, shard, tensor) -> torch.Tensor:
-        if self.prequantized and layer.tp.is_parallel and name != "bias":
-            raise ValueError(
-                f"AWQ tensor {name!r} of shard {shard} cannot be split across {layer.tp.size} tensor-parallel "
-                f"ranks yet; load this checkpoint with --tensor-parallel-size 1."
-            )
-        return super().local_part(layer, name, shard, tensor)
-
-    def load_weight(self, layer, name, shard, tensor) -> None:
-        if not self.prequantized or name == "bias":
-            super().load_weight(layer, name, shard, tensor)
-            return
-        if name not in TENSORS:
-            raise KeyError(
-                f"An AWQ checkpoint has no tensor {name!r} for a linear layer; expected "
-                f"{', '.join(self.checkpoint_tensors(layer))}."
-            )
-        layer.awq_staged[(name, shard)] = tensor
-
-    def _shard_tensors(self, layer, shard: int) -> dict[str, torch.Tensor]:
-        """Shard ``shard``'s tensors, checked against the layer's shape and the settings."""
-        rows, inputs = layer.output_sizes[shard], layer.input_size
-        if not self.prequantized:
-            return self.quantize(layer.weight.data[layer._rows(shard)])
-        tensors = {name: t for (name, s), t in layer.awq_staged.items() if s == shard}
-        return checked_tensors(self.settings, tensors, rows, inputs, f"Shard {shard}")
+    def check(self, tensors, rows, inputs, what) -> dict[str, torch.Tensor]:
+        return checked_tensors(self.settings, tensors, rows, inputs, what)
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         return quantize_rtn(weight, self.settings.group_size, self.settings.zero_point)
 
-    def process_weights_after_loading(self, layer) -> None:
-        shards = [self._shard_tensors(layer, shard) for shard in range(len(layer.output_sizes))]
-        del layer.awq_staged
-        if hasattr(layer, "weight"):
-            del layer.weight
-        joined = {name: torch.cat([t[name] for t in shards], dim=1) for name in TENSORS}  # along the outputs
-        weight = to_group_quant(**joined).to(layer.awq_device)
-        layer.group_quant = weight.attach(layer)
-
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return layer.ops.group_quant_linear(x, layer.group_quant, layer.bias)
+    def convert(self, tensors, rows, inputs, what) -> GroupQuantWeight:
+        return to_group_quant(**tensors)
 
     def describe(self) -> str:
-        return f"AWQ {self.settings.describe()}, group-quantized layout, the platform's group_quant_linear"
+        return f"AWQ {self.settings.describe()}, {self.describe_layout()}"
 
 
 class AwqQuantizer(Quantizer):
@@ -246,15 +205,8 @@ class AwqQuantizer(Quantizer):
     def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
         if any(module in layer_name for module in self.settings.modules_to_not_convert):
             return None
-        s = self.settings
-
-        def convert(tensors, rows, inputs, what) -> GroupQuantWeight:
-            return to_group_quant(**checked_tensors(s, tensors, rows, inputs, what))
-
-        def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-            return quantize_rtn(weight, s.group_size, s.zero_point)
-
-        return FormatExpertsMethod(convert, quantize, f"AWQ {s.describe()} experts, group-quantized layout")
+        method = AwqLinearMethod(self.settings, self.prequantized)
+        return method.experts_method(f"AWQ {self.settings.describe()} experts, group-quantized layout")
 
     def checkpoint_config(self) -> dict[str, Any]:
         s = self.settings

@@ -107,7 +107,8 @@ def test_random_modules_match_the_dequantized_matmul(group_size):
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 4e-3), (torch.float16, 5e-4)):
         layer = awq_layer({"group_size": group_size}, inputs, shards, dtype, [b.to(dtype) for b in bias])
         assert {name for name, _ in layer.named_parameters()} == {"qweight", "scales", "offsets", "bias"}
-        assert np.array_equal(layer.group_quant.dequantize().double().numpy(), weight)
+        [(_, _, held)] = layer.group_quant
+        assert np.array_equal(held.dequantize().double().numpy(), weight)
         layer.ops = RecordingOps()
         for tokens in (1, 7, 40):
             x = torch.randn(tokens, inputs, generator=torch.Generator().manual_seed(tokens)).to(dtype)
@@ -117,7 +118,7 @@ def test_random_modules_match_the_dequantized_matmul(group_size):
             assert y.dtype == dtype and y.shape == (tokens, 96)
             error = ((y.double() - expected).norm() / expected.norm()).item()
             assert error <= tolerance, f"{dtype}, {tokens} tokens: relative error {error:.2e}"
-        assert layer.ops.weights == [layer.group_quant] * 3, "the layer did not compute through layer.ops"
+        assert layer.ops.weights == [held] * 3, "the layer did not compute through layer.ops"
 
 
 @pytest.mark.parametrize("zero_point", [True, False])
@@ -193,7 +194,8 @@ def test_logits_match_the_dequantized_model(checkpoints, dtype):
     llm = make_llm(awq, dtype)
     qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj
     assert not hasattr(qkv, "weight") and not hasattr(qkv, "qzeros"), "the layer keeps more than its weight"
-    assert isinstance(qkv.group_quant, GroupQuantWeight) and qkv.group_quant.qweight is qkv.qweight
+    [(_, _, held)] = qkv.group_quant
+    assert isinstance(held, GroupQuantWeight) and held.qweight is qkv.qweight
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (3, 11, 25)]
     for got, want in zip(llm.prompt_logits(prompts), make_llm(dequantized, dtype).prompt_logits(prompts)):

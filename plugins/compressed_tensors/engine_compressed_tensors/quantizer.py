@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from engine.interfaces.group_quant import GroupQuantWeight
-from engine.interfaces.quantizer import ExpertsMethod, FormatExpertsMethod, LinearMethod, Quantizer
+from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
+from engine.layers.group_quant_method import GroupQuantLinearMethod
 from engine.layers.quantized_checkpoint import check_tensor_shapes
 from engine_compressed_tensors.packing import PACKED_BITS, pack_factor, quantize_rtn, unpack
 
@@ -165,10 +165,6 @@ class Settings:
         return False
 
 
-def _frozen(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor, requires_grad=False)
-
-
 def to_group_quant(tensors: dict[str, torch.Tensor], settings: Settings, rows: int, inputs: int) -> GroupQuantWeight:
     """The GroupQuantWeight of one module's (or one output shard's) ``pack-quantized`` tensors:
     W[n, k] = scale[n, k // g] * u[n, k] - scale[n, k // g] * (z[n, k // g] + 2**(bits-1))."""
@@ -216,17 +212,21 @@ def checked_tensors(
     return tensors
 
 
-class PackQuantizedLinearMethod(LinearMethod):
+class PackQuantizedLinearMethod(GroupQuantLinearMethod):
     """Loads ``weight_packed`` [N, K / p], ``weight_scale`` [N, G], ``weight_shape`` [2] (and
-    ``weight_zero_point``) per output shard, then holds the layer as one GroupQuantWeight over
-    the shards joined along N (parameters ``qweight`` uint8, ``scales`` and ``offsets`` float32
-    [N, G])."""
+    ``weight_zero_point``) per output shard (``engine.layers.group_quant_method``), then holds the
+    layer as one GroupQuantWeight over the shards joined along N (parameters ``qweight`` uint8,
+    ``scales`` and ``offsets`` float32 [N, G])."""
+
+    format_name = "pack-quantized"
+    # a symmetric checkpoint may still carry zero points (all zero), as earlier versions wrote
+    optional_names = ("weight_zero_point",)
 
     def __init__(self, settings: Settings, prequantized: bool) -> None:
+        super().__init__(prequantized)
         self.settings = settings
-        self.prequantized = prequantized
 
-    def create_weights(self, layer, input_size, output_sizes, bias, dtype) -> None:
+    def check_layer(self, input_size, output_sizes) -> None:
         if self.settings.group_size is not None and input_size % self.settings.group_size:
             raise ValueError(
                 f"A pack-quantized layer in groups of {self.settings.group_size} inputs needs its {input_size} "
@@ -234,85 +234,30 @@ class PackQuantizedLinearMethod(LinearMethod):
             )
         if input_size % 2:
             raise ValueError(f"A pack-quantized layer needs an even number of inputs, not {input_size}.")
-        if not self.prequantized:  # a plain weight, quantized after loading
-            layer.weight = _frozen(torch.empty(sum(output_sizes), input_size, dtype=dtype))
-        layer.bias = _frozen(torch.empty(sum(output_sizes), dtype=dtype)) if bias else None
-        layer.ct_staged = {}  # prequantized: (name, shard) -> tensor, until loading ends
-        layer.ct_device = torch.empty(0).device
 
     def tensor_names(self) -> tuple[str, ...]:
         names = ("weight_packed", "weight_scale", "weight_shape")
         return names if self.settings.symmetric else (*names, "weight_zero_point")
 
-    def checkpoint_tensors(self, layer) -> tuple[str, ...]:
-        if not self.prequantized:
-            return super().checkpoint_tensors(layer)
-        return (*self.tensor_names(), "bias") if layer.has_bias else self.tensor_names()
-
-    def local_part(self, layer, name, shard, tensor) -> torch.Tensor:
-        if self.prequantized and layer.tp.is_parallel and name != "bias":
-            raise ValueError(
-                f"pack-quantized tensor {name!r} of shard {shard} cannot be split across {layer.tp.size} "
-                f"tensor-parallel ranks yet; load this checkpoint with --tensor-parallel-size 1."
-            )
-        return super().local_part(layer, name, shard, tensor)
-
-    def load_weight(self, layer, name, shard, tensor) -> None:
-        if not self.prequantized or name == "bias":
-            super().load_weight(layer, name, shard, tensor)
-            return
+    def refuse(self, name: str) -> None:
         if name == "weight_g_idx":
             raise ValueError(
                 "This pack-quantized checkpoint holds weight_g_idx (activation order by group), which "
                 "engine-compressed-tensors does not read; requantize with actorder 'weight' or none."
             )
-        # a symmetric checkpoint may still carry zero points (all zero), as earlier versions wrote
-        if name not in (*self.tensor_names(), "weight_zero_point"):
-            raise KeyError(
-                f"A pack-quantized checkpoint has no tensor {name!r} for a linear layer; expected "
-                f"{', '.join(self.checkpoint_tensors(layer))}."
-            )
-        layer.ct_staged[(name, shard)] = tensor
 
-    def _shard_tensors(self, layer, shard: int) -> dict[str, torch.Tensor]:
-        """Shard ``shard``'s tensors, checked against the layer's shape and the settings."""
-        rows, inputs = layer.output_sizes[shard], layer.input_size
-        if not self.prequantized:
-            return self.quantize(layer.weight.data[layer._rows(shard)])
-        tensors = {name: t for (name, s), t in layer.ct_staged.items() if s == shard}
-        return checked_tensors(self.settings, tensors, rows, inputs, f"Shard {shard}")
+    def check(self, tensors, rows, inputs, what) -> dict[str, torch.Tensor]:
+        return checked_tensors(self.settings, tensors, rows, inputs, what)
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         size = self.settings.group_size or weight.shape[1]
         return quantize_rtn(weight, self.settings.bits, size, self.settings.symmetric, weight.dtype)
 
-    def process_weights_after_loading(self, layer) -> None:
-        rows, inputs = layer.output_sizes, layer.input_size
-        shards = [
-            to_group_quant(self._shard_tensors(layer, shard), self.settings, rows[shard], inputs)
-            for shard in range(len(rows))
-        ]
-        del layer.ct_staged
-        if hasattr(layer, "weight"):
-            del layer.weight
-        joined = GroupQuantWeight(  # the shards along the outputs
-            torch.cat([w.qweight for w in shards]),
-            torch.cat([w.scales for w in shards]),
-            torch.cat([w.offsets for w in shards]),
-            shards[0].bits,
-            shards[0].group_size,
-            inputs,
-            sum(rows),
-        )
-        layer.group_quant = joined.to(layer.ct_device).attach(layer)
-
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        return layer.ops.group_quant_linear(x, layer.group_quant, layer.bias)
+    def convert(self, tensors, rows, inputs, what) -> GroupQuantWeight:
+        return to_group_quant(tensors, self.settings, rows, inputs)
 
     def describe(self) -> str:
-        return (
-            f"compressed-tensors {self.settings.describe()}, group-quantized layout, the platform's group_quant_linear"
-        )
+        return f"compressed-tensors {self.settings.describe()}, {self.describe_layout()}"
 
 
 class PackQuantizedQuantizer(Quantizer):
@@ -375,18 +320,8 @@ class PackQuantizedQuantizer(Quantizer):
     def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
         if self.settings.ignores(f"{layer_name}.0.gate_proj"):
             return None
-        s = self.settings
-
-        def convert(tensors, rows, inputs, what) -> GroupQuantWeight:
-            return to_group_quant(checked_tensors(s, tensors, rows, inputs, what), s, rows, inputs)
-
-        def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-            size = s.group_size or weight.shape[1]
-            return quantize_rtn(weight, s.bits, size, s.symmetric, weight.dtype)
-
-        return FormatExpertsMethod(
-            convert, quantize, f"compressed-tensors {s.describe()} experts, group-quantized layout"
-        )
+        method = PackQuantizedLinearMethod(self.settings, self.prequantized)
+        return method.experts_method(f"compressed-tensors {self.settings.describe()} experts, group-quantized layout")
 
     def checkpoint_config(self) -> dict[str, Any]:
         s = self.settings

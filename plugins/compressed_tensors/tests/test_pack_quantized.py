@@ -150,8 +150,9 @@ def test_logits_match_transformers_on_the_dequantized_weights(base, tmp_path, va
     llm = LLM(str(quantized), plugins=PLUGINS, dtype="float32", progress=False, kv_cache_memory=0.05)
     assert isinstance(llm.engine.setup.quantizer, PackQuantizedQuantizer) and llm.engine.setup.dequantizer is None
     qkv = llm.engine.model.model.layers[0].self_attn.qkv_proj
-    assert not hasattr(qkv, "weight") and isinstance(qkv.group_quant, GroupQuantWeight)
-    assert qkv.group_quant.qweight is qkv.qweight
+    [(_, _, held)] = qkv.group_quant
+    assert not hasattr(qkv, "weight") and isinstance(held, GroupQuantWeight)
+    assert held.qweight is qkv.qweight
     hf_model = transformers.LlamaForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 320) for _ in range(n)] for n in (3, 11, 25)]

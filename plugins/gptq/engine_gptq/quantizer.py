@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
 
 from engine.interfaces.group_quant import GroupQuantWeight
-from engine.interfaces.quantizer import ExpertsMethod, FormatExpertsMethod, LinearMethod, Quantizer
+from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
+from engine.layers.group_quant_method import GroupQuantLinearMethod
 from engine.layers.quantized_checkpoint import check_tensor_shapes
 from engine_gptq.convert import to_group_quant
 from engine_gptq.packing import quantize_rtn, values_per_word
@@ -140,22 +140,22 @@ def checked_tensors(
     return tensors
 
 
-def _frozen(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor, requires_grad=False)
-
-
-class GptqLinearMethod(LinearMethod):
+class GptqLinearMethod(GroupQuantLinearMethod):
     """Loads ``qweight`` [K / pack, N], ``qzeros`` [G, N / pack], ``scales`` [G, N] and ``g_idx``
-    [K] per output shard, then holds the layer as one GroupQuantWeight (parameters ``qweight``,
-    ``scales``, ``offsets`` and, with act-order, ``input_order``) over the shards joined along N.
-    Shards whose ``g_idx`` differ (act-order, each quantized apart) need different input orders,
-    so each keeps its own (``qweight_<shard>``, ...) and the layer computes them side by side."""
+    [K] per output shard (``engine.layers.group_quant_method``): shards that share a ``g_idx`` are
+    held as one GroupQuantWeight (parameters ``qweight``, ``scales``, ``offsets`` and, with
+    act-order, ``input_order``); shards whose ``g_idx`` differ (act-order, each quantized apart)
+    need different input orders, so each run keeps its own (``qweight_<i>``, ...) and the layer
+    computes them side by side."""
+
+    format_name = "GPTQ"
+    optional_names = ("g_idx",)
 
     def __init__(self, settings: Settings, prequantized: bool) -> None:
+        super().__init__(prequantized)
         self.settings = settings
-        self.prequantized = prequantized
 
-    def create_weights(self, layer, input_size, output_sizes, bias, dtype) -> None:
+    def check_layer(self, input_size, output_sizes) -> None:
         pack = values_per_word(self.settings.bits)
         odd = [size for size in [input_size, *output_sizes] if size % pack]
         if odd:
@@ -163,81 +163,23 @@ class GptqLinearMethod(LinearMethod):
                 f"A {self.settings.bits}-bit GPTQ layer packs {pack} values a word; this layer's inputs "
                 f"({input_size}) and output shards ({output_sizes}) must be multiples of {pack}."
             )
-        if not self.prequantized:  # a plain weight, quantized after loading
-            layer.weight = _frozen(torch.empty(sum(output_sizes), input_size, dtype=dtype))
-        layer.bias = _frozen(torch.empty(sum(output_sizes), dtype=dtype)) if bias else None
-        layer.gptq_staged = {}  # prequantized: (name, shard) -> tensor, until loading ends
-        layer.gptq_device = torch.empty(0).device
 
-    def checkpoint_tensors(self, layer) -> tuple[str, ...]:
-        if not self.prequantized:
-            return super().checkpoint_tensors(layer)
-        return (*TENSORS, "bias") if layer.has_bias else TENSORS
+    def tensor_names(self) -> tuple[str, ...]:
+        return TENSORS
 
-    def local_part(self, layer, name, shard, tensor) -> torch.Tensor:
-        if self.prequantized and layer.tp.is_parallel and name != "bias":
-            raise ValueError(
-                f"GPTQ tensor {name!r} of shard {shard} cannot be split across {layer.tp.size} tensor-parallel "
-                f"ranks yet; load this checkpoint with --tensor-parallel-size 1."
-            )
-        return super().local_part(layer, name, shard, tensor)
-
-    def load_weight(self, layer, name, shard, tensor) -> None:
-        if not self.prequantized or name == "bias":
-            super().load_weight(layer, name, shard, tensor)
-            return
-        if name not in (*TENSORS, "g_idx"):
-            raise KeyError(
-                f"A GPTQ checkpoint has no tensor {name!r} for a linear layer; expected "
-                f"{', '.join(self.checkpoint_tensors(layer))} and optionally g_idx."
-            )
-        layer.gptq_staged[(name, shard)] = tensor
-
-    def _shard_tensors(self, layer, shard: int) -> dict[str, torch.Tensor]:
-        """Shard ``shard``'s tensors, checked against the layer's shape and the settings."""
-        rows, inputs = layer.output_sizes[shard], layer.input_size
-        if not self.prequantized:
-            return self.quantize(layer.weight.data[layer._rows(shard)])
-        tensors = {name: t for (name, s), t in layer.gptq_staged.items() if s == shard}
-        return checked_tensors(self.settings, tensors, rows, inputs, f"Shard {shard}")
+    def check(self, tensors, rows, inputs, what) -> dict[str, torch.Tensor]:
+        return checked_tensors(self.settings, tensors, rows, inputs, what)
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         s = self.settings
         return quantize_rtn(weight, s.bits, s.group_size, s.sym, s.desc_act, s.zeros_minus_one)
 
-    def process_weights_after_loading(self, layer) -> None:
-        shards = [self._shard_tensors(layer, shard) for shard in range(len(layer.output_sizes))]
-        del layer.gptq_staged
-        if hasattr(layer, "weight"):
-            del layer.weight
-        device, bits, v1 = layer.gptq_device, self.settings.bits, self.settings.zeros_minus_one
-        # (first output, end, weight) of each run of outputs sharing one g_idx
-        if all(torch.equal(t["g_idx"], shards[0]["g_idx"]) for t in shards):
-            joined = {name: torch.cat([t[name] for t in shards], dim=1) for name in TENSORS}  # along the outputs
-            weight = to_group_quant(**joined, g_idx=shards[0]["g_idx"], bits=bits, zeros_minus_one=v1)
-            layer.group_quant = [(0, sum(layer.output_sizes), weight.to(device).attach(layer))]
-        else:
-            layer.group_quant = []
-            for shard, tensors in enumerate(shards):
-                what = f"Shard {shard} of a GPTQ layer"
-                weight = to_group_quant(**tensors, bits=bits, zeros_minus_one=v1, what=what)
-                rows = layer._rows(shard)
-                layer.group_quant.append((rows.start, rows.stop, weight.to(device).attach(layer, f"_{shard}")))
-
-    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
-        if len(layer.group_quant) == 1:
-            return layer.ops.group_quant_linear(x, layer.group_quant[0][2], layer.bias)
-        bias = layer.bias
-        return torch.cat(
-            [
-                layer.ops.group_quant_linear(x, weight, None if bias is None else bias[first:last])
-                for first, last, weight in layer.group_quant
-            ],
-            dim=-1,
-        )
+    def convert(self, tensors, rows, inputs, what) -> GroupQuantWeight:
+        s = self.settings
+        return to_group_quant(**tensors, bits=s.bits, zeros_minus_one=s.zeros_minus_one, what=what)
 
     def describe(self) -> str:
-        return f"GPTQ {self.settings.describe()}, group-quantized layout, the platform's group_quant_linear"
+        return f"GPTQ {self.settings.describe()}, {self.describe_layout()}"
 
 
 class GptqQuantizer(Quantizer):
@@ -277,16 +219,8 @@ class GptqQuantizer(Quantizer):
         return GptqLinearMethod(self.settings, self.prequantized)
 
     def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
-        s = self.settings
-
-        def convert(tensors, rows, inputs, what) -> GroupQuantWeight:
-            tensors = checked_tensors(s, tensors, rows, inputs, what)
-            return to_group_quant(**tensors, bits=s.bits, zeros_minus_one=s.zeros_minus_one, what=what)
-
-        def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-            return quantize_rtn(weight, s.bits, s.group_size, s.sym, s.desc_act, s.zeros_minus_one)
-
-        return FormatExpertsMethod(convert, quantize, f"GPTQ {s.describe()} experts, group-quantized layout")
+        method = GptqLinearMethod(self.settings, self.prequantized)
+        return method.experts_method(f"GPTQ {self.settings.describe()} experts, group-quantized layout")
 
     def checkpoint_config(self) -> dict[str, Any]:
         s = self.settings

@@ -26,6 +26,7 @@ from engine.interfaces.group_quant import GroupQuantWeight, group_quant_linear  
 from engine.kernels.group_quant import TritonLayerOps, split_count, triton_group_quant_linear  # noqa: E402
 from engine.plugins.manager import get_plugin_manager  # noqa: E402
 from engine.selection import select_platform  # noqa: E402
+from engine.testing.oracles import group_quant_exact  # noqa: E402
 
 K = 384  # 3 * 128: groups of 16, 32, 128 and K; 128 spans two K tiles of 64
 N = 77  # odd: the last column tile is partial
@@ -41,24 +42,8 @@ def random_weight(bits: int, group_size: int, gen: torch.Generator, *, ordered: 
     return GroupQuantWeight.from_values(values, scales, scales * zeros, bits, input_order=order)
 
 
-def exact_and_size(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None):
-    """The float64 value of x @ W^T + bias from the weight's integers (W[n, k] = s q - m, input
-    k of the weight multiplying x[:, input_order[k]]), and the size of its terms."""
-    columns = w.input_order if w.input_order is not None else torch.arange(K)
-    x64 = x.double()[:, columns]
-    q = w.values().double()
-    s = w.scales.double().repeat_interleave(w.group_size, dim=1)
-    m = w.offsets.double().repeat_interleave(w.group_size, dim=1)
-    exact = x64 @ (s * q - m).t()
-    size = x64.abs() @ (s * q + m.abs()).t()
-    if bias is not None:
-        exact += bias.double()
-        size += bias.double().abs()
-    return exact, size
-
-
 def assert_within_rounding(out: torch.Tensor, x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None):
-    exact, size = exact_and_size(x, w, bias)
+    exact, size = group_quant_exact(x, w, bias)
     half_step = HALF_STEP[out.dtype]
     bound = FP32_EPSILONS * torch.finfo(torch.float32).eps * size * (1 + half_step) + half_step * exact.abs()
     worst = ((out.double() - exact).abs() / bound).max().item()

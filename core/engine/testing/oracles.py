@@ -3,7 +3,12 @@ component must compute, written for clarity, not speed. Math runs in float32."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from engine.interfaces.group_quant import GroupQuantWeight
 
 
 def naive_attention(
@@ -315,3 +320,32 @@ class FlashInferPrefillWrapper:
             weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
             out[qs:qe] = (weights @ vi).transpose(0, 1).to(q.dtype)
         return out
+
+
+def group_quant_exact(
+    x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 value of ``x @ W^T + bias`` from a group-quantized weight's integers
+    (W[n, k] = s q - m, input k of the weight multiplying x's input ``input_order[k]``), and the
+    size of its terms, ``|x| @ (|s q| + |m|)^T + |bias|`` (what float32 rounding is relative to)."""
+    x64 = w.order_inputs(x.cpu()).double()
+    q = w.values().cpu().double()
+    s = w.scales.cpu().double().repeat_interleave(w.group_size, dim=1)
+    m = w.offsets.cpu().double().repeat_interleave(w.group_size, dim=1)
+    exact = x64 @ (s * q - m).t()
+    size = x64.abs() @ (s * q + m.abs()).t()
+    if bias is not None:
+        exact += bias.cpu().double()
+        size += bias.cpu().double().abs()
+    return exact, size
+
+
+def group_quant_int8_allowance(x: torch.Tensor, w: GroupQuantWeight, block: int) -> torch.Tensor:
+    """How far rounding x to int8 in blocks of ``block`` inputs (after ``input_order``; scale
+    max|x| / 127 a block) may move ``x @ W^T``: ``(dx / 2) @ |s q|^T``, float64, with half a
+    percent for the scale's own rounding (``LayerOps.group_quant_linear``'s contract)."""
+    xs = w.order_inputs(x.cpu()).double()
+    dx = xs.abs().view(xs.shape[0], -1, block).amax(-1) / 127
+    moved = (dx * 0.505).repeat_interleave(block, dim=1)
+    scaled = w.scales.cpu().double().repeat_interleave(w.group_size, dim=1) * w.values().cpu().double()
+    return moved @ scaled.abs().t()

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine.interfaces.group_quant import GroupQuantWeight, group_quant_linear
+from engine.testing.oracles import group_quant_exact, group_quant_int8_allowance
 from engine_cpu import native
 from engine_cpu.ops import NativeLayerOps
 
@@ -47,22 +48,8 @@ def random_weight(bits: int, group_size: int, gen: torch.Generator, *, ordered: 
     return GroupQuantWeight.from_values(values, scales, scales * zeros, bits, input_order=order)
 
 
-def exact_and_size(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None):
-    """The float64 value of x @ W^T + bias from the weight's integers, and the terms' size."""
-    x64 = w.order_inputs(x).double()
-    q = w.values().double()
-    s = w.scales.double().repeat_interleave(w.group_size, dim=1)
-    m = w.offsets.double().repeat_interleave(w.group_size, dim=1)
-    exact = x64 @ (s * q - m).t()
-    size = x64.abs() @ (s * q + m.abs()).t()
-    if bias is not None:
-        exact += bias.double()
-        size += bias.double().abs()
-    return exact, size
-
-
 def assert_within_rounding(out: torch.Tensor, x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None):
-    exact, size = exact_and_size(x, w, bias)
+    exact, size = group_quant_exact(x, w, bias)
     bound = FP32_EPSILONS * torch.finfo(torch.float32).eps * size
     if out.dtype == torch.bfloat16:
         bound = bound * (1 + 2**-8) + 2**-8 * exact.abs()  # one rounding to bf16: half of its 2^-7 step
@@ -124,12 +111,8 @@ def test_int8_activations_stay_within_their_contract(int8_ops, ops, bits, group_
     x = (torch.randn(rows, K, generator=gen) * torch.rand(rows, K, generator=gen) * 3).bfloat16()
     bias = torch.randn(N, generator=gen)
     out = int8_ops.group_quant_linear(x, w, bias)
-    exact, size = exact_and_size(x, w, bias)
-    block = int8_block(bits, group_size)
-    dx = x.double().abs().view(rows, K // block, block).amax(-1) / 127
-    moved = (dx * 0.505).repeat_interleave(block, dim=1)  # half a step, and the scale's own rounding
-    s = w.scales.double().repeat_interleave(group_size, dim=1)
-    activations = moved @ (s * w.values().double()).abs().t()
+    exact, size = group_quant_exact(x, w, bias)
+    activations = group_quant_int8_allowance(x, w, int8_block(bits, group_size))
     bound = FP32_EPSILONS * torch.finfo(torch.float32).eps * size + activations
     bound = bound * (1 + 2**-8) + 2**-8 * exact.abs()
     error = (out.double() - exact).abs()

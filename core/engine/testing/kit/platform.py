@@ -221,16 +221,13 @@ class PlatformTests(KitTests):
 
         from engine.interfaces.group_quant import quantize_groups
         from engine.interfaces.ops import REFERENCE_OPS
+        from engine.testing.oracles import group_quant_int8_allowance
 
         def within(got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: Any, what: str) -> None:
             if x.dtype == torch.float32:
                 close(got, expected, what)
                 return
-            xs = weight.order_inputs(x).float().cpu()
-            block = min(weight.group_size, 128)
-            dx = xs.abs().view(xs.shape[0], -1, block).amax(-1) / 127
-            scaled = weight.scales.cpu().repeat_interleave(weight.group_size, dim=1) * weight.values().cpu().float()
-            allowed = (dx * 0.505).repeat_interleave(block, dim=1) @ scaled.abs().t()
+            allowed = group_quant_int8_allowance(x.float(), weight, min(weight.group_size, 128)).float()
             close(got, expected + (got.float().cpu() - expected.float().cpu()).clamp(-allowed, allowed), what)
 
         generator = torch.Generator().manual_seed(1)

@@ -12,27 +12,13 @@
 #include <limits>
 #include <type_traits>
 
+#include "scalar.h"
 #include "vec.h"
-
-// float32 and bfloat16 only (the dtypes NativeLayerOps sends here)
-#define DISPATCH_F32_BF16(TYPE, NAME, ...)                          \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace {
 
-inline float load(const float* p) { return *p; }
-inline float load(const at::BFloat16* p) {
-  uint32_t bits = static_cast<uint32_t>(p->x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-// round to the storage dtype and back: what a torch op on that dtype returns
-inline float round_to(float x, float*) { return x; }
-inline float round_to(float x, at::BFloat16*) { return static_cast<float>(static_cast<at::BFloat16>(x)); }
-template <typename T>
-inline float rnd(float x) { return round_to(x, static_cast<T*>(nullptr)); }
+using engine_cpu::load;
+using engine_cpu::rounded;
 
 // rows handled per task: keep small batches on one thread, where a fork costs more than the work
 inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
@@ -50,7 +36,7 @@ void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t h, int6
       }
       const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
       T* orow = out + r * out_stride;
-      for (int64_t i = 0; i < h; ++i) orow[i] = static_cast<T>(load(w + i) * rnd<T>(load(xr + i) * inv));
+      for (int64_t i = 0; i < h; ++i) orow[i] = static_cast<T>(load(w + i) * rounded<T>(load(xr + i) * inv));
     }
   });
 }
@@ -87,7 +73,7 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
           ss += v * v;
         }
         const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + epsf);
-        for (int64_t i = 0; i < h; ++i) xr[i] = static_cast<scalar_t>(load(wp + i) * rnd<scalar_t>(load(rr + i) * inv));
+        for (int64_t i = 0; i < h; ++i) xr[i] = static_cast<scalar_t>(load(wp + i) * rounded<scalar_t>(load(rr + i) * inv));
       }
     });
   });
@@ -123,8 +109,8 @@ void rotate_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads
         for (; i < half; ++i) {
           const float x1 = load(v + i), x2 = load(v + i + half);
           // x * cos + rotate_half(x) * sin, rounded as the three torch ops would
-          const float o1 = rnd<T>(x1 * load(c + i)) + rnd<T>(-x2 * load(s + i));
-          const float o2 = rnd<T>(x2 * load(c + i + half)) + rnd<T>(x1 * load(s + i + half));
+          const float o1 = rounded<T>(x1 * load(c + i)) + rounded<T>(-x2 * load(s + i));
+          const float o2 = rounded<T>(x2 * load(c + i + half)) + rounded<T>(x1 * load(s + i + half));
           v[i] = static_cast<T>(o1);
           v[i + half] = static_cast<T>(o2);
         }
@@ -176,7 +162,7 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
 #endif
         for (; i < d; ++i) {
           const float gv = load(g + i);
-          o[i] = static_cast<scalar_t>(rnd<scalar_t>(gv / (1.f + std::exp(-gv))) * load(u + i));
+          o[i] = static_cast<scalar_t>(rounded<scalar_t>(gv / (1.f + std::exp(-gv))) * load(u + i));
         }
       }
     });

@@ -12,26 +12,13 @@
 #include <type_traits>
 #include <vector>
 
+#include "scalar.h"
 #include "vec.h"
-
-#define DISPATCH_F32_BF16(TYPE, NAME, ...)                          \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 namespace {
 
-inline float load(const float* p) { return *p; }
-inline float load(const at::BFloat16* p) {
-  uint32_t bits = static_cast<uint32_t>(p->x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-// what storing to T and loading back gives
-template <typename T>
-inline float rounded(float v) {
-  return static_cast<float>(static_cast<T>(v));
-}
+using engine_cpu::load;
+using engine_cpu::rounded;
 
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 

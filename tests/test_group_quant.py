@@ -1,8 +1,12 @@
 """The group-quantized weight layout (engine.interfaces.group_quant) against its definition
 written out plainly: W[n, k] = scales[n, k // g] * q[n, k] - offsets[n, k // g], 4-bit values two
-a byte (even k in the low nibble), inputs gathered by input_order."""
+a byte (even k in the low nibble), 6-bit values as their low nibbles so, then their top 2 bits
+four a byte, two-level scales as code times the super-block's float, inputs gathered by
+input_order."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,7 +19,12 @@ from engine.interfaces.ops import REFERENCE_OPS
 def plain_bytes(values: list[list[int]], bits: int) -> list[list[int]]:
     if bits == 8:
         return [list(row) for row in values]
-    return [[row[2 * i] | (row[2 * i + 1] << 4) for i in range(len(row) // 2)] for row in values]
+    rows = []
+    for row in values:
+        nibbles = [(row[2 * i] & 15) | ((row[2 * i + 1] & 15) << 4) for i in range(len(row) // 2)]
+        tops = [sum((row[4 * i + j] >> 4) << (2 * j) for j in range(4)) for i in range(len(row) // 4)]
+        rows.append(nibbles + (tops if bits == 6 else []))
+    return rows
 
 
 def plain_linear(x, values, scales, offsets, group_size, bias, order):
@@ -35,18 +44,30 @@ def plain_linear(x, values, scales, offsets, group_size, bias, order):
     return out
 
 
+@pytest.mark.parametrize("two_level", [False, True])
 @pytest.mark.parametrize("ordered", [False, True])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_reference_follows_the_layout(bits, ordered):
+@pytest.mark.parametrize("bits", [4, 6, 8])
+def test_reference_follows_the_layout(bits, ordered, two_level):
     gen = torch.Generator().manual_seed(bits)
-    n, k, g = 3, 8, 4
+    n, k, g = 3, 16, 4
     values = torch.randint(0, 1 << bits, (n, k), generator=gen)
-    scales = torch.rand(n, k // g, generator=gen) + 0.5
-    offsets = torch.randn(n, k // g, generator=gen)
     order = torch.randperm(k, generator=gen) if ordered else None
-    w = GroupQuantWeight.from_values(values, scales, offsets, bits, input_order=order)
+    if two_level:  # two super-blocks of two groups a row
+        codes, zero_codes = torch.randint(-128, 128, (2, n, k // g), generator=gen)
+        units, zero_units = (torch.rand(2, n, 2, generator=gen) + 0.5) / 64
+        w = GroupQuantWeight.from_values(
+            values, codes, zero_codes, bits, input_order=order, super_scales=units, super_offsets=zero_units
+        )
+        assert (w.scales.dtype, w.super_group) == (torch.int8, 2)
+        scales = torch.tensor([[units[r][j // 2] * codes[r][j] for j in range(k // g)] for r in range(n)])
+        offsets = torch.tensor([[zero_units[r][j // 2] * zero_codes[r][j] for j in range(k // g)] for r in range(n)])
+    else:
+        scales = torch.rand(n, k // g, generator=gen) + 0.5
+        offsets = torch.randn(n, k // g, generator=gen)
+        w = GroupQuantWeight.from_values(values, scales, offsets, bits, input_order=order)
     assert w.qweight.tolist() == plain_bytes(values.tolist(), bits)
     assert (w.bits, w.group_size, w.in_features, w.out_features) == (bits, g, k, n)
+    assert torch.equal(w.values(), values.to(torch.uint8))
     x = torch.randn(2, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     expected = plain_linear(
@@ -91,7 +112,7 @@ def test_reference_in_blocks_equals_the_dense_product(monkeypatch):
     torch.testing.assert_close(group_quant_linear(x, w).double(), dense, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_pack_unpack_round_trip(bits):
     gen = torch.Generator().manual_seed(bits)
     values = torch.randint(0, 1 << bits, (7, 24), generator=gen, dtype=torch.uint8)
@@ -104,10 +125,68 @@ def test_pack_unpack_round_trip(bits):
     assert w.nbytes == 7 * 24 * bits // 8 + 2 * 7 * 3 * 4
 
 
+def test_two_level_scales_hold_their_bytes_and_values():
+    """Two levels hold a byte a group and a float32 a super-block; their product is each group's
+    float32 scale, so ``one_level`` and the reference give the very same values."""
+    gen = torch.Generator().manual_seed(11)
+    w = quantize_groups(torch.randn(6, 512, generator=gen), 4, 32, super_group=8)
+    assert (w.scales.dtype, w.super_scales.shape, w.super_group) == (torch.int8, (6, 2), 8)
+    assert w.nbytes == 6 * 256 + 2 * 6 * 16 + 2 * 6 * 2 * 4  # 4.75 bits an input
+    flat = w.one_level()
+    assert flat.super_group == 0 and flat.scales.dtype == torch.float32
+    assert torch.equal(flat.scales, w.super_scales.repeat_interleave(8, 1) * w.scales.float())
+    assert torch.equal(flat.dequantize(), w.dequantize())
+    x = torch.randn(3, 512, generator=gen)
+    assert torch.equal(group_quant_linear(x, flat), group_quant_linear(x, w))
+    joined = group_quant.join([w, w])
+    assert joined.super_scales.shape == (12, 2) and torch.equal(joined.dequantize()[6:], w.dequantize())
+    assert not group_quant.joinable(w, flat)
+
+
+def test_two_level_layout_refuses_what_it_cannot_hold():
+    values = torch.zeros(2, 64, dtype=torch.uint8)
+    units = torch.ones(2, 1)
+    with pytest.raises(ValueError, match=r"integer codes in \[-128, 127\]"):
+        GroupQuantWeight.from_values(
+            values, torch.full((2, 2), 200), torch.zeros(2, 2), 4, super_scales=units, super_offsets=units
+        )
+    with pytest.raises(ValueError, match="come together"):
+        GroupQuantWeight.from_values(values, torch.ones(2, 2), torch.zeros(2, 2), 4, super_scales=units)
+    with pytest.raises(ValueError, match="power of two"):  # 6 groups of 8, 3 a super-block
+        GroupQuantWeight.from_values(
+            values[:, :48],
+            torch.ones(2, 6),
+            torch.zeros(2, 6),
+            4,
+            super_scales=torch.ones(2, 2),
+            super_offsets=torch.ones(2, 2),
+        )
+    w = quantize_groups(torch.randn(2, 64), 4, 32, super_group=2)
+    with pytest.raises(ValueError, match="super_scales"):
+        dataclasses.replace(w, super_scales=None)
+    with pytest.raises(ValueError, match="torch.int8"):
+        dataclasses.replace(w, scales=w.scales.float())
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_two_level_quantization_keeps_the_error_of_a_step(bits):
+    """quantize_groups with super-blocks: each value within half a step of its group's coded
+    scale, or clamped at the range's ends by at most the offset's code rounding."""
+    gen = torch.Generator().manual_seed(bits)
+    weight = torch.randn(16, 256, generator=gen)
+    w = quantize_groups(weight, bits, 32, super_group=8)
+    assert (w.bits, w.super_group) == (bits, 8)
+    step = w.group_scales().repeat_interleave(32, 1)
+    slack = w.super_offsets.repeat_interleave(256, 1) / 2
+    assert ((w.dequantize() - weight).abs() <= step / 2 * (1 + 1e-5) + slack + 1e-6).all()
+
+
 def test_small_widths_are_stored_in_the_next_storage():
     values = torch.randint(0, 8, (2, 8), generator=torch.Generator().manual_seed(0))
     assert GroupQuantWeight.from_values(values, torch.ones(2, 1), torch.zeros(2, 1), 3).bits == 4
-    assert GroupQuantWeight.from_values(values, torch.ones(2, 1), torch.zeros(2, 1), 6).bits == 8
+    assert GroupQuantWeight.from_values(values, torch.ones(2, 1), torch.zeros(2, 1), 6).bits == 6
+    assert GroupQuantWeight.from_values(values, torch.ones(2, 4), torch.zeros(2, 4), 5).bits == 8  # groups of 2
+    assert GroupQuantWeight.from_values(values, torch.ones(2, 1), torch.zeros(2, 1), 7).bits == 8
 
 
 @pytest.mark.parametrize("symmetric", [False, True])

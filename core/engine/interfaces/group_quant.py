@@ -18,10 +18,21 @@ product below without rounding:
 
 Storage (:class:`GroupQuantWeight`):
 
-- ``qweight`` uint8: ``bits == 4``: [N, K / 2], input ``k`` of row ``n`` in byte ``k // 2``, the
-  low nibble for even ``k``, the high nibble for odd ``k``; ``bits == 8``: [N, K], one value a
-  byte (5- and 6-bit formats are stored this way too);
-- ``scales``, ``offsets`` float32 [N, K / group_size];
+- ``qweight`` uint8, ``bits`` a value stored (``STORAGE_BITS``):
+
+  - ``bits == 4``: [N, K / 2], input ``k`` of row ``n`` in byte ``k // 2``, the low nibble for
+    even ``k``, the high nibble for odd ``k``;
+  - ``bits == 6`` (5- and 6-bit values): [N, 3 K / 4], each row its low 4 bits as ``bits == 4``
+    lays them out (bytes ``[0, K / 2)``), then its top 2 bits, input ``k`` in byte
+    ``K / 2 + k // 4`` at bit ``2 (k % 4)`` (bytes ``[K / 2, 3 K / 4)``);
+  - ``bits == 8``: [N, K], one value a byte;
+
+- ``scales``, ``offsets`` float32 [N, K / group_size]; or, with two-level scales
+  (``super_group > 0``, the GGUF k-quants' form: a small integer per group and a float per
+  super-block of ``super_group`` groups), int8 codes [N, K / group_size] with float32
+  ``super_scales``, ``super_offsets`` [N, K / group_size / super_group]: group ``j``'s scale is
+  ``super_scales[n, j // super_group] * scales[n, j]`` rounded to float32 once (exact for the
+  k-quants: a float16 times an 8-bit integer), and likewise its offset;
 - ``input_order`` int64 [K] or None: when set, the weight's input ``k`` multiplies
   ``x[:, input_order[k]]`` (GPTQ act-order, whose groups are scattered over the inputs: the
   inputs are gathered so that each group is contiguous).
@@ -39,8 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-STORAGE_BITS = (4, 8)
-HELD_TENSORS = ("qweight", "scales", "offsets", "input_order")  # what attach() registers
+STORAGE_BITS = (4, 6, 8)
+# what attach() registers
+HELD_TENSORS = ("qweight", "scales", "offsets", "input_order", "super_scales", "super_offsets")
 # inputs dequantized at once by the reference, per output row (bounds its scratch memory)
 BLOCK_ELEMENTS = 1 << 21
 
@@ -57,35 +69,81 @@ class GroupQuantWeight:
     in_features: int
     out_features: int
     input_order: torch.Tensor | None = None
+    super_scales: torch.Tensor | None = None
+    super_offsets: torch.Tensor | None = None
+    super_group: int = 0  # groups a super-block (two-level scales); 0: float32 scales per group
 
     def __post_init__(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group_size
         if self.bits not in STORAGE_BITS:
             raise ValueError(f"group-quantized weights are stored in {STORAGE_BITS} bits a value, not {self.bits}")
-        if g <= 0 or k % g or g % 2:
-            raise ValueError(f"group_size {g} must be even and divide the {k} inputs")
+        if g <= 0 or k % g or g % (4 if self.bits == 6 else 2):
+            raise ValueError(
+                f"group_size {g} must be {'a multiple of 4' if self.bits == 6 else 'even'} and divide the {k} inputs"
+            )
         packed = k * self.bits // 8
         if tuple(self.qweight.shape) != (n, packed) or self.qweight.dtype != torch.uint8:
             raise ValueError(
                 f"qweight is {tuple(self.qweight.shape)} {self.qweight.dtype}; a {self.bits}-bit [{n}, {k}] "
                 f"weight is stored as ({n}, {packed}) torch.uint8"
             )
+        groups, s = k // g, self.super_group
+        code = torch.int8 if s else torch.float32
         for name in ("scales", "offsets"):
             t = getattr(self, name)
-            if tuple(t.shape) != (n, k // g) or t.dtype != torch.float32:
-                raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype}; expected ({n}, {k // g}) torch.float32")
+            if tuple(t.shape) != (n, groups) or t.dtype != code:
+                raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype}; expected ({n}, {groups}) {code}")
+        if s:
+            if s & (s - 1) or groups % s:
+                raise ValueError(f"super_group {s} must be a power of two dividing the {groups} groups")
+            for name in ("super_scales", "super_offsets"):
+                t = getattr(self, name)
+                if t is None or tuple(t.shape) != (n, groups // s) or t.dtype != torch.float32:
+                    got = None if t is None else (tuple(t.shape), t.dtype)
+                    raise ValueError(f"{name} is {got}; expected ({n}, {groups // s}) torch.float32")
+        elif self.super_scales is not None or self.super_offsets is not None:
+            raise ValueError("super_scales and super_offsets come with super_group > 0")
         if self.input_order is not None and (
             tuple(self.input_order.shape) != (k,) or self.input_order.dtype != torch.int64
         ):
             raise ValueError(f"input_order must be ({k},) torch.int64, got {tuple(self.input_order.shape)}")
 
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """The held tensors by name (those that are set)."""
+        return {name: t for name in HELD_TENSORS if (t := getattr(self, name)) is not None}
+
     @property
     def nbytes(self) -> int:
-        """Bytes the weight occupies (packed values, scales, offsets and input order)."""
-        tensors = [self.qweight, self.scales, self.offsets]
-        if self.input_order is not None:
-            tensors.append(self.input_order)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes the weight occupies (packed values, scales, offsets, super-block scales, input order)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors().values())
+
+    def group_scales(self) -> torch.Tensor:
+        """Each group's scale, float32 [N, K / group_size] (``scales`` itself, or the two levels' product)."""
+        return self._level(self.scales, self.super_scales)
+
+    def group_offsets(self) -> torch.Tensor:
+        """Each group's offset, float32 [N, K / group_size]."""
+        return self._level(self.offsets, self.super_offsets)
+
+    def _level(self, codes: torch.Tensor, supers: torch.Tensor | None, groups: slice = slice(None)) -> torch.Tensor:
+        """Float32 values of ``groups`` from one level of codes or two."""
+        if not self.super_group:
+            return codes[:, groups]
+        return supers.repeat_interleave(self.super_group, dim=1)[:, groups] * codes[:, groups].float()
+
+    def one_level(self) -> GroupQuantWeight:
+        """The same weight with float32 scales and offsets per group (the same values): for a
+        kernel that computes one-level scales only."""
+        if not self.super_group:
+            return self
+        return dataclasses.replace(
+            self,
+            scales=self.group_scales(),
+            offsets=self.group_offsets(),
+            super_scales=None,
+            super_offsets=None,
+            super_group=0,
+        )
 
     def order_inputs(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, K] with its inputs in the weight's order (itself when there is no ``input_order``)."""
@@ -100,10 +158,13 @@ class GroupQuantWeight:
         bits: int,
         *,
         input_order: torch.Tensor | None = None,
+        super_scales: torch.Tensor | None = None,
+        super_offsets: torch.Tensor | None = None,
     ) -> GroupQuantWeight:
         """Pack integer ``values`` [N, K] (each in ``[0, 2**bits)``, any integer dtype) with their
-        ``scales`` / ``offsets`` [N, K / group_size] (converted to float32); ``bits`` up to 4 are
-        stored in 4 bits, up to 8 in 8."""
+        ``scales`` / ``offsets`` [N, K / group_size] (converted to float32; with ``super_scales`` /
+        ``super_offsets`` [N, K / group_size / super_group], integer codes converted to int8);
+        ``bits`` up to 4 are stored in 4 bits, up to 6 in 6 (when the group size allows), up to 8 in 8."""
         n, k = values.shape
         if not 1 <= bits <= 8:
             raise ValueError(f"values of {bits} bits cannot be stored in a byte")
@@ -114,16 +175,33 @@ class GroupQuantWeight:
         groups = scales.shape[-1]
         if groups == 0 or k % groups:
             raise ValueError(f"{groups} groups do not divide the {k} inputs")
-        storage = 4 if bits <= 4 else 8
+        g = k // groups
+        storage = 4 if bits <= 4 else 6 if bits <= 6 and g % 4 == 0 else 8
+        two_level = super_scales is not None
+        if two_level != (super_offsets is not None):
+            raise ValueError("super_scales and super_offsets come together")
+        if two_level:
+            for name, codes in (("scales", scales), ("offsets", offsets)):
+                if codes.numel() and (
+                    codes.is_floating_point()
+                    and not torch.equal(codes, codes.round())
+                    or int(codes.min()) < -128
+                    or int(codes.max()) > 127
+                ):
+                    raise ValueError(f"two-level {name} must be integer codes in [-128, 127]")
+        code = torch.int8 if two_level else torch.float32
         return cls(
             pack(values, storage),
-            scales.to(torch.float32).contiguous(),
-            offsets.to(torch.float32).contiguous(),
+            scales.to(code).contiguous(),
+            offsets.to(code).contiguous(),
             storage,
-            k // groups,
+            g,
             k,
             n,
             None if input_order is None else input_order.to(torch.int64).contiguous(),
+            None if not two_level else super_scales.to(torch.float32).contiguous(),
+            None if not two_level else super_offsets.to(torch.float32).contiguous(),
+            0 if not two_level else groups // super_scales.shape[-1],
         )
 
     def values(self) -> torch.Tensor:
@@ -139,25 +217,13 @@ class GroupQuantWeight:
         ``scales<suffix>``, ``offsets<suffix>`` and, when set, ``input_order<suffix>``), so that
         the engine counts and moves them with the layer, and return the weight made of them."""
         held = {}
-        for name in HELD_TENSORS:
-            tensor = getattr(self, name)
-            if tensor is not None:
-                layer.register_parameter(f"{name}{suffix}", torch.nn.Parameter(tensor, requires_grad=False))
-                held[name] = getattr(layer, f"{name}{suffix}")
+        for name, tensor in self._tensors().items():
+            layer.register_parameter(f"{name}{suffix}", torch.nn.Parameter(tensor, requires_grad=False))
+            held[name] = getattr(layer, f"{name}{suffix}")
         return dataclasses.replace(self, **held)
 
     def to(self, device: torch.device | str) -> GroupQuantWeight:
-        order = None if self.input_order is None else self.input_order.to(device)
-        return GroupQuantWeight(
-            self.qweight.to(device),
-            self.scales.to(device),
-            self.offsets.to(device),
-            self.bits,
-            self.group_size,
-            self.in_features,
-            self.out_features,
-            order,
-        )
+        return dataclasses.replace(self, **{name: t.to(device) for name, t in self._tensors().items()})
 
 
 def join(parts: list[GroupQuantWeight]) -> GroupQuantWeight:
@@ -167,22 +233,19 @@ def join(parts: list[GroupQuantWeight]) -> GroupQuantWeight:
     if len(parts) == 1:
         return first
     if not all(joinable(first, part) for part in parts[1:]):
-        raise ValueError("only weights of one layout (bits, group size, inputs, input order) join")
-    return GroupQuantWeight(
-        torch.cat([p.qweight for p in parts]),
-        torch.cat([p.scales for p in parts]),
-        torch.cat([p.offsets for p in parts]),
-        first.bits,
-        first.group_size,
-        first.in_features,
-        sum(p.out_features for p in parts),
-        first.input_order,
-    )
+        raise ValueError("only weights of one layout (bits, group size, super-blocks, inputs, input order) join")
+    stacked = {
+        name: torch.cat([getattr(p, name) for p in parts])
+        for name in ("qweight", "scales", "offsets", "super_scales", "super_offsets")
+        if getattr(first, name) is not None
+    }
+    return dataclasses.replace(first, out_features=sum(p.out_features for p in parts), **stacked)
 
 
 def joinable(a: GroupQuantWeight, b: GroupQuantWeight) -> bool:
     """Whether :func:`join` takes ``a`` and ``b`` together."""
-    if (a.bits, a.group_size, a.in_features) != (b.bits, b.group_size, b.in_features):
+    layout = ("bits", "group_size", "super_group", "in_features")
+    if any(getattr(a, name) != getattr(b, name) for name in layout):
         return False
     if a.input_order is None or b.input_order is None:
         return a.input_order is None and b.input_order is None
@@ -190,31 +253,54 @@ def joinable(a: GroupQuantWeight, b: GroupQuantWeight) -> bool:
 
 
 def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """[N, K] integers in ``[0, 2**bits)`` -> uint8 storage (``bits`` 4 or 8, the module's layout)."""
+    """[N, K] integers in ``[0, 2**bits)`` -> uint8 storage (``bits`` 4, 6 or 8, the module's layout)."""
     v = values.to(torch.uint8)
     if bits == 8:
         return v.contiguous()
-    if bits != 4 or v.shape[-1] % 2:
-        raise ValueError(f"cannot pack {tuple(values.shape)} values in {bits} bits (4-bit needs an even K)")
-    return (v[:, 0::2] | (v[:, 1::2] << 4)).contiguous()
+    if bits not in (4, 6) or v.shape[-1] % (2 if bits == 4 else 4):
+        raise ValueError(
+            f"cannot pack {tuple(values.shape)} values in {bits} bits (4-bit needs an even K, 6-bit a multiple of 4)"
+        )
+    low = v & 0x0F
+    nibbles = low[:, 0::2] | (low[:, 1::2] << 4)
+    if bits == 4:
+        return nibbles.contiguous()
+    top = v >> 4
+    crumbs = top[:, 0::4] | (top[:, 1::4] << 2) | (top[:, 2::4] << 4) | (top[:, 3::4] << 6)
+    return torch.cat((nibbles, crumbs), dim=1).contiguous()
 
 
 def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 storage -> [N, K] uint8 values (the inverse of :func:`pack`)."""
     if bits == 8:
         return qweight
-    low, high = qweight & 0x0F, qweight >> 4
-    return torch.stack((low, high), dim=-1).reshape(qweight.shape[0], -1)
+    rows = qweight.shape[0]
+    k = qweight.shape[1] * 8 // bits
+    nibbles = qweight[:, : k // 2]
+    values = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(rows, -1)
+    if bits == 6:
+        crumbs = qweight[:, k // 2 :]
+        top = torch.stack([(crumbs >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=-1).reshape(rows, -1)
+        values = values | (top << 4)
+    return values
 
 
 def _dequantize_block(w: GroupQuantWeight, start: int, end: int) -> torch.Tensor:
-    """Float32 W[:, start:end] (start and end whole groups, even)."""
-    per_byte = 8 // w.bits
-    q = unpack(w.qweight[:, start // per_byte : end // per_byte], w.bits).float()  # [N, end - start]
+    """Float32 W[:, start:end] (start and end whole groups)."""
+    if w.bits == 6:
+        k = w.in_features
+        q = unpack(
+            torch.cat((w.qweight[:, start // 2 : end // 2], w.qweight[:, k // 2 + start // 4 : k // 2 + end // 4]), 1),
+            6,
+        )
+    else:
+        per_byte = 8 // w.bits
+        q = unpack(w.qweight[:, start // per_byte : end // per_byte], w.bits)
     g = w.group_size
-    scales = w.scales[:, start // g : end // g].repeat_interleave(g, dim=1)
-    offsets = w.offsets[:, start // g : end // g].repeat_interleave(g, dim=1)
-    return scales * q - offsets
+    groups = slice(start // g, end // g)
+    scales = w._level(w.scales, w.super_scales, groups).repeat_interleave(g, dim=1)
+    offsets = w._level(w.offsets, w.super_offsets, groups).repeat_interleave(g, dim=1)
+    return scales * q.float() - offsets
 
 
 def group_quant_linear(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -234,9 +320,14 @@ def group_quant_linear(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor 
     return y.to(x.dtype)
 
 
-def quantize_groups(weight: torch.Tensor, bits: int, group_size: int, *, symmetric: bool = False) -> GroupQuantWeight:
+def quantize_groups(
+    weight: torch.Tensor, bits: int, group_size: int, *, symmetric: bool = False, super_group: int = 0
+) -> GroupQuantWeight:
     """Round-to-nearest group quantization of a dense ``weight`` [N, K] (min/max per group, the
-    range always holding 0; symmetric: the zero at ``2**(bits-1)``). For tests and on-the-fly use."""
+    range always holding 0; symmetric: the zero at ``2**(bits-1)``). With ``super_group`` > 0
+    the scales and offsets are two-level, as the GGUF k-quants hold them: 7-bit codes per group
+    times a float32 per super-block of ``super_group`` groups (each group's range rounded up to
+    its code, then its values rounded). For tests and on-the-fly use."""
     n, k = weight.shape
     if k % group_size:
         raise ValueError(f"group_size {group_size} does not divide the {k} inputs")
@@ -249,5 +340,25 @@ def quantize_groups(weight: torch.Tensor, bits: int, group_size: int, *, symmetr
     scales = (hi - lo) / maxq
     scales = torch.where(scales == 0, torch.ones_like(scales), scales)
     zeros = torch.full_like(scales, float((maxq + 1) // 2)) if symmetric else torch.round(-lo / scales)
-    q = (torch.round(w / scales.unsqueeze(-1)) + zeros.unsqueeze(-1)).clamp(0, maxq)
-    return GroupQuantWeight.from_values(q.view(n, k).to(torch.uint8), scales, scales * zeros, bits)
+    supers = None
+    if super_group:
+        # codes in [1, 127] of the super-block's largest scale; offsets: the zero times the scale
+        per_super = scales.view(n, -1, super_group)
+        unit = per_super.amax(dim=-1, keepdim=True) / 127
+        codes = torch.ceil(per_super / unit).clamp(1, 127)
+        scales = (unit * codes).view(n, -1)
+        zeros = torch.full_like(scales, float((maxq + 1) // 2)) if symmetric else torch.round(-lo / scales)
+        offsets = (zeros * scales).view(n, -1, super_group)
+        zero_unit = offsets.amax(dim=-1, keepdim=True) / 127
+        zero_unit = torch.where(zero_unit == 0, torch.ones_like(zero_unit), zero_unit)
+        zero_codes = torch.round(offsets / zero_unit).clamp(0, 127)
+        supers = (unit.squeeze(-1), zero_unit.squeeze(-1), codes.view(n, -1), zero_codes.view(n, -1))
+        offsets = (zero_unit * zero_codes).view(n, -1)
+    else:
+        offsets = scales * zeros
+    q = torch.round((w + offsets.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp(0, maxq)
+    values = q.view(n, k).to(torch.uint8)
+    if supers is None:
+        return GroupQuantWeight.from_values(values, scales, offsets, bits)
+    unit, zero_unit, codes, zero_codes = supers
+    return GroupQuantWeight.from_values(values, codes, zero_codes, bits, super_scales=unit, super_offsets=zero_unit)

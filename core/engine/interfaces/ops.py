@@ -63,7 +63,10 @@ class LayerOps:
         round x to int8, as llama.cpp does, in blocks of at most 128 consecutive inputs of one
         group (the inputs after ``input_order``), each with the symmetric scale
         ``dx = max|x| / 127``: it may then differ from the reference by up to
-        ``(dx / 2) @ |scales * q|^T`` more (the platform kit allows exactly that)."""
+        ``(dx / 2) @ |scales * q|^T`` more (the platform kit allows exactly that). The weight may
+        be stored in 4, 6 or 8 bits a value and hold two-level scales (``super_group > 0``);
+        a kernel that takes only float32 scales per group runs ``weight.one_level()`` (the same
+        values)."""
         from engine.interfaces.group_quant import group_quant_linear
 
         return group_quant_linear(x, weight, bias)

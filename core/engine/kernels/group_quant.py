@@ -1,6 +1,7 @@
 """Group-quantized linear layers in Triton: ``y = x Wᵀ + b`` read straight from the packed
-weight of ``engine.interfaces.group_quant`` (4-bit nibbles or bytes, a float32 scale and
-offset per output row and group of inputs).
+weight of ``engine.interfaces.group_quant`` (4-bit nibbles, 6-bit nibbles and top bits, or
+bytes; a float32 scale and offset per output row and group of inputs, or int8 codes times a
+float32 per super-block of groups).
 
 One program per [BLOCK_M rows of x, BLOCK_N outputs] tile of ``y`` walks K ``BLOCK_K`` inputs
 at a time, a K tile never straddling two groups (``BLOCK_K`` divides ``group_size``). The
@@ -51,6 +52,8 @@ def _group_quant_matmul(
     qweight,
     scales,
     offsets,
+    super_scales,
+    super_offsets,
     bias,
     y,
     M,
@@ -61,10 +64,13 @@ def _group_quant_matmul(
     stride_qn,
     stride_sn,
     stride_on,
+    stride_ssn,
+    stride_son,
     stride_ys,
     stride_ym,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
+    SUPER_GROUP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -72,8 +78,10 @@ def _group_quant_matmul(
     BLOCK_K: tl.constexpr,
 ):
     """x [M, K] (bf16 / fp16 / fp32); qweight [N, K * BITS / 8] uint8; scales, offsets
-    [N, K / GROUP_SIZE] float32; bias [N]; y [splits, M, N]: split ``program_id(2)``'s sums over
-    its ``tiles_per_split`` K tiles (plus the bias, in y's dtype, when there is one split)."""
+    [N, K / GROUP_SIZE] float32 (``SUPER_GROUP`` 0) or int8 codes times ``super_scales``,
+    ``super_offsets`` [N, K / GROUP_SIZE / SUPER_GROUP] float32; bias [N]; y [splits, M, N]: split
+    ``program_id(2)``'s sums over its ``tiles_per_split`` K tiles (plus the bias, in y's dtype,
+    when there is one split)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -88,11 +96,19 @@ def _group_quant_matmul(
         k0 = tile * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(x + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None], other=0.0)
-        if BITS == 4:
+        if BITS != 8:
             # byte j holds input 2j in its low nibble, 2j + 1 in its high one
             offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
             packed = tl.load(qweight + offs_n[:, None] * stride_qn + offs_b[None, :], mask=mask_n[:, None], other=0)
             q = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K]
+            if BITS == 6:
+                # the top 2 bits of input k: bits 2 (k % 4) of byte K / 2 + k / 4
+                top = tl.load(
+                    qweight + offs_n[:, None] * stride_qn + (K // 2 + offs_k // 4)[None, :],
+                    mask=mask_n[:, None],
+                    other=0,
+                )
+                q = q | (((top >> ((offs_k % 4) * 2)[None, :]) & 0x3) << 4)
         else:
             q = tl.load(qweight + offs_n[:, None] * stride_qn + offs_k[None, :], mask=mask_n[:, None], other=0)
         if DOT_FP32:
@@ -103,8 +119,11 @@ def _group_quant_matmul(
             part = tl.dot(a, tl.trans(q.to(a.dtype)))  # exact products, float32 sums
             x_sum = tl.sum(a.to(tl.float32), axis=1)
         group = k0 // GROUP_SIZE
-        scale = tl.load(scales + offs_n * stride_sn + group, mask=mask_n, other=0.0)
-        offset = tl.load(offsets + offs_n * stride_on + group, mask=mask_n, other=0.0)
+        scale = tl.load(scales + offs_n * stride_sn + group, mask=mask_n, other=0).to(tl.float32)
+        offset = tl.load(offsets + offs_n * stride_on + group, mask=mask_n, other=0).to(tl.float32)
+        if SUPER_GROUP > 0:
+            scale *= tl.load(super_scales + offs_n * stride_ssn + group // SUPER_GROUP, mask=mask_n, other=0.0)
+            offset *= tl.load(super_offsets + offs_n * stride_son + group // SUPER_GROUP, mask=mask_n, other=0.0)
         acc += part * scale[None, :] - x_sum[:, None] * offset[None, :]
     if HAS_BIAS:
         acc += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -185,13 +204,18 @@ def triton_group_quant_linear(
     qweight, scales, offsets = (
         t if t.stride(-1) == 1 else t.contiguous() for t in (weight.qweight, weight.scales, weight.offsets)
     )
+    two_level = weight.super_group > 0
+    super_scales = weight.super_scales.contiguous() if two_level else scales  # unread with one level
+    super_offsets = weight.super_offsets.contiguous() if two_level else offsets
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _group_quant_matmul[grid](
         rows,
         qweight,
         scales,
         offsets,
-        bias.contiguous() if bias is not None else scales,  # unread without a bias
+        super_scales,
+        super_offsets,
+        bias.contiguous() if bias is not None else qweight,  # unread without a bias
         y,
         m,
         n,
@@ -201,10 +225,13 @@ def triton_group_quant_linear(
         qweight.stride(0),
         scales.stride(0),
         offsets.stride(0),
+        super_scales.stride(0),
+        super_offsets.stride(0),
         y.stride(0),
         y.stride(1),
         BITS=weight.bits,
         GROUP_SIZE=weight.group_size,
+        SUPER_GROUP=weight.super_group,
         HAS_BIAS=bias is not None and split == 1,
         DOT_FP32=dot_fp32,
         BLOCK_M=block_m,

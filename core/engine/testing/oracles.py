@@ -322,6 +322,31 @@ class FlashInferPrefillWrapper:
         return out
 
 
+def random_group_quant(
+    n: int, k: int, bits: int, group_size: int, gen: torch.Generator, *, ordered: bool = False, two_level: bool = False
+) -> GroupQuantWeight:
+    """A random group-quantized weight [n, k] for kernel tests: uniform ``bits``-bit values;
+    float32 scales and zero points per group, or (``two_level``) signed int8 scale codes (as
+    ``Q6_K``'s) and offset codes per group times float32s per super-block of up to 16 groups;
+    ``ordered``: a random input order."""
+    from engine.interfaces.group_quant import GroupQuantWeight
+
+    values = torch.randint(0, 1 << bits, (n, k), generator=gen, dtype=torch.uint8)
+    groups = k // group_size
+    order = torch.randperm(k, generator=gen) if ordered else None
+    if two_level:
+        supers = groups // next(s for s in (16, 8, 4, 2, 1) if groups % s == 0)
+        codes = torch.randint(-128, 128, (n, groups), generator=gen)
+        zeros = torch.randint(0, 128, (n, groups), generator=gen)
+        unit = torch.rand(n, supers, generator=gen) * 4e-4 + 1e-5
+        return GroupQuantWeight.from_values(
+            values, codes, zeros, bits, input_order=order, super_scales=unit, super_offsets=unit * (1 << bits) / 128
+        )
+    scales = torch.rand(n, groups, generator=gen) * 0.05 + 0.001
+    zeros = torch.randint(0, 1 << bits, (n, groups), generator=gen).float()
+    return GroupQuantWeight.from_values(values, scales, scales * zeros, bits, input_order=order)
+
+
 def group_quant_exact(
     x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,10 +355,10 @@ def group_quant_exact(
     size of its terms, ``|x| @ (|s q| + |m|)^T + |bias|`` (what float32 rounding is relative to)."""
     x64 = w.order_inputs(x.cpu()).double()
     q = w.values().cpu().double()
-    s = w.scales.cpu().double().repeat_interleave(w.group_size, dim=1)
-    m = w.offsets.cpu().double().repeat_interleave(w.group_size, dim=1)
+    s = w.group_scales().cpu().double().repeat_interleave(w.group_size, dim=1)
+    m = w.group_offsets().cpu().double().repeat_interleave(w.group_size, dim=1)
     exact = x64 @ (s * q - m).t()
-    size = x64.abs() @ (s * q + m.abs()).t()
+    size = x64.abs() @ ((s * q).abs() + m.abs()).t()
     if bias is not None:
         exact += bias.cpu().double()
         size += bias.cpu().double().abs()
@@ -347,5 +372,5 @@ def group_quant_int8_allowance(x: torch.Tensor, w: GroupQuantWeight, block: int)
     xs = w.order_inputs(x.cpu()).double()
     dx = xs.abs().view(xs.shape[0], -1, block).amax(-1) / 127
     moved = (dx * 0.505).repeat_interleave(block, dim=1)
-    scaled = w.scales.cpu().double().repeat_interleave(w.group_size, dim=1) * w.values().cpu().double()
+    scaled = w.group_scales().cpu().double().repeat_interleave(w.group_size, dim=1) * w.values().cpu().double()
     return moved @ scaled.abs().t()

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 _NO_BIAS = torch.empty(0)
+_NO_SUPERS = torch.empty(0, 0)  # one-level scales: no super-block tensors
 
 
 class NativeLayerOps(LayerOps):
@@ -95,8 +96,11 @@ class NativeLayerOps(LayerOps):
             weight.qweight,
             weight.scales,
             weight.offsets,
+            _NO_SUPERS if weight.super_scales is None else weight.super_scales,
+            _NO_SUPERS if weight.super_offsets is None else weight.super_offsets,
             weight.bits,
             weight.group_size,
+            weight.super_group,
             bias,
             self.int8_activations,
         )

@@ -18,7 +18,10 @@ type        group  q                                  scale                     
 ``d``, ``dmin`` are float16, ``sc``, ``m`` small integers: every scale and offset is exact in
 float32, and so is ``scale * q`` (at most 24 significant bits), so the layout's
 ``scales * q - offsets`` rounds once where ``gguf.quants`` rounds once: the same float32
-values. ``Q4_0`` and ``Q4_K`` values are stored 4 bits a value, the others 8.
+values. The k-quants keep their two levels (``GroupQuantWeight``'s ``super_group``): ``sc``
+and ``m`` as int8 codes per group, ``d`` and ``dmin`` (``32 d`` for ``Q6_K``'s offset) as float32
+per block of 256 inputs, so a ``Q4_K`` weight holds 4.75 bits an input, not 6. ``Q4_0`` and
+``Q4_K`` values are stored 4 bits a value, ``Q5_K`` and ``Q6_K`` 6, ``Q8_0`` 8.
 """
 
 from __future__ import annotations
@@ -53,21 +56,26 @@ def _scale_mins(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mins
 
 
+# each converter: a weight's blocks [N, blocks, bytes] -> (values [N, blocks, inputs], scales,
+# offsets [N, blocks, groups a block], None) with float32 scales and offsets, or (values, codes,
+# codes, (super scales, super offsets) [N, blocks, 1]) for two levels
+
+
 def _q8_0(b: torch.Tensor):
     d = _f16(b[..., 0:2])  # [N, blocks, 1]
     q = b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128
-    return q, d, 128 * d
+    return q, d, 128 * d, None
 
 
 def _q4_0(b: torch.Tensor):
     d = _f16(b[..., 0:2])
-    return _nibbles(b[..., 2:], 16), d, 8 * d
+    return _nibbles(b[..., 2:], 16), d, 8 * d, None
 
 
 def _q4_k(b: torch.Tensor):
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, m = _scale_mins(b[..., 4:16])
-    return _nibbles(b[..., 16:144], 32), d * sc.float(), dmin * m.float()
+    return _nibbles(b[..., 16:144], 32), sc, m, (d, dmin)
 
 
 def _q5_k(b: torch.Tensor):
@@ -76,7 +84,7 @@ def _q5_k(b: torch.Tensor):
     qh = b[..., 16:48]  # bit j of qh[l]: bit 4 of input 32 j + l
     shifts = torch.arange(8, dtype=torch.uint8, device=b.device).unsqueeze(-1)
     high = ((qh.unsqueeze(-2) >> shifts) & 1).flatten(-2)
-    return _nibbles(b[..., 48:176], 32) | (high << 4), d * sc.float(), dmin * m.float()
+    return _nibbles(b[..., 48:176], 32) | (high << 4), sc, m, (d, dmin)
 
 
 def _q6_k(b: torch.Tensor):
@@ -84,13 +92,13 @@ def _q6_k(b: torch.Tensor):
     qh = b[..., 128:192].unflatten(-1, (2, 1, 32))  # bits 2t of byte 32 h + l: input 128 h + 32 t + l
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).unsqueeze(-1)
     high = ((qh >> shifts) & 0x03).flatten(-3)
-    sc = b[..., 192:208].contiguous().view(torch.int8).float()
+    sc = b[..., 192:208].contiguous().view(torch.int8)
     d = _f16(b[..., 208:210])
-    scale = d * sc
-    return low | (high << 4), scale, 32 * scale
+    return low | (high << 4), sc, sc, (d, 32 * d)
 
 
 CONVERTERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+VALUE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 
 
 def to_group_quant(kind: str, raw: torch.Tensor, in_features: int, *, what: str = "A GGUF weight") -> GroupQuantWeight:
@@ -106,7 +114,16 @@ def to_group_quant(kind: str, raw: torch.Tensor, in_features: int, *, what: str 
             f"{in_features // block * nbytes}] ({block} inputs in {nbytes} bytes a block); got "
             f"{tuple(raw.shape)} {raw.dtype}."
         )
-    q, scales, offsets = CONVERTERS[kind](raw.reshape(rows, -1, nbytes))
+    q, scales, offsets, supers = CONVERTERS[kind](raw.reshape(rows, -1, nbytes))
     values = q.reshape(rows, in_features)
-    bits = 4 if kind in ("Q4_0", "Q4_K") else 8
-    return GroupQuantWeight.from_values(values, scales.reshape(rows, -1), offsets.reshape(rows, -1), bits)
+    bits = VALUE_BITS[kind]
+    if supers is None:
+        return GroupQuantWeight.from_values(values, scales.reshape(rows, -1), offsets.reshape(rows, -1), bits)
+    return GroupQuantWeight.from_values(
+        values,
+        scales.reshape(rows, -1),
+        offsets.reshape(rows, -1),
+        bits,
+        super_scales=supers[0].reshape(rows, -1),
+        super_offsets=supers[1].reshape(rows, -1),
+    )

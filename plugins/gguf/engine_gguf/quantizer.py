@@ -8,7 +8,7 @@ a row], or a dense F32/F16/BF16 [N, K]) with its ``ggml_type``. After loading, e
 blocks become the engine's group-quantized layout (:mod:`engine_gguf.blocks`, exact), and the
 platform's ``group_quant_linear`` computes them. Shards of one fused layer (q, k, v; gate, up)
 may differ in type (llama.cpp's ``Q4_K_M`` keeps some ``attn_v`` in ``Q6_K``): consecutive
-shards of one storage width and group size are joined, the rest computed side by side.
+shards of one storage width, group size and super-block are joined, the rest computed side by side.
 
 On-the-fly quantization (``--quantization gguf``) quantizes a dense checkpoint's linear layers
 by round-to-nearest into one GGUF type (``{"type": "Q4_K"}``; default ``Q8_0``), through the
@@ -60,9 +60,9 @@ def quantize(weight: torch.Tensor, quant_type: str, what: str) -> torch.Tensor:
         raise ValueError(f"{what}: {exc} Choose a type of 32-input blocks (Q8_0, Q4_0).") from None
 
 
-def _layout(weight: GroupQuantWeight | torch.Tensor) -> tuple[int, int] | None:
-    """What shards must share to be joined: (bits, group size); None for a dense part."""
-    return None if isinstance(weight, torch.Tensor) else (weight.bits, weight.group_size)
+def _layout(weight: GroupQuantWeight | torch.Tensor) -> tuple[int, int, int] | None:
+    """What shards must share to be joined: (bits, group size, groups a super-block); None for a dense part."""
+    return None if isinstance(weight, torch.Tensor) else (weight.bits, weight.group_size, weight.super_group)
 
 
 class GgufLinearMethod(LinearMethod):

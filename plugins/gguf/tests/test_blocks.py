@@ -17,7 +17,8 @@ ROWS, INPUTS = 6, 512
 # where each type's float16 fields lie in its block (byte offsets)
 F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 # storage bits and inputs a group in the layout (the module docstring's table)
-LAYOUTS = {"Q8_0": (8, 32), "Q4_0": (4, 32), "Q4_K": (4, 32), "Q5_K": (8, 32), "Q6_K": (8, 16)}
+# type -> (storage bits, group size, groups a super-block)
+LAYOUTS = {"Q8_0": (8, 32, 0), "Q4_0": (4, 32, 0), "Q4_K": (4, 32, 8), "Q5_K": (6, 32, 8), "Q6_K": (6, 16, 16)}
 # largest |error| / max |weight| of round-to-nearest on Gaussian rows
 WRITER_ERRORS = {"Q8_0": 0.006, "Q6_K": 0.03, "Q5_K": 0.05, "Q4_K": 0.1, "Q4_0": 0.12}
 
@@ -42,7 +43,7 @@ def test_random_blocks_convert_exactly(kind):
     for seed in range(3):
         raw = random_blocks(kind, seed)
         weight = to_group_quant(kind, torch.from_numpy(raw), INPUTS)
-        assert (weight.bits, weight.group_size) == LAYOUTS[kind]
+        assert (weight.bits, weight.group_size, weight.super_group) == LAYOUTS[kind]
         want = reference(kind, raw)
         assert np.isfinite(want).all()
         assert np.array_equal(weight.dequantize().numpy(), want), f"{kind}, seed {seed}"

@@ -148,7 +148,7 @@ def test_logits_match_transformers_on_the_same_file(files, name):
 
 def test_q4_k_m_keeps_its_mix_of_types(files):
     """Q4_K layers, Q6_K output head and (llama.cpp's rule for two layers) Q6_K attn_v and
-    ffn_down in layer 1: the fused q/k/v of layer 1 holds a 4-bit part and an 8-bit one."""
+    ffn_down in layer 1: the fused q/k/v of layer 1 holds a 4-bit part and a 6-bit one."""
     path, base, _ = files["LlamaForCausalLM-Q4_K_M"]
     reader = gguf.GGUFReader(str(path))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
@@ -157,10 +157,10 @@ def test_q4_k_m_keeps_its_mix_of_types(files):
     llm = make_llm(path)
     model = llm.engine.model
     [head] = quantized_parts(model.lm_head)
-    assert (head.bits, head.group_size) == (8, 16)
+    assert (head.bits, head.group_size, head.super_group) == (6, 16, 16)
     assert [(w.bits, w.group_size) for w in quantized_parts(model.model.layers[0].self_attn.qkv_proj)] == [(4, 32)]
     layer1 = [(w.bits, w.group_size, w.out_features) for w in quantized_parts(model.model.layers[1].self_attn.qkv_proj)]
-    assert layer1 == [(4, 32, 4 * 64 + 2 * 64), (8, 16, 2 * 64)]
+    assert layer1 == [(4, 32, 4 * 64 + 2 * 64), (6, 16, 2 * 64)]
     ids = prompts(2)
     assert_logits_match(llm.prompt_logits(ids), hf_logits(from_gguf(path, base), ids), "Q4_K_M")
 

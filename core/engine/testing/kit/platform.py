@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import pytest
@@ -212,8 +213,8 @@ class PlatformTests(KitTests):
                 self.check_layer_ops(ops, name, platform.device())
 
     def check_group_quant_linear(self, ops: Any, rand: Any, close: Any, device: Any) -> None:
-        """``group_quant_linear`` against the reference for 4-bit and 8-bit weights (groups of 32 and
-        16, an input order, a bias), one and several rows. With 16-bit x the kernel may round x to
+        """``group_quant_linear`` against the reference for 4-, 6- and 8-bit weights (groups of 16, 32
+        and 128, one- and two-level scales, an input order, a bias), one and several rows. With 16-bit x the kernel may round x to
         int8 in blocks of up to 128 inputs of a group (``LayerOps.group_quant_linear``): the
         difference it may add, ``(dx / 2) @ |s q|^T`` with ``dx`` each block's max|x| / 127, is
         allowed on top of the dtype's tolerance."""
@@ -231,13 +232,14 @@ class PlatformTests(KitTests):
             close(got, expected + (got.float().cpu() - expected.float().cpu()).clamp(-allowed, allowed), what)
 
         generator = torch.Generator().manual_seed(1)
-        for bits, group_size, ordered in ((4, 32, False), (8, 16, True), (4, 128, True)):
-            weight = quantize_groups(torch.randn(40, 128, generator=generator), bits, group_size)
+        # (bits, group size, input order, groups a super-block: two-level scales as GGUF's k-quants)
+        layouts = ((4, 32, False, 0), (8, 16, True, 0), (4, 128, True, 0), (4, 32, False, 4), (6, 16, True, 8))
+        for bits, group_size, ordered, super_group in layouts:
+            weight = quantize_groups(
+                torch.randn(40, 128, generator=generator), bits, group_size, super_group=super_group
+            )
             if ordered:
-                order = torch.randperm(128, generator=generator)
-                weight = type(weight).from_values(
-                    weight.values(), weight.scales, weight.offsets, bits, input_order=order
-                )
+                weight = dataclasses.replace(weight, input_order=torch.randperm(128, generator=generator))
             weight = weight.to(device)
             bias = rand(40)
             for rows in (1, 9):
@@ -249,6 +251,7 @@ class PlatformTests(KitTests):
                         x,
                         weight,
                         f"group_quant_linear ({bits}-bit, groups of {group_size}, {rows} rows, "
+                        f"{f'{super_group} a super-block, ' if super_group else ''}"
                         f"{'input order, ' if ordered else ''}{'bias' if b is not None else 'no bias'})",
                     )
 

@@ -48,7 +48,8 @@ void dot_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Tens
 
 // group_quant.cpp
 void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                        torch::Tensor offsets, int64_t bits, int64_t group_size, torch::Tensor bias,
+                        torch::Tensor offsets, torch::Tensor super_scales, torch::Tensor super_offsets,
+                        int64_t bits, int64_t group_size, int64_t super_group, torch::Tensor bias,
                         bool int8_activations);
 bool group_quant_int8_supported(int64_t bits, int64_t in_features, int64_t group_size);
 
@@ -109,9 +110,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "out = x @ W^T + bias on AMX tiles, W packed by pack_gemv_weight (bf16)");
   m.def("dot_linear", &dot_linear, "out = x @ W^T + bias, each output summed in an order fixed by K (fp32 / bf16)");
   m.def("group_quant_linear", &group_quant_linear,
-        "out = x @ W^T + bias, W group-quantized in 4 or 8 bits (engine.interfaces.group_quant; fp32 / bf16)",
-        py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
-        py::arg("group_size"), py::arg("bias"), py::arg("int8_activations") = false);
+        "out = x @ W^T + bias, W group-quantized in 4, 6 or 8 bits with one- or two-level scales "
+        "(engine.interfaces.group_quant; fp32 / bf16)",
+        py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("offsets"),
+        py::arg("super_scales"), py::arg("super_offsets"), py::arg("bits"), py::arg("group_size"),
+        py::arg("super_group"), py::arg("bias"), py::arg("int8_activations") = false);
   m.def("group_quant_int8_supported", &group_quant_int8_supported,
         "whether group_quant_linear's int8 activations run in this build for such a weight");
   m.def("packed_kv_supported", &packed_kv_supported,

@@ -1,6 +1,13 @@
 // Group-quantized linear layers (engine.interfaces.group_quant's layout): out = x @ W^T + bias with
 // W[n, k] = scales[n, k / g] * q[n, k] - offsets[n, k / g], q stored in 4 bits (two a byte, even k
-// in the low nibble) or 8.
+// in the low nibble), 6 (each row's low nibbles as for 4 bits, then its top 2 bits four a byte,
+// input k at bit 2 (k % 4) of byte k / 4) or 8. Two-level scales (the GGUF k-quants): int8 codes
+// per group times an fp32 per super-block of S groups, expanded per output row into fp32 (each
+// product exact for the k-quants, the reference's value) before the row's sums.
+//
+// 6 bits: the low nibbles take the 4-bit path; a load of top-2-bit bytes is spread to one nibble
+// per lane (a lane's nibble holds the top bits of the lane's low-nibble input in bits 0-1 and of
+// its high-nibble input in bits 2-3) and or-ed in above the nibbles.
 //
 // Decode (up to kDecodeRows rows of x): a step reads every weight once, so its speed is the speed at
 // which the packed bytes stream in and are unpacked in registers. Per output row and group,
@@ -60,11 +67,76 @@ constexpr int64_t kDecodeGrainRows = 16;  // output rows per parallel_for grain 
 
 struct Weight {
   const uint8_t* q;  // [N, K * bits / 8]
-  const float* scales;
-  const float* offsets;  // [N, G]
-  int64_t N, K, G, g, bits;
+  const void* scales;
+  const void* offsets;  // [N, G]: fp32, or int8 codes with two levels
+  const float* super_scales;
+  const float* super_offsets;  // [N, G / S] (two levels) or null
+  int64_t N, K, G, g, bits, S;  // S: groups a super-block (a power of two), 0 for one level
+  int shift;                     // log2(S)
   int64_t row_bytes() const { return K * bits / 8; }
+  const uint8_t* row(int64_t n) const { return q + n * row_bytes(); }
+  // the top 2 bits of a 6-bit row (input k at bit 2 (k % 4) of byte k / 4)
+  const uint8_t* top(int64_t n) const { return row(n) + K / 2; }
 };
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// the lanes of 16 groups (from a multiple of 16) -> their super-block within the step: i >> shift
+inline __m512i super_spread(int shift) {
+  return _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), std::min(shift, 4));
+}
+
+inline __mmask16 groups_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// groups j .. j + 15 (j a multiple of 16, lanes past G zero) of a row's two-level codes: code times
+// its super-block's fp32 (the row's supers sp), one fp32 rounding as the reference
+inline __m512 level16(const int8_t* codes, const float* sp, int64_t j, int64_t G, int shift, __m512i spread) {
+  const int64_t left = std::min<int64_t>(16, G - j);
+  const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(groups_mask(left), codes + j)));
+  const int64_t supers_here = ((j + left - 1) >> shift) - (j >> shift) + 1;
+  const __m512 sup = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(groups_mask(supers_here), sp + (j >> shift)));
+  return _mm512_mul_ps(sup, code);
+}
+#endif
+
+// one level: each group's fp32 scale and offset; two: the codes times their super-block's fp32
+inline void expand_level(const Weight& w, const void* codes, const float* supers, int64_t n, float* dst) {
+  const int8_t* c = static_cast<const int8_t*>(codes) + n * w.G;
+  const float* sp = supers + n * (w.G >> w.shift);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m512i spread = super_spread(w.shift);
+  for (int64_t j = 0; j < w.G; j += 16) {
+    const __mmask16 mask = groups_mask(w.G - j);
+    _mm512_mask_storeu_ps(dst + j, mask, level16(c, sp, j, w.G, w.shift, spread));
+  }
+#else
+  for (int64_t j = 0; j < w.G; ++j) dst[j] = sp[j >> w.shift] * static_cast<float>(c[j]);
+#endif
+}
+
+// a row's scales and offsets: pointers into the weight (one level) or expanded into s_buf, m_buf [G]
+struct RowScales {
+  const float* s;
+  const float* m;
+};
+
+inline RowScales row_scales(const Weight& w, int64_t n, float* s_buf, float* m_buf) {
+  if (w.S == 0)
+    return {static_cast<const float*>(w.scales) + n * w.G, static_cast<const float*>(w.offsets) + n * w.G};
+  expand_level(w, w.scales, w.super_scales, n, s_buf);
+  expand_level(w, w.offsets, w.super_offsets, n, m_buf);
+  return {s_buf, m_buf};
+}
+
+// value k of a row (plain C++)
+inline uint32_t value_at(const Weight& w, int64_t n, int64_t k) {
+  const uint8_t* q = w.row(n);
+  if (w.bits == 8) return q[k];
+  uint32_t v = (q[k >> 1] >> (4 * (k & 1))) & 0x0f;
+  if (w.bits == 6) v |= ((w.top(n)[k >> 2] >> (2 * (k & 3))) & 0x03) << 4;
+  return v;
+}
 
 // x in fp32, [T, K] (reordered for the 4-bit vector kernels), and its sums per group [T, G]
 struct Input {
@@ -75,24 +147,18 @@ struct Input {
 
 // ---- plain C++: any group size, any build ----
 
-// y[r] for R rows of x (starting at row t0) and output row n
-void row_scalar(const Weight& w, const Input& in, int64_t n, int64_t t0, int64_t R, float* y) {
-  const uint8_t* q = w.q + n * w.row_bytes();
+// y[r] for R rows of x (starting at row t0) and output row n (its scales and offsets s, m)
+void row_scalar(const Weight& w, const Input& in, int64_t n, const float* s, const float* m, int64_t t0, int64_t R,
+                float* y) {
   for (int64_t r = 0; r < R; ++r) {
     const float* x = in.x + (t0 + r) * in.K;
     const float* xs = in.sums + (t0 + r) * in.G;
     float total = 0.f, offset = 0.f;
     for (int64_t j = 0; j < w.G; ++j) {
       float dot = 0.f;
-      const int64_t k0 = j * w.g;
-      if (w.bits == 4) {
-        for (int64_t i = k0 / 2; i < (k0 + w.g) / 2; ++i)
-          dot += x[2 * i] * static_cast<float>(q[i] & 0x0f) + x[2 * i + 1] * static_cast<float>(q[i] >> 4);
-      } else {
-        for (int64_t k = k0; k < k0 + w.g; ++k) dot += x[k] * static_cast<float>(q[k]);
-      }
-      total += w.scales[n * w.G + j] * dot;
-      offset += w.offsets[n * w.G + j] * xs[j];
+      for (int64_t k = j * w.g; k < (j + 1) * w.g; ++k) dot += x[k] * static_cast<float>(value_at(w, n, k));
+      total += s[j] * dot;
+      offset += m[j] * xs[j];
     }
     y[r] = total - offset;
   }
@@ -109,18 +175,34 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_shuffle_ps(quarter, quarter, 1)));
 }
 
-// sums[r] = dot(x_g, q_g) of the group starting at input k0, for R rows of x (two partial sums each)
+// bytes of top-2-bit pairs -> one nibble a byte, byte 2i the low nibble of byte i, 2i + 1 its high one
+// (8 bytes in, 16 out)
+inline __m128i spread_nibbles(__m128i bytes) {
+  const __m128i wide = _mm_cvtepu8_epi16(bytes);
+  return _mm_or_si128(_mm_and_si128(wide, _mm_set1_epi16(0x0f)), _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0xf0)), 4));
+}
+
+// sums[r] = dot(x_g, q_g) of the group starting at input k0, for R rows of x (two partial sums each);
+// top: a 6-bit row's top bits
 template <int R, int BITS>
-__attribute__((always_inline)) inline void group_avx2(const uint8_t* q, const float* x, int64_t K, int64_t k0,
-                                                      int64_t g, __m256* sums) {
+__attribute__((always_inline)) inline void group_avx2(const uint8_t* q, const uint8_t* top, const float* x,
+                                                      int64_t K, int64_t k0, int64_t g, __m256* sums) {
   __m256 p0[R], p1[R];
   for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm256_setzero_ps();
-  if constexpr (BITS == 4) {
+  if constexpr (BITS != 8) {
     const __m256i low = _mm256_set1_epi32(0x0f);
     for (int64_t k = k0; k < k0 + g; k += 16) {
       const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (k >> 1))));
-      const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, low));
-      const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+      __m256i lo_i = _mm256_and_si256(b, low), hi_i = _mm256_srli_epi32(b, 4);
+      if constexpr (BITS == 6) {
+        uint32_t bytes;
+        std::memcpy(&bytes, top + (k >> 2), sizeof(bytes));
+        const __m256i h = _mm256_cvtepu8_epi32(spread_nibbles(_mm_cvtsi32_si128(static_cast<int>(bytes))));
+        lo_i = _mm256_or_si256(lo_i, _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(3)), 4));
+        hi_i = _mm256_or_si256(hi_i, _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(12)), 2));
+      }
+      const __m256 lo = _mm256_cvtepi32_ps(lo_i);
+      const __m256 hi = _mm256_cvtepi32_ps(hi_i);
       for (int r = 0; r < R; ++r) {
         p0[r] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + r * K + k), p0[r]);
         p1[r] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + r * K + k + 8), p1[r]);
@@ -147,11 +229,10 @@ __attribute__((always_inline)) inline void group_avx2(const uint8_t* q, const fl
 }
 
 template <int R, int BITS>
-void row_avx2(const Weight& w, const Input& in, int64_t n, int64_t t0, float* y) {
-  const uint8_t* q = w.q + n * w.row_bytes();
+void row_avx2(const Weight& w, const Input& in, int64_t n, const float* s, const float* m, int64_t t0, float* y) {
+  const uint8_t* q = w.row(n);
+  const uint8_t* top = w.top(n);
   const float* x = in.x + t0 * in.K;
-  const float* s = w.scales + n * w.G;
-  const float* m = w.offsets + n * w.G;
   const float* xs = in.sums + t0 * in.G;
   // alternate groups go to two accumulators: two independent fma chains
   __m256 a0[R], a1[R], u[R], v[R];
@@ -159,8 +240,8 @@ void row_avx2(const Weight& w, const Input& in, int64_t n, int64_t t0, float* y)
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps(), offset[r] = 0.f;
   int64_t j = 0;
   for (; j + 1 < w.G; j += 2) {
-    group_avx2<R, BITS>(q, x, in.K, j * w.g, w.g, u);
-    group_avx2<R, BITS>(q, x, in.K, (j + 1) * w.g, w.g, v);
+    group_avx2<R, BITS>(q, top, x, in.K, j * w.g, w.g, u);
+    group_avx2<R, BITS>(q, top, x, in.K, (j + 1) * w.g, w.g, v);
     for (int r = 0; r < R; ++r) {
       a0[r] = _mm256_fmadd_ps(u[r], _mm256_set1_ps(s[j]), a0[r]);
       a1[r] = _mm256_fmadd_ps(v[r], _mm256_set1_ps(s[j + 1]), a1[r]);
@@ -168,7 +249,7 @@ void row_avx2(const Weight& w, const Input& in, int64_t n, int64_t t0, float* y)
     }
   }
   if (j < w.G) {
-    group_avx2<R, BITS>(q, x, in.K, j * w.g, w.g, u);
+    group_avx2<R, BITS>(q, top, x, in.K, j * w.g, w.g, u);
     for (int r = 0; r < R; ++r) {
       a0[r] = _mm256_fmadd_ps(u[r], _mm256_set1_ps(s[j]), a0[r]);
       offset[r] += m[j] * xs[r * in.G + j];
@@ -183,18 +264,34 @@ void row_avx2(const Weight& w, const Input& in, int64_t n, int64_t t0, float* y)
 #if defined(__AVX512F__)
 constexpr int64_t kAvx512Rows = 4;  // rows of x per pass: 4 accumulators each, 16 zmm
 
+// 16 bytes of nibbles (inputs k .. k + 31 of a 4- or 6-bit row) -> the even inputs' values (lo) and
+// the odd ones' (hi) as 16 int32 lanes each; 6 bits: with the top bits from `top` (8 bytes at k / 4)
+template <int BITS>
+__attribute__((always_inline)) inline void unpack32_avx512(const uint8_t* q, const uint8_t* top, int64_t k,
+                                                           __m512i& lo, __m512i& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (k >> 1))));
+  lo = _mm512_and_si512(b, _mm512_set1_epi32(0x0f));
+  hi = _mm512_srli_epi32(b, 4);
+  if constexpr (BITS == 6) {
+    const __m512i h =
+        _mm512_cvtepu8_epi32(spread_nibbles(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(top + (k >> 2)))));
+    lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(3)), 4));
+    hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(12)), 2));
+  }
+}
+
 // sums[r] = dot(x_g, q_g) of the group starting at input k0, for R rows of x (two partial sums each)
 template <int R, int BITS>
-__attribute__((always_inline)) inline void group_avx512(const uint8_t* q, const float* x, int64_t K, int64_t k0,
-                                                        int64_t g, __m512* sums) {
+__attribute__((always_inline)) inline void group_avx512(const uint8_t* q, const uint8_t* top, const float* x,
+                                                        int64_t K, int64_t k0, int64_t g, __m512* sums) {
   __m512 p0[R], p1[R];
   for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm512_setzero_ps();
-  if constexpr (BITS == 4) {
-    const __m512i low = _mm512_set1_epi32(0x0f);
+  if constexpr (BITS != 8) {
     for (int64_t k = k0; k < k0 + g; k += 32) {
-      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (k >> 1))));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+      __m512i lo_i, hi_i;
+      unpack32_avx512<BITS>(q, top, k, lo_i, hi_i);
+      const __m512 lo = _mm512_cvtepi32_ps(lo_i);
+      const __m512 hi = _mm512_cvtepi32_ps(hi_i);
       for (int r = 0; r < R; ++r) {
         p0[r] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + r * K + k), p0[r]);
         p1[r] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + r * K + k + 16), p1[r]);
@@ -221,11 +318,10 @@ __attribute__((always_inline)) inline void group_avx512(const uint8_t* q, const 
 }
 
 template <int R, int BITS>
-void row_avx512(const Weight& w, const Input& in, int64_t n, int64_t t0, float* y) {
-  const uint8_t* q = w.q + n * w.row_bytes();
+void row_avx512(const Weight& w, const Input& in, int64_t n, const float* s, const float* m, int64_t t0, float* y) {
+  const uint8_t* q = w.row(n);
+  const uint8_t* top = w.top(n);
   const float* x = in.x + t0 * in.K;
-  const float* s = w.scales + n * w.G;
-  const float* m = w.offsets + n * w.G;
   const float* xs = in.sums + t0 * in.G;
   // alternate groups go to two accumulators: two independent fma chains
   __m512 a0[R], a1[R], u[R], v[R];
@@ -233,8 +329,8 @@ void row_avx512(const Weight& w, const Input& in, int64_t n, int64_t t0, float* 
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps(), offset[r] = 0.f;
   int64_t j = 0;
   for (; j + 1 < w.G; j += 2) {
-    group_avx512<R, BITS>(q, x, in.K, j * w.g, w.g, u);
-    group_avx512<R, BITS>(q, x, in.K, (j + 1) * w.g, w.g, v);
+    group_avx512<R, BITS>(q, top, x, in.K, j * w.g, w.g, u);
+    group_avx512<R, BITS>(q, top, x, in.K, (j + 1) * w.g, w.g, v);
     for (int r = 0; r < R; ++r) {
       a0[r] = _mm512_fmadd_ps(u[r], _mm512_set1_ps(s[j]), a0[r]);
       a1[r] = _mm512_fmadd_ps(v[r], _mm512_set1_ps(s[j + 1]), a1[r]);
@@ -242,7 +338,7 @@ void row_avx512(const Weight& w, const Input& in, int64_t n, int64_t t0, float* 
     }
   }
   if (j < w.G) {
-    group_avx512<R, BITS>(q, x, in.K, j * w.g, w.g, u);
+    group_avx512<R, BITS>(q, top, x, in.K, j * w.g, w.g, u);
     for (int r = 0; r < R; ++r) {
       a0[r] = _mm512_fmadd_ps(u[r], _mm512_set1_ps(s[j]), a0[r]);
       offset[r] += m[j] * xs[r * in.G + j];
@@ -258,41 +354,61 @@ enum class Path { kScalar, kAvx2, kAvx512 };
 
 Path path_for(int64_t bits, int64_t g) {
 #if defined(__AVX512F__)
-  if (bits == 4 ? g % 32 == 0 : g % 16 == 0) return Path::kAvx512;
+  if (bits != 8 ? g % 32 == 0 : g % 16 == 0) return Path::kAvx512;
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-  if (bits == 4 ? g % 16 == 0 : g % 8 == 0) return Path::kAvx2;
+  if (bits != 8 ? g % 16 == 0 : g % 8 == 0) return Path::kAvx2;
 #endif
   return Path::kScalar;
 }
 
 int64_t reorder_chunk(Path path, int64_t bits) {
-  if (bits != 4) return 0;
+  if (bits == 8) return 0;
   return path == Path::kAvx512 ? 32 : path == Path::kAvx2 ? 16 : 0;
 }
 
-// R rows of x, one output row: dispatch on the kernel and the (compile-time) row count
-void row(Path path, const Weight& w, const Input& in, int64_t n, int64_t t0, int64_t R, float* y) {
+// f(std::integral_constant<int, bits>) for the weight's storage bits
+template <typename F>
+inline void with_bits(int64_t bits, F&& f) {
+  if (bits == 4)
+    f(std::integral_constant<int, 4>{});
+  else if (bits == 6)
+    f(std::integral_constant<int, 6>{});
+  else
+    f(std::integral_constant<int, 8>{});
+}
+
+// R rows of x, one output row (its scales and offsets s, m): dispatch on the kernel, the storage
+// bits and the (compile-time) row count
+void row(Path path, const Weight& w, const Input& in, int64_t n, const float* s, const float* m, int64_t t0,
+         int64_t R, float* y) {
 #if defined(__AVX512F__)
   if (path == Path::kAvx512) {
-    switch (R) {
-      case 1: w.bits == 4 ? row_avx512<1, 4>(w, in, n, t0, y) : row_avx512<1, 8>(w, in, n, t0, y); return;
-      case 2: w.bits == 4 ? row_avx512<2, 4>(w, in, n, t0, y) : row_avx512<2, 8>(w, in, n, t0, y); return;
-      case 3: w.bits == 4 ? row_avx512<3, 4>(w, in, n, t0, y) : row_avx512<3, 8>(w, in, n, t0, y); return;
-      default: w.bits == 4 ? row_avx512<4, 4>(w, in, n, t0, y) : row_avx512<4, 8>(w, in, n, t0, y); return;
-    }
+    with_bits(w.bits, [&](auto b) {
+      constexpr int B = decltype(b)::value;
+      switch (R) {
+        case 1: row_avx512<1, B>(w, in, n, s, m, t0, y); return;
+        case 2: row_avx512<2, B>(w, in, n, s, m, t0, y); return;
+        case 3: row_avx512<3, B>(w, in, n, s, m, t0, y); return;
+        default: row_avx512<4, B>(w, in, n, s, m, t0, y); return;
+      }
+    });
+    return;
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (path == Path::kAvx2) {
-    if (R == 1)
-      w.bits == 4 ? row_avx2<1, 4>(w, in, n, t0, y) : row_avx2<1, 8>(w, in, n, t0, y);
-    else
-      w.bits == 4 ? row_avx2<2, 4>(w, in, n, t0, y) : row_avx2<2, 8>(w, in, n, t0, y);
+    with_bits(w.bits, [&](auto b) {
+      constexpr int B = decltype(b)::value;
+      if (R == 1)
+        row_avx2<1, B>(w, in, n, s, m, t0, y);
+      else
+        row_avx2<2, B>(w, in, n, s, m, t0, y);
+    });
     return;
   }
 #endif
-  row_scalar(w, in, n, t0, R, y);
+  row_scalar(w, in, n, s, m, t0, R, y);
 }
 
 int64_t pass_rows(Path path) {
@@ -345,12 +461,12 @@ void store_row(T* out, int64_t n, float v, const float* bias) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int64_t kVnniRows = 4;  // rows of x per pass
 
-// inputs per chunk: one 64-byte load of weights
-constexpr int64_t vnni_chunk(int64_t bits) { return bits == 4 ? 128 : 64; }
+// inputs per chunk: one 64-byte load of (low) weights
+constexpr int64_t vnni_chunk(int64_t bits) { return bits != 8 ? 128 : 64; }
 
 // whether the int8 path takes this weight: whole chunks, and blocks (min(g, chunk)) of whole lanes
 bool vnni_fits(int64_t bits, int64_t K, int64_t g) {
-  const int64_t chunk = vnni_chunk(bits), lane = bits == 4 ? 8 : 4;
+  const int64_t chunk = vnni_chunk(bits), lane = bits != 8 ? 8 : 4;
   if (K % chunk != 0) return false;
   return g % chunk == 0 || (chunk % g == 0 && g % lane == 0);
 }
@@ -362,14 +478,15 @@ struct QuantInput {
   const float* dx;
   const float* sums;  // [T, G_pad] exact sums of x per group, zero past G
   int64_t K, G_pad, block;
-  const int32_t* lane_block;  // [16] each lane's block within its chunk
+  const int32_t* lane_block;    // [16] each lane's block within its chunk
+  const int64_t* chunk_group;  // [K / chunk] the group of each chunk's first input
 };
 
 template <typename T>
 void quantize_input(const T* x, int64_t T_, int64_t K, int64_t g, int64_t bits, int64_t G_pad, int8_t* xq,
                     float* dx, float* sums) {
   const int64_t chunk = vnni_chunk(bits), block = std::min(g, chunk), G = K / g;
-  const int64_t lane_inputs = bits == 4 ? 8 : 4;
+  const int64_t lane_inputs = bits != 8 ? 8 : 4;
   at::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> xf(K), scale(K / block);
     std::vector<int8_t> natural(K);
@@ -393,7 +510,7 @@ void quantize_input(const T* x, int64_t T_, int64_t K, int64_t g, int64_t bits, 
       int8_t* out = xq + t * K;
       float* lanes = dx + t * (K / chunk) * 16;
       for (int64_t c = 0; c < K; c += chunk) {
-        if (bits == 4) {
+        if (bits != 8) {
           for (int64_t i = 0; i < chunk / 2; ++i) {
             out[c + i] = natural[c + 2 * i];
             out[c + chunk / 2 + i] = natural[c + 2 * i + 1];
@@ -407,77 +524,160 @@ void quantize_input(const T* x, int64_t T_, int64_t K, int64_t g, int64_t bits, 
   });
 }
 
-template <int R, int BITS>
-void row_vnni(const Weight& w, const QuantInput& in, int64_t n, int64_t t0, float* y) {
-  constexpr int64_t chunk = BITS == 4 ? 128 : 64;
-  const uint8_t* q = w.q + n * w.row_bytes();
-  const float* s = w.scales + n * w.G;
-  const float* m = w.offsets + n * w.G;
-  const int64_t g = w.g, per_chunk = chunk / in.block;  // blocks a chunk holds (1 when g >= chunk)
+// 4 sums of 16 lanes -> the 4 totals (lanes 0..3)
+inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 q = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a01), _mm512_castps_pd(a23))),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a01), _mm512_castps_pd(a23))));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(q), _mm512_extractf32x8_ps(q, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// y[o * R + r] for O output rows from n (O 1 or 4) and R rows of x from t0. TWO: the rows' two-level
+// codes are read here (every chunk lies within one super-block); otherwise their scales and offsets
+// s, m [O][G].
+template <int O, int R, int BITS, bool TWO>
+void row_vnni(const Weight& w, const QuantInput& in, int64_t n, const float* s, const float* m, int64_t t0,
+              float* y) {
+  constexpr int64_t chunk = BITS != 8 ? 128 : 64;
+  const int64_t per_chunk = chunk / in.block;  // blocks a chunk holds (1 when g >= chunk)
   const int64_t chunks = in.K / chunk;
   const __m512i lanes = _mm512_loadu_si512(in.lane_block);
   const __mmask16 first = static_cast<__mmask16>((1u << per_chunk) - 1);
   const __m512i nibble = _mm512_set1_epi8(0x0f);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[O][R];
+  for (int o = 0; o < O; ++o)
+    for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
-    __m512i lo, hi = _mm512_setzero_si512();
-    if constexpr (BITS == 4) {
-      const __m512i b = _mm512_loadu_si512(q + c * chunk / 2);
-      lo = _mm512_and_si512(b, nibble);
-      hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
-    } else {
-      lo = _mm512_loadu_si512(q + c * chunk);
-    }
-    // the weight scale of each lane: s of the group its block lies in
-    const int64_t j0 = c * chunk / g;
-    const __m512 ws = per_chunk == 1 ? _mm512_set1_ps(s[j0])
-                                     : _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(first, s + j0));
+    const int64_t j0 = in.chunk_group[c];  // the group of the chunk's first input
+    __m512i xv[R][2];
+    __m512 dv[R];
     for (int r = 0; r < R; ++r) {
       const int8_t* xr = in.xq + (t0 + r) * in.K + c * chunk;
-      __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
-      if constexpr (BITS == 4) d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xr + 64));
-      const __m512 dv = _mm512_loadu_ps(in.dx + ((t0 + r) * chunks + c) * 16);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, dv), acc[r]);
+      xv[r][0] = _mm512_loadu_si512(xr);
+      if constexpr (BITS != 8) xv[r][1] = _mm512_loadu_si512(xr + 64);
+      dv[r] = _mm512_loadu_ps(in.dx + ((t0 + r) * chunks + c) * 16);
+    }
+    for (int o = 0; o < O; ++o) {
+      __m512i lo, hi = _mm512_setzero_si512();
+      if constexpr (BITS != 8) {
+        const __m512i b = _mm512_loadu_si512(w.row(n + o) + c * chunk / 2);
+        lo = _mm512_and_si512(b, nibble);
+        hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
+        if constexpr (BITS == 6) {
+          // 32 bytes of top bits -> a nibble a byte lane (byte 2i: low nibble of byte i, 2i + 1: high)
+          const __m512i wide =
+              _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.top(n + o) + c * 32)));
+          const __m512i h = _mm512_or_si512(_mm512_and_si512(wide, _mm512_set1_epi16(0x0f)),
+                                            _mm512_slli_epi16(_mm512_and_si512(wide, _mm512_set1_epi16(0xf0)), 4));
+          lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(3)), 4));
+          hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(12)), 2));
+        }
+      } else {
+        lo = _mm512_loadu_si512(w.row(n + o) + c * chunk);
+      }
+      // the weight scale of each lane: s of the group its block lies in
+      __m512 ws;
+      if constexpr (TWO) {
+        const int8_t* codes = static_cast<const int8_t*>(w.scales) + (n + o) * w.G + j0;
+        const __m512 code =
+            per_chunk == 1
+                ? _mm512_set1_ps(static_cast<float>(codes[0]))
+                : _mm512_permutexvar_ps(lanes, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(first, codes))));
+        ws = _mm512_mul_ps(_mm512_set1_ps(w.super_scales[(n + o) * (w.G >> w.shift) + (j0 >> w.shift)]), code);
+      } else {
+        const float* so = s + o * w.G + j0;
+        ws = per_chunk == 1 ? _mm512_set1_ps(so[0]) : _mm512_permutexvar_ps(lanes, _mm512_maskz_loadu_ps(first, so));
+      }
+      for (int r = 0; r < R; ++r) {
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[r][0]);
+        if constexpr (BITS != 8) d = _mm512_dpbusd_epi32(d, hi, xv[r][1]);
+        acc[o][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, dv[r]), acc[o][r]);
+      }
     }
   }
   // minus sum_j m_j sum(x_j), 16 groups a step (sums are zero past G)
+  const __m512i spread = super_spread(w.shift);
   for (int64_t j = 0; j < w.G; j += 16) {
-    const __mmask16 mask = w.G - j >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << (w.G - j)) - 1);
-    const __m512 mv = _mm512_maskz_loadu_ps(mask, m + j);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fnmadd_ps(mv, _mm512_loadu_ps(in.sums + (t0 + r) * in.G_pad + j), acc[r]);
+    __m512 xs[R];
+    for (int r = 0; r < R; ++r) xs[r] = _mm512_loadu_ps(in.sums + (t0 + r) * in.G_pad + j);
+    for (int o = 0; o < O; ++o) {
+      const __m512 mv = TWO ? level16(static_cast<const int8_t*>(w.offsets) + (n + o) * w.G,
+                                      w.super_offsets + (n + o) * (w.G >> w.shift), j, w.G, w.shift, spread)
+                            : _mm512_maskz_loadu_ps(groups_mask(w.G - j), m + o * w.G + j);
+      for (int r = 0; r < R; ++r) acc[o][r] = _mm512_fnmadd_ps(mv, xs[r], acc[o][r]);
+    }
   }
-  for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+  if constexpr (O == 4 && R == 1) {
+    _mm_storeu_ps(y, reduce4(acc[0][0], acc[1][0], acc[2][0], acc[3][0]));
+  } else {
+    for (int o = 0; o < O; ++o)
+      for (int r = 0; r < R; ++r) y[o * R + r] = _mm512_reduce_add_ps(acc[o][r]);
+  }
 }
 
 template <typename T>
 void decode_int8(const Weight& w, const T* x, int64_t T_, const float* bias, T* out) {
   const int64_t chunk = vnni_chunk(w.bits), block = std::min(w.g, chunk);
-  const int64_t lane_inputs = w.bits == 4 ? 8 : 4, G_pad = (w.G + 15) / 16 * 16;
+  const int64_t lane_inputs = w.bits != 8 ? 8 : 4, G_pad = (w.G + 15) / 16 * 16;
   alignas(64) int32_t lane_block[16];
   for (int64_t L = 0; L < 16; ++L) lane_block[L] = static_cast<int32_t>(L * lane_inputs / block);
+  std::vector<int64_t> chunk_group(w.K / chunk);
+  for (int64_t c = 0; c < w.K / chunk; ++c) chunk_group[c] = c * chunk / w.g;
   std::vector<int8_t> xq(T_ * w.K);
   std::vector<float> dx(T_ * (w.K / chunk) * 16), sums(T_ * G_pad);
   quantize_input(x, T_, w.K, w.g, w.bits, G_pad, xq.data(), dx.data(), sums.data());
-  const QuantInput in{xq.data(), dx.data(), sums.data(), w.K, G_pad, block, lane_block};
-  at::parallel_for(0, w.N, kDecodeGrainRows, [&](int64_t n0, int64_t n1) {
-    float y[kVnniRows];
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t t0 = 0; t0 < T_; t0 += kVnniRows) {
-        const int64_t R = std::min(kVnniRows, T_ - t0);
-        auto run = [&](auto rows) {
-          constexpr int RR = decltype(rows)::value;
-          w.bits == 4 ? row_vnni<RR, 4>(w, in, n, t0, y) : row_vnni<RR, 8>(w, in, n, t0, y);
-        };
-        switch (R) {
-          case 1: run(std::integral_constant<int, 1>{}); break;
-          case 2: run(std::integral_constant<int, 2>{}); break;
-          case 3: run(std::integral_constant<int, 3>{}); break;
-          default: run(std::integral_constant<int, 4>{}); break;
+  const QuantInput in{xq.data(), dx.data(), sums.data(), w.K, G_pad, block, lane_block, chunk_group.data()};
+  // two-level codes are read in the kernel when every chunk lies within one super-block
+  const bool two = w.S > 0 && (w.g << w.shift) % chunk == 0;
+  // one row of x: 4 output rows a pass (the rows' reductions share their shuffles)
+  constexpr int64_t kOutputs = 4;
+  at::parallel_for(0, (w.N + kOutputs - 1) / kOutputs, kDecodeGrainRows / kOutputs, [&](int64_t b0, int64_t b1) {
+    float y[kOutputs * kVnniRows];
+    std::vector<float> s_buf(kOutputs * w.G), m_buf(kOutputs * w.G);
+    const float *s = nullptr, *m = nullptr;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kOutputs, outputs = std::min(kOutputs, w.N - n0);
+      const bool four = T_ == 1 && outputs == kOutputs;
+      if (w.S == 0) {  // the rows' scales and offsets, one after another in the weight
+        s = static_cast<const float*>(w.scales) + n0 * w.G;
+        m = static_cast<const float*>(w.offsets) + n0 * w.G;
+      } else if (!two) {  // expanded
+        for (int64_t o = 0; o < outputs; ++o) {
+          expand_level(w, w.scales, w.super_scales, n0 + o, s_buf.data() + o * w.G);
+          expand_level(w, w.offsets, w.super_offsets, n0 + o, m_buf.data() + o * w.G);
         }
-        for (int64_t r = 0; r < R; ++r) store_row(out + (t0 + r) * w.N, n, y[r], bias);
+        s = s_buf.data(), m = m_buf.data();
       }
+      with_bits(w.bits, [&](auto bits_c) {
+        constexpr int B = decltype(bits_c)::value;
+        if (four) {
+          two ? row_vnni<4, 1, B, true>(w, in, n0, s, m, 0, y) : row_vnni<4, 1, B, false>(w, in, n0, s, m, 0, y);
+          for (int64_t o = 0; o < kOutputs; ++o) store_row(out, n0 + o, y[o], bias);
+          return;
+        }
+        for (int64_t o = 0; o < outputs; ++o) {
+          const float* so = s == nullptr ? nullptr : s + o * w.G;
+          const float* mo = m == nullptr ? nullptr : m + o * w.G;
+          for (int64_t t0 = 0; t0 < T_; t0 += kVnniRows) {
+            const int64_t R = std::min(kVnniRows, T_ - t0);
+            auto run = [&](auto rows) {
+              constexpr int RR = decltype(rows)::value;
+              two ? row_vnni<1, RR, B, true>(w, in, n0 + o, so, mo, t0, y)
+                  : row_vnni<1, RR, B, false>(w, in, n0 + o, so, mo, t0, y);
+            };
+            switch (R) {
+              case 1: run(std::integral_constant<int, 1>{}); break;
+              case 2: run(std::integral_constant<int, 2>{}); break;
+              case 3: run(std::integral_constant<int, 3>{}); break;
+              default: run(std::integral_constant<int, 4>{}); break;
+            }
+            for (int64_t r = 0; r < R; ++r) store_row(out + (t0 + r) * w.N, n0 + o, y[r], bias);
+          }
+        }
+      });
+    }
   });
 }
 #endif
@@ -491,34 +691,28 @@ void decode(const Weight& w, const T* x, int64_t T_, const float* bias, T* out) 
   const int64_t rows_per_pass = pass_rows(path);
   at::parallel_for(0, w.N, kDecodeGrainRows, [&](int64_t n0, int64_t n1) {
     float y[kDecodeRows];
-    for (int64_t n = n0; n < n1; ++n)
+    std::vector<float> s_buf(w.G), m_buf(w.G);
+    for (int64_t n = n0; n < n1; ++n) {
+      const RowScales sm = row_scales(w, n, s_buf.data(), m_buf.data());
       for (int64_t t0 = 0; t0 < T_; t0 += rows_per_pass) {
         const int64_t R = std::min(rows_per_pass, T_ - t0);
-        row(path, w, in, n, t0, R, y);
+        row(path, w, in, n, sm.s, sm.m, t0, R, y);
         for (int64_t r = 0; r < R; ++r) store_row(out + (t0 + r) * w.N, n, y[r], bias);
       }
+    }
   });
 }
 
-// fp32 W[n0:n1, k0:k1] (k0, k1 whole groups) into dst [n1 - n0, k1 - k0]
-void dequantize_tile(const Weight& w, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* dst) {
+// fp32 W[n0:n1, k0:k1] (k0, k1 whole groups) into dst [n1 - n0, k1 - k0]; s_buf, m_buf [G] scratch
+void dequantize_tile(const Weight& w, int64_t n0, int64_t n1, int64_t k0, int64_t k1, float* dst, float* s_buf,
+                     float* m_buf) {
   const int64_t width = k1 - k0;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* q = w.q + n * w.row_bytes();
+    const RowScales sm = row_scales(w, n, s_buf, m_buf);
     float* d = dst + (n - n0) * width;
     for (int64_t j = k0 / w.g; j < k1 / w.g; ++j) {
-      const float s = w.scales[n * w.G + j], m = w.offsets[n * w.G + j];
-      float* dg = d + j * w.g - k0;
-      if (w.bits == 4) {
-        const uint8_t* qg = q + j * w.g / 2;
-        for (int64_t i = 0; i < w.g / 2; ++i) {
-          dg[2 * i] = s * static_cast<float>(qg[i] & 0x0f) - m;
-          dg[2 * i + 1] = s * static_cast<float>(qg[i] >> 4) - m;
-        }
-      } else {
-        const uint8_t* qg = q + j * w.g;
-        for (int64_t i = 0; i < w.g; ++i) dg[i] = s * static_cast<float>(qg[i]) - m;
-      }
+      const float s = sm.s[j], m = sm.m[j];
+      for (int64_t k = j * w.g; k < (j + 1) * w.g; ++k) d[k - k0] = s * static_cast<float>(value_at(w, n, k)) - m;
     }
   }
 }
@@ -535,13 +729,14 @@ void prefill(const Weight& w, const torch::Tensor& x, const float* bias, T* out)
   at::parallel_for(0, tiles, 1, [&](int64_t b0, int64_t b1) {
     torch::Tensor tile = at::empty({kTileOutputs, width}, options);
     torch::Tensor y = at::empty({T_, kTileOutputs}, options);
+    std::vector<float> s_buf(w.G), m_buf(w.G);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kTileOutputs, n1 = std::min(w.N, n0 + kTileOutputs), rows = n1 - n0;
       torch::Tensor yb = y.narrow(1, 0, rows);
       yb.zero_();
       for (int64_t k0 = 0; k0 < w.K; k0 += width) {
         const int64_t k1 = std::min(w.K, k0 + width);
-        dequantize_tile(w, n0, n1, k0, k1, tile.data_ptr<float>());
+        dequantize_tile(w, n0, n1, k0, k1, tile.data_ptr<float>(), s_buf.data(), m_buf.data());
         const torch::Tensor wt = at::from_blob(tile.data_ptr<float>(), {rows, k1 - k0}, {width, 1}, options);
         yb.addmm_(xf.narrow(1, k0, k1 - k0), wt.t());
       }
@@ -572,17 +767,24 @@ void unpack_rows_bf16(const Weight& w, int64_t n0, uint16_t* dst) {
       std::memset(d, 0, K * sizeof(uint16_t));
       continue;
     }
-    const uint8_t* q = w.q + (n0 + r) * w.row_bytes();
-    for (int64_t i = 0; i < w.row_bytes(); i += 16) {
-      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
-      if (w.bits == 4) {
+    const uint8_t* q = w.row(n0 + r);
+    const uint8_t* top = w.top(n0 + r);
+    const int64_t low_bytes = w.bits == 8 ? K : K / 2;
+    for (int64_t i = 0; i < low_bytes; i += 16) {
+      if (w.bits != 8) {
         // byte i holds inputs 2i (low) and 2i + 1 (high): one 32-bit pair of bf16, low first
-        const __m512i lo = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0f))));
-        const __m512i hi = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
+        __m512i lo_i, hi_i;
+        if (w.bits == 6)
+          unpack32_avx512<6>(q, top, 2 * i, lo_i, hi_i);
+        else
+          unpack32_avx512<4>(q, top, 2 * i, lo_i, hi_i);
+        const __m512i lo = _mm512_castps_si512(_mm512_cvtepi32_ps(lo_i));
+        const __m512i hi = _mm512_castps_si512(_mm512_cvtepi32_ps(hi_i));
         const __m512i pair =
             _mm512_or_si512(_mm512_srli_epi32(lo, 16), _mm512_and_si512(hi, _mm512_set1_epi32(-65536)));
         _mm512_storeu_si512(d + 2 * i, pair);
       } else {
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
         const __m512i v = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtepi32_ps(b)), 16);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(v));
       }
@@ -613,11 +815,19 @@ void amx_prefill(const Weight& w, const at::BFloat16* x, int64_t T_, const float
     engine_cpu::configure_tiles({{0, 16, 64}, {1, 16, 64}, {2, 16, 64}, {3, 16, 64},
                                  {4, 16, 64}, {5, 16, 64}, {6, 16, 64}, {7, 16, 64}});
     std::vector<uint16_t> a(kAmxOutputs * K);
+    std::vector<float> unit_s(kAmxOutputs * G), unit_m(kAmxOutputs * G);  // the pass's rows' scales, offsets
     alignas(64) float c[4][16 * 16];
     alignas(64) float acc[kAmxOutputs][kAmxRows];  // [output][row of x]
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t n0 = u * kAmxOutputs, outputs = std::min(kAmxOutputs, w.N - n0);
       unpack_rows_bf16(w, n0, a.data());
+      for (int64_t n = 0; n < outputs; ++n) {
+        const RowScales sm = row_scales(w, n0 + n, unit_s.data() + n * G, unit_m.data() + n * G);
+        if (sm.s != unit_s.data() + n * G) {
+          std::memcpy(unit_s.data() + n * G, sm.s, G * sizeof(float));
+          std::memcpy(unit_m.data() + n * G, sm.m, G * sizeof(float));
+        }
+      }
       for (int64_t t0 = 0; t0 < T_pad; t0 += kAmxRows) {
         std::memset(acc, 0, sizeof(acc));
         const uint32_t* b0 = xb.data() + (t0 / 16) * P * 16;
@@ -647,8 +857,8 @@ void amx_prefill(const Weight& w, const at::BFloat16* x, int64_t T_, const float
             for (int64_t r = 0; r < 16; ++r) {
               const int64_t n = (i / 2) * 16 + r;
               if (n >= outputs) break;
-              const __m512 s = _mm512_set1_ps(w.scales[(n0 + n) * G + j]);
-              const __m512 m = _mm512_set1_ps(w.offsets[(n0 + n) * G + j]);
+              const __m512 s = _mm512_set1_ps(unit_s[n * G + j]);
+              const __m512 m = _mm512_set1_ps(unit_m[n * G + j]);
               float* dst = acc[n] + half * 16;
               const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(c[i] + r * 16), s, _mm512_loadu_ps(dst));
               _mm512_storeu_ps(dst, _mm512_fnmadd_ps(m, xs, v));
@@ -679,33 +889,55 @@ void amx_prefill(const Weight& w, const at::BFloat16* x, int64_t T_, const float
 
 // out [T, N] = x [T, K] @ W^T + bias for a group-quantized W (engine.interfaces.group_quant):
 // x and out fp32 or bf16 (one dtype), qweight uint8 [N, K * bits / 8], scales and offsets fp32
-// [N, K / group_size], bias fp32 [N] or empty. fp32 sums; bf16 out rounded once. int8_activations:
-// bf16 decode rows may be quantized to int8 (see the header) where this build has AVX512-VNNI.
+// [N, K / group_size] (super_group 0) or int8 codes with fp32 super_scales and super_offsets
+// [N, K / group_size / super_group], bias fp32 [N] or empty. fp32 sums; bf16 out rounded once.
+// int8_activations: bf16 decode rows may be quantized to int8 (see the header) where this build has
+// AVX512-VNNI.
 void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                        torch::Tensor offsets, int64_t bits, int64_t group_size, torch::Tensor bias,
+                        torch::Tensor offsets, torch::Tensor super_scales, torch::Tensor super_offsets,
+                        int64_t bits, int64_t group_size, int64_t super_group, torch::Tensor bias,
                         bool int8_activations) {
-  TORCH_CHECK(bits == 4 || bits == 8, "group_quant_linear: 4 or 8 bits a value, not ", bits);
+  TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "group_quant_linear: 4, 6 or 8 bits a value, not ", bits);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(),
               "group_quant_linear: x and out must be contiguous 2-D");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "group_quant_linear: x must be fp32 or bf16, not ", x.scalar_type());
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "group_quant_linear: out must have x's dtype");
   const int64_t T_ = x.size(0), K = x.size(1), N = qweight.size(0), g = group_size;
-  TORCH_CHECK(g > 0 && g % 2 == 0 && K % g == 0, "group_quant_linear: group_size ", g,
-              " must be even and divide the ", K, " inputs");
+  TORCH_CHECK(g > 0 && g % (bits == 6 ? 4 : 2) == 0 && K % g == 0, "group_quant_linear: group_size ", g,
+              " must be ", bits == 6 ? "a multiple of 4" : "even", " and divide the ", K, " inputs");
+  const int64_t G = K / g, S = super_group;
+  TORCH_CHECK(S >= 0 && (S & (S - 1)) == 0 && (S == 0 || G % S == 0), "group_quant_linear: super_group ", S,
+              " must be 0 or a power of two dividing the ", G, " groups");
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous() && qweight.dim() == 2 &&
                   qweight.size(1) == K * bits / 8,
               "group_quant_linear: qweight must be contiguous uint8 [N, ", K * bits / 8, "]");
+  const auto code = S ? at::kChar : at::kFloat;
   for (const auto* t : {&scales, &offsets})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                    t->size(1) == K / g,
-                "group_quant_linear: scales and offsets must be contiguous fp32 [", N, ", ", K / g, "]");
+    TORCH_CHECK(t->scalar_type() == code && t->is_contiguous() && t->dim() == 2 && t->size(0) == N && t->size(1) == G,
+                "group_quant_linear: scales and offsets must be contiguous ", S ? "int8" : "fp32", " [", N, ", ", G,
+                "]");
+  if (S)
+    for (const auto* t : {&super_scales, &super_offsets})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                      t->size(1) == G / S,
+                  "group_quant_linear: super_scales and super_offsets must be contiguous fp32 [", N, ", ", G / S, "]");
   TORCH_CHECK(out.size(0) == T_ && out.size(1) == N, "group_quant_linear: out must be [", T_, ", ", N, "]");
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() && bias.scalar_type() == at::kFloat),
               "group_quant_linear: bias must be fp32 [N] or empty");
   if (T_ == 0 || N == 0) return;
-  const Weight w{qweight.data_ptr<uint8_t>(), scales.data_ptr<float>(), offsets.data_ptr<float>(), N, K, K / g, g,
-                 bits};
+  const Weight w{qweight.data_ptr<uint8_t>(),
+                 scales.data_ptr(),
+                 offsets.data_ptr(),
+                 S ? super_scales.data_ptr<float>() : nullptr,
+                 S ? super_offsets.data_ptr<float>() : nullptr,
+                 N,
+                 K,
+                 G,
+                 g,
+                 bits,
+                 S,
+                 S ? __builtin_ctzll(static_cast<unsigned long long>(S)) : 0};
   (void)int8_activations;  // builds without AVX512-VNNI
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
@@ -738,7 +970,7 @@ void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweigh
 // weight of `bits` with `in_features` inputs in groups of `group_size`
 bool group_quant_int8_supported(int64_t bits, int64_t in_features, int64_t group_size) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return (bits == 4 || bits == 8) && group_size > 0 && in_features % group_size == 0 &&
+  return (bits == 4 || bits == 6 || bits == 8) && group_size > 0 && in_features % group_size == 0 &&
          vnni_fits(bits, in_features, group_size);
 #else
   (void)bits, (void)in_features, (void)group_size;

@@ -3,6 +3,7 @@ any weight is read, and the step loop."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -140,6 +141,11 @@ class LLMEngine:
             config.block_size,
             f", tensor-parallel rank {self.tp.rank} of {self.tp.size}" if self.tp.is_parallel else "",
         )
+        # what start-up built lives as long as the engine: out of the collector's sight, full
+        # collections during serving no longer walk every module, tensor and plugin object
+        # (they took about 3% of a CPU decode step)
+        gc.collect()
+        gc.freeze()
 
     def _plan_caches(self, model: Model) -> None:
         self.cache_plan = plan_caches(self.setup, model, self.ranks.tp.rank)

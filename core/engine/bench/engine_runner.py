@@ -68,10 +68,11 @@ class EngineRunner:
         """``settings`` are ``EngineConfig`` fields (``dtype``, ``plugins``, ``max_num_seqs``, ...);
         those not given keep EngineConfig's defaults, and EngineConfig rejects unknown names."""
         from engine.config import EngineConfig
-        from engine.engine.llm_engine import LLMEngine
+        from engine.engine.llm_engine import LLMEngine, freeze_startup_objects
 
         self.config = EngineConfig(model=model, **settings)
         self.engine = LLMEngine(self.config, progress=False)
+        freeze_startup_objects()  # as engine serve does
         self._spec_stats = self.engine.spec.stats if self.engine.spec is not None else None
         self.model = self.engine.runner.model
         self.attention = self._make_attention_timer()

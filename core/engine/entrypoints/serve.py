@@ -50,7 +50,7 @@ def make_app(
 ) -> tuple[Any, Any]:
     """(FastAPI app, AsyncEngine) for these settings; the model is loaded here. ``on_error``:
     see :class:`AsyncEngine`."""
-    from engine.engine.llm_engine import LLMEngine
+    from engine.engine.llm_engine import LLMEngine, freeze_startup_objects
     from engine.entrypoints.api_server import build_app
     from engine.entrypoints.async_engine import AsyncEngine
     from engine.model_loader.checkpoint import sampling_defaults
@@ -60,6 +60,7 @@ def make_app(
     if defaults:
         logger.info("sampling defaults from generation_config.json: %s", defaults)
     engine = AsyncEngine(llm_engine, on_error=on_error)
+    freeze_startup_objects()
     model_name = served_name(engine_config, server_config)
     # a directory served under its own name still answers to the path it was given as
     aliases = (engine_config.model,) if not server_config.served_model_name else ()

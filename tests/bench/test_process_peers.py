@@ -389,8 +389,13 @@ if job["settings"]["extra_buffer_types"]:
         '"n_threads": job["threads"], "use_extra_bufts": job["settings"]["extra_buffer_types"]',
     )
     monkeypatch.setattr(LlamaCppPeer, "script", stand_in_worker(tmp_path, body))
+    monkeypatch.setattr(process_peers.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     argv = bench("throughput", "--model", tiny_llama, "--peers", "llamacpp", "--peer-python", python, "--json")
     assert main(argv) == 0
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("engine-bench-")] == [], (
+        "the crashed first try's folder is removed once the retry succeeds"
+    )
     captured = capsys.readouterr()
     report = json.loads(captured.out)
     assert report["sections"]["w2"]["figures"]["wall_s"]["values"]["llamacpp"] == 2.0

@@ -61,11 +61,13 @@ print(json.dumps({"python": sys.version.split()[0], "modules": found}))
 
 class PeerError(RuntimeError):
     """A peer that cannot run, or a worker that failed: the message says why and what to do.
-    ``signal``: the signal that killed the worker, where one did."""
+    ``signal``: the signal that killed the worker, where one did; ``folder``: the failed
+    worker's folder (its job and output), kept for the user."""
 
-    def __init__(self, message: str, signal: int | None = None) -> None:
+    def __init__(self, message: str, signal: int | None = None, folder: Path | None = None) -> None:
         super().__init__(message)
         self.signal = signal
+        self.folder = folder
 
 
 # variables of this Python's environment that would make the peer's Python import from elsewhere
@@ -237,6 +239,7 @@ def run_worker(name: str, python: str, script: Path, job: dict[str, Any], env: d
             f"The {name} peer failed: {python} {script.name} {_exit_text(done.returncode)}. "
             f"The last lines of its output:\n{tail(output)}{where}",
             signal=-done.returncode if done.returncode < 0 else None,
+            folder=folder,
         )
     try:
         result = json.loads(result_path.read_text(encoding="utf-8"))
@@ -244,7 +247,8 @@ def run_worker(name: str, python: str, script: Path, job: dict[str, Any], env: d
     except (OSError, ValueError) as exc:
         raise PeerError(
             f"The {name} peer's worker exited with status 0 but its result is unusable: {exc}\n"
-            f"The last lines of its output:\n{tail(output)}{where}"
+            f"The last lines of its output:\n{tail(output)}{where}",
+            folder=folder,
         ) from exc
     shutil.rmtree(folder, ignore_errors=True)
     return result
@@ -390,6 +394,8 @@ class LlamaCppPeer(ProcessPeer):
             if not self.extra_buffer_types or exc.signal not in self.RETRY_SIGNALS:
                 raise
             self.retry_reason = _exit_text(-exc.signal)
+            if exc.folder is not None:  # the retry's outcome is what the user sees
+                shutil.rmtree(exc.folder, ignore_errors=True)
             print(
                 f"The {self.name} peer {self.retry_reason} with llama.cpp's extra (repacked) buffer types; "
                 "running it again without them.",

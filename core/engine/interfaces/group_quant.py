@@ -22,9 +22,13 @@ Storage (:class:`GroupQuantWeight`):
 
   - ``bits == 4``: [N, K / 2], input ``k`` of row ``n`` in byte ``k // 2``, the low nibble for
     even ``k``, the high nibble for odd ``k``;
-  - ``bits == 6`` (5- and 6-bit values): [N, 3 K / 4], each row its low 4 bits as ``bits == 4``
-    lays them out (bytes ``[0, K / 2)``), then its top 2 bits, input ``k`` in byte
-    ``K / 2 + k // 4`` at bit ``2 (k % 4)`` (bytes ``[K / 2, 3 K / 4)``);
+  - ``bits == 6`` (5- and 6-bit values, K a multiple of ``TOP_CHUNK`` = 128): [N, 3 K / 4], each
+    row its low 4 bits as ``bits == 4`` lays them out (bytes ``[0, K / 2)``), then its top 2
+    bits, 32 bytes per chunk of 128 inputs: byte ``i`` of chunk ``c`` holds those of inputs
+    ``128 c + 2 i`` (bits 0-1), ``128 c + 2 i + 64`` (bits 2-3), ``128 c + 2 i + 1`` (bits 4-5)
+    and ``128 c + 2 i + 65`` (bits 6-7). (A kernel that meets a chunk's low nibbles as two
+    vectors of 64 bytes, the even inputs and the odd ones, gets both vectors' top bits from one
+    load of 32 bytes with a shift per half.)
   - ``bits == 8``: [N, K], one value a byte;
 
 - ``scales``, ``offsets`` float32 [N, K / group_size]; or, with two-level scales
@@ -46,11 +50,13 @@ whole weight is ever held.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
 STORAGE_BITS = (4, 6, 8)
+TOP_CHUNK = 128  # inputs whose top 2 bits share 32 bytes (bits == 6)
 # what attach() registers
 HELD_TENSORS = ("qweight", "scales", "offsets", "input_order", "super_scales", "super_offsets")
 # inputs dequantized at once by the reference, per output row (bounds its scratch memory)
@@ -77,10 +83,10 @@ class GroupQuantWeight:
         n, k, g = self.out_features, self.in_features, self.group_size
         if self.bits not in STORAGE_BITS:
             raise ValueError(f"group-quantized weights are stored in {STORAGE_BITS} bits a value, not {self.bits}")
-        if g <= 0 or k % g or g % (4 if self.bits == 6 else 2):
-            raise ValueError(
-                f"group_size {g} must be {'a multiple of 4' if self.bits == 6 else 'even'} and divide the {k} inputs"
-            )
+        if g <= 0 or k % g or g % 2:
+            raise ValueError(f"group_size {g} must be even and divide the {k} inputs")
+        if self.bits == 6 and k % TOP_CHUNK:
+            raise ValueError(f"6-bit values are stored in chunks of {TOP_CHUNK} inputs; the weight has {k}")
         packed = k * self.bits // 8
         if tuple(self.qweight.shape) != (n, packed) or self.qweight.dtype != torch.uint8:
             raise ValueError(
@@ -164,7 +170,7 @@ class GroupQuantWeight:
         """Pack integer ``values`` [N, K] (each in ``[0, 2**bits)``, any integer dtype) with their
         ``scales`` / ``offsets`` [N, K / group_size] (converted to float32; with ``super_scales`` /
         ``super_offsets`` [N, K / group_size / super_group], integer codes converted to int8);
-        ``bits`` up to 4 are stored in 4 bits, up to 6 in 6 (when the group size allows), up to 8 in 8."""
+        ``bits`` up to 4 are stored in 4 bits, up to 6 in 6 (when K is a multiple of ``TOP_CHUNK``), up to 8 in 8."""
         n, k = values.shape
         if not 1 <= bits <= 8:
             raise ValueError(f"values of {bits} bits cannot be stored in a byte")
@@ -176,7 +182,7 @@ class GroupQuantWeight:
         if groups == 0 or k % groups:
             raise ValueError(f"{groups} groups do not divide the {k} inputs")
         g = k // groups
-        storage = 4 if bits <= 4 else 6 if bits <= 6 and g % 4 == 0 else 8
+        storage = 4 if bits <= 4 else 6 if bits <= 6 and k % TOP_CHUNK == 0 else 8
         two_level = super_scales is not None
         if two_level != (super_offsets is not None):
             raise ValueError("super_scales and super_offsets come together")
@@ -257,17 +263,20 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     v = values.to(torch.uint8)
     if bits == 8:
         return v.contiguous()
-    if bits not in (4, 6) or v.shape[-1] % (2 if bits == 4 else 4):
+    if bits not in (4, 6) or v.shape[-1] % (2 if bits == 4 else TOP_CHUNK):
         raise ValueError(
-            f"cannot pack {tuple(values.shape)} values in {bits} bits (4-bit needs an even K, 6-bit a multiple of 4)"
+            f"cannot pack {tuple(values.shape)} values in {bits} bits "
+            f"(4-bit needs an even K, 6-bit a multiple of {TOP_CHUNK})"
         )
     low = v & 0x0F
     nibbles = low[:, 0::2] | (low[:, 1::2] << 4)
     if bits == 4:
         return nibbles.contiguous()
-    top = v >> 4
-    crumbs = top[:, 0::4] | (top[:, 1::4] << 2) | (top[:, 2::4] << 4) | (top[:, 3::4] << 6)
-    return torch.cat((nibbles, crumbs), dim=1).contiguous()
+    top = (v >> 4).view(v.shape[0], -1, TOP_CHUNK)
+    even, odd = top[..., 0::2], top[..., 1::2]  # [N, chunks, 64]: inputs 2 i and 2 i + 1 of a chunk
+    half = TOP_CHUNK // 4
+    crumbs = even[..., :half] | (even[..., half:] << 2) | (odd[..., :half] << 4) | (odd[..., half:] << 6)
+    return torch.cat((nibbles, crumbs.reshape(v.shape[0], -1)), dim=1).contiguous()
 
 
 def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
@@ -279,14 +288,15 @@ def unpack(qweight: torch.Tensor, bits: int) -> torch.Tensor:
     nibbles = qweight[:, : k // 2]
     values = torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-1).reshape(rows, -1)
     if bits == 6:
-        crumbs = qweight[:, k // 2 :]
-        top = torch.stack([(crumbs >> shift) & 0x03 for shift in (0, 2, 4, 6)], dim=-1).reshape(rows, -1)
-        values = values | (top << 4)
+        crumbs = qweight[:, k // 2 :].reshape(rows, -1, TOP_CHUNK // 4)
+        even = torch.cat((crumbs & 0x03, (crumbs >> 2) & 0x03), dim=-1)
+        odd = torch.cat(((crumbs >> 4) & 0x03, crumbs >> 6), dim=-1)
+        values = values | (torch.stack((even, odd), dim=-1).reshape(rows, -1) << 4)
     return values
 
 
 def _dequantize_block(w: GroupQuantWeight, start: int, end: int) -> torch.Tensor:
-    """Float32 W[:, start:end] (start and end whole groups)."""
+    """Float32 W[:, start:end] (start and end whole groups; 6 bits: whole chunks of TOP_CHUNK too)."""
     if w.bits == 6:
         k = w.in_features
         q = unpack(
@@ -311,7 +321,8 @@ def group_quant_linear(x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor 
     x = w.order_inputs(x)
     xf = x.float()
     y = torch.zeros(x.shape[0], w.out_features, dtype=torch.float32, device=x.device)
-    block = max(w.group_size, BLOCK_ELEMENTS // max(w.out_features, 1) // w.group_size * w.group_size)
+    unit = math.lcm(w.group_size, TOP_CHUNK) if w.bits == 6 else w.group_size  # what a block holds whole
+    block = max(unit, BLOCK_ELEMENTS // max(w.out_features, 1) // unit * unit)
     for start in range(0, w.in_features, block):
         end = min(start + block, w.in_features)
         y += xf[:, start:end] @ _dequantize_block(w, start, end).t()

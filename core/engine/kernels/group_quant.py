@@ -102,13 +102,14 @@ def _group_quant_matmul(
             packed = tl.load(qweight + offs_n[:, None] * stride_qn + offs_b[None, :], mask=mask_n[:, None], other=0)
             q = tl.interleave(packed & 0xF, packed >> 4)  # [BLOCK_N, BLOCK_K]
             if BITS == 6:
-                # the top 2 bits of input k: bits 2 (k % 4) of byte K / 2 + k / 4
-                top = tl.load(
-                    qweight + offs_n[:, None] * stride_qn + (K // 2 + offs_k // 4)[None, :],
-                    mask=mask_n[:, None],
-                    other=0,
-                )
-                q = q | (((top >> ((offs_k % 4) * 2)[None, :]) & 0x3) << 4)
+                # the top 2 bits of input k: 32 bytes per chunk of 128 inputs; input k is lane
+                # (k % 128) // 2 of its chunk's even or odd inputs, in byte lane % 32 at bit
+                # 2 (lane // 32) (even) or 2 (lane // 32) + 4 (odd)
+                lane = (offs_k % 128) // 2
+                byte = K // 2 + (offs_k // 128) * 32 + lane % 32
+                top = tl.load(qweight + offs_n[:, None] * stride_qn + byte[None, :], mask=mask_n[:, None], other=0)
+                shift = 2 * (lane // 32) + 4 * (offs_k % 2)
+                q = q | (((top >> shift[None, :].to(tl.uint8)) & 0x3) << 4)
         else:
             q = tl.load(qweight + offs_n[:, None] * stride_qn + offs_k[None, :], mask=mask_n[:, None], other=0)
         if DOT_FP32:

@@ -1,13 +1,15 @@
 // Group-quantized linear layers (engine.interfaces.group_quant's layout): out = x @ W^T + bias with
 // W[n, k] = scales[n, k / g] * q[n, k] - offsets[n, k / g], q stored in 4 bits (two a byte, even k
-// in the low nibble), 6 (each row's low nibbles as for 4 bits, then its top 2 bits four a byte,
-// input k at bit 2 (k % 4) of byte k / 4) or 8. Two-level scales (the GGUF k-quants): int8 codes
+// in the low nibble), 6 (each row's low nibbles as for 4 bits, then its top 2 bits, 32 bytes per
+// chunk of 128 inputs: byte i holds those of the chunk's inputs 2i, 2i + 64, 2i + 1 and 2i + 65, two
+// bits each from bit 0) or 8. Two-level scales (the GGUF k-quants): int8 codes
 // per group times an fp32 per super-block of S groups, expanded per output row into fp32 (each
 // product exact for the k-quants, the reference's value) before the row's sums.
 //
-// 6 bits: the low nibbles take the 4-bit path; a load of top-2-bit bytes is spread to one nibble
-// per lane (a lane's nibble holds the top bits of the lane's low-nibble input in bits 0-1 and of
-// its high-nibble input in bits 2-3) and or-ed in above the nibbles.
+// 6 bits: the low nibbles take the 4-bit path and the top bits are or-ed in above them. A chunk's
+// even inputs (the low nibbles' vector) find theirs in bits 0-1 (first 32) and 2-3 (last 32) of
+// its 32 top bytes, the odd inputs in bits 4-5 and 6-7: the int8 path broadcasts the 32 bytes to
+// both halves of a vector and shifts each half into place.
 //
 // Decode (up to kDecodeRows rows of x): a step reads every weight once, so its speed is the speed at
 // which the packed bytes stream in and are unpacked in registers. Per output row and group,
@@ -75,7 +77,7 @@ struct Weight {
   int shift;                     // log2(S)
   int64_t row_bytes() const { return K * bits / 8; }
   const uint8_t* row(int64_t n) const { return q + n * row_bytes(); }
-  // the top 2 bits of a 6-bit row (input k at bit 2 (k % 4) of byte k / 4)
+  // the top 2 bits of a 6-bit row (32 bytes per chunk of 128 inputs, see the header)
   const uint8_t* top(int64_t n) const { return row(n) + K / 2; }
 };
 
@@ -134,7 +136,11 @@ inline uint32_t value_at(const Weight& w, int64_t n, int64_t k) {
   const uint8_t* q = w.row(n);
   if (w.bits == 8) return q[k];
   uint32_t v = (q[k >> 1] >> (4 * (k & 1))) & 0x0f;
-  if (w.bits == 6) v |= ((w.top(n)[k >> 2] >> (2 * (k & 3))) & 0x03) << 4;
+  if (w.bits == 6) {
+    const int64_t lane = (k & 127) >> 1;  // in the chunk's vector of even (or odd) inputs
+    const int shift = 2 * static_cast<int>((lane >> 5) + 2 * (k & 1));
+    v |= ((w.top(n)[(k >> 7) * 32 + (lane & 31)] >> shift) & 0x03) << 4;
+  }
   return v;
 }
 
@@ -175,11 +181,13 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_shuffle_ps(quarter, quarter, 1)));
 }
 
-// bytes of top-2-bit pairs -> one nibble a byte, byte 2i the low nibble of byte i, 2i + 1 its high one
-// (8 bytes in, 16 out)
-inline __m128i spread_nibbles(__m128i bytes) {
-  const __m128i wide = _mm_cvtepu8_epi16(bytes);
-  return _mm_or_si128(_mm_and_si128(wide, _mm_set1_epi16(0x0f)), _mm_slli_epi16(_mm_and_si128(wide, _mm_set1_epi16(0xf0)), 4));
+// the top bytes of the inputs k, k + 2, ... of a 6-bit row (k even), and the shifts to the top bits
+// of the even input (the low nibble's) and of the odd one (see the header)
+inline const uint8_t* top_bytes(const uint8_t* top, int64_t k, int& even_shift, int& odd_shift) {
+  const int64_t lane = (k & 127) >> 1;
+  even_shift = 2 * static_cast<int>(lane >> 5);
+  odd_shift = even_shift + 4;
+  return top + (k >> 7) * 32 + (lane & 31);
 }
 
 // sums[r] = dot(x_g, q_g) of the group starting at input k0, for R rows of x (two partial sums each);
@@ -195,11 +203,12 @@ __attribute__((always_inline)) inline void group_avx2(const uint8_t* q, const ui
       const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (k >> 1))));
       __m256i lo_i = _mm256_and_si256(b, low), hi_i = _mm256_srli_epi32(b, 4);
       if constexpr (BITS == 6) {
-        uint32_t bytes;
-        std::memcpy(&bytes, top + (k >> 2), sizeof(bytes));
-        const __m256i h = _mm256_cvtepu8_epi32(spread_nibbles(_mm_cvtsi32_si128(static_cast<int>(bytes))));
-        lo_i = _mm256_or_si256(lo_i, _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(3)), 4));
-        hi_i = _mm256_or_si256(hi_i, _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(12)), 2));
+        int even_shift, odd_shift;
+        const uint8_t* t = top_bytes(top, k, even_shift, odd_shift);
+        const __m256i h = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t)));
+        const __m256i three = _mm256_set1_epi32(3);
+        lo_i = _mm256_or_si256(lo_i, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, _mm_cvtsi32_si128(even_shift)), three), 4));
+        hi_i = _mm256_or_si256(hi_i, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(h, _mm_cvtsi32_si128(odd_shift)), three), 4));
       }
       const __m256 lo = _mm256_cvtepi32_ps(lo_i);
       const __m256 hi = _mm256_cvtepi32_ps(hi_i);
@@ -265,7 +274,7 @@ void row_avx2(const Weight& w, const Input& in, int64_t n, const float* s, const
 constexpr int64_t kAvx512Rows = 4;  // rows of x per pass: 4 accumulators each, 16 zmm
 
 // 16 bytes of nibbles (inputs k .. k + 31 of a 4- or 6-bit row) -> the even inputs' values (lo) and
-// the odd ones' (hi) as 16 int32 lanes each; 6 bits: with the top bits from `top` (8 bytes at k / 4)
+// the odd ones' (hi) as 16 int32 lanes each; 6 bits: with the top bits from `top` (16 bytes)
 template <int BITS>
 __attribute__((always_inline)) inline void unpack32_avx512(const uint8_t* q, const uint8_t* top, int64_t k,
                                                            __m512i& lo, __m512i& hi) {
@@ -273,10 +282,12 @@ __attribute__((always_inline)) inline void unpack32_avx512(const uint8_t* q, con
   lo = _mm512_and_si512(b, _mm512_set1_epi32(0x0f));
   hi = _mm512_srli_epi32(b, 4);
   if constexpr (BITS == 6) {
-    const __m512i h =
-        _mm512_cvtepu8_epi32(spread_nibbles(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(top + (k >> 2)))));
-    lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(3)), 4));
-    hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(12)), 2));
+    int even_shift, odd_shift;
+    const uint8_t* t = top_bytes(top, k, even_shift, odd_shift);
+    const __m512i h = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+    const __m512i three = _mm512_set1_epi32(3);
+    lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, _mm_cvtsi32_si128(even_shift)), three), 4));
+    hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srl_epi32(h, _mm_cvtsi32_si128(odd_shift)), three), 4));
   }
 }
 
@@ -546,6 +557,9 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, const float* s, 
   const __m512i lanes = _mm512_loadu_si512(in.lane_block);
   const __mmask16 first = static_cast<__mmask16>((1u << per_chunk) - 1);
   const __m512i nibble = _mm512_set1_epi8(0x0f);
+  // 6 bits: per 16-bit lane, the shift that brings a half's top bits to bits 4-5 (lower half, upper)
+  const __m512i even_up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+  const __m512i odd_down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
   __m512 acc[O][R];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
@@ -566,13 +580,12 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, const float* s, 
         lo = _mm512_and_si512(b, nibble);
         hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble);
         if constexpr (BITS == 6) {
-          // 32 bytes of top bits -> a nibble a byte lane (byte 2i: low nibble of byte i, 2i + 1: high)
-          const __m512i wide =
-              _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.top(n + o) + c * 32)));
-          const __m512i h = _mm512_or_si512(_mm512_and_si512(wide, _mm512_set1_epi16(0x0f)),
-                                            _mm512_slli_epi16(_mm512_and_si512(wide, _mm512_set1_epi16(0xf0)), 4));
-          lo = _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(3)), 4));
-          hi = _mm512_or_si512(hi, _mm512_slli_epi16(_mm512_and_si512(h, _mm512_set1_epi8(12)), 2));
+          // the chunk's 32 top bytes in both halves; each half's bits shifted to bits 4-5 of its
+          // bytes (even inputs: 0-1 and 2-3, odd: 4-5 and 6-7), then or-ed in above the nibbles
+          const __m512i t = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.top(n + o) + c * 32)));
+          const __m512i field = _mm512_set1_epi8(0x30);
+          lo = _mm512_ternarylogic_epi32(lo, _mm512_sllv_epi16(t, even_up), field, 0xf8);  // lo | (t' & field)
+          hi = _mm512_ternarylogic_epi32(hi, _mm512_srlv_epi16(t, odd_down), field, 0xf8);
         }
       } else {
         lo = _mm512_loadu_si512(w.row(n + o) + c * chunk);
@@ -904,8 +917,9 @@ void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweigh
               "group_quant_linear: x must be fp32 or bf16, not ", x.scalar_type());
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "group_quant_linear: out must have x's dtype");
   const int64_t T_ = x.size(0), K = x.size(1), N = qweight.size(0), g = group_size;
-  TORCH_CHECK(g > 0 && g % (bits == 6 ? 4 : 2) == 0 && K % g == 0, "group_quant_linear: group_size ", g,
-              " must be ", bits == 6 ? "a multiple of 4" : "even", " and divide the ", K, " inputs");
+  TORCH_CHECK(g > 0 && g % 2 == 0 && K % g == 0, "group_quant_linear: group_size ", g,
+              " must be even and divide the ", K, " inputs");
+  TORCH_CHECK(bits != 6 || K % 128 == 0, "group_quant_linear: 6-bit values come in chunks of 128 inputs, not ", K);
   const int64_t G = K / g, S = super_group;
   TORCH_CHECK(S >= 0 && (S & (S - 1)) == 0 && (S == 0 || G % S == 0), "group_quant_linear: super_group ", S,
               " must be 0 or a power of two dividing the ", G, " groups");

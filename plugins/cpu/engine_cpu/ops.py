@@ -14,8 +14,6 @@ if TYPE_CHECKING:
     from engine.interfaces.group_quant import GroupQuantWeight
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-_NO_BIAS = torch.empty(0)
-_NO_SUPERS = torch.empty(0, 0)  # one-level scales: no super-block tensors
 
 
 class NativeLayerOps(LayerOps):
@@ -77,27 +75,24 @@ class NativeLayerOps(LayerOps):
         self, x: torch.Tensor, weight: GroupQuantWeight, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         # a decode step calls this for every quantized layer: no work beyond the kernel's checks
-        # (the layout's tensors are contiguous by construction; the kernel refuses any that is not)
-        if x.dtype not in NATIVE_DTYPES or not x.is_cpu or not weight.qweight.is_cpu:
+        # (the layout's tensors are contiguous by construction; the kernel refuses any that is
+        # not, or a weight off the CPU), and the output made by the kernel
+        if x.dtype not in NATIVE_DTYPES or not x.is_cpu:
             return super().group_quant_linear(x, weight, bias)
         if weight.input_order is not None:
             x = x.index_select(-1, weight.input_order)
         rows = x if x.dim() == 2 else x.reshape(-1, weight.in_features)
         if not rows.is_contiguous():
             rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
-        if bias is None:
-            bias = _NO_BIAS
-        elif bias.dtype != torch.float32 or not bias.is_contiguous():
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             bias = bias.float().contiguous()
-        self.kernels.group_quant_linear(
-            out,
+        out = self.kernels.group_quant_matmul(
             rows,
             weight.qweight,
             weight.scales,
             weight.offsets,
-            _NO_SUPERS if weight.super_scales is None else weight.super_scales,
-            _NO_SUPERS if weight.super_offsets is None else weight.super_offsets,
+            weight.super_scales,
+            weight.super_offsets,
             weight.bits,
             weight.group_size,
             weight.super_group,

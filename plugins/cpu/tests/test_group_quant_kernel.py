@@ -168,6 +168,11 @@ def test_kernel_refuses_what_it_cannot_take(ops):
         call(out, w, 4, 64)
     with pytest.raises(RuntimeError, match="int8"):  # float32 scales given as two-level codes
         call(out, w, 4, 32, 4, (w.scales[:, :3].contiguous(), w.scales[:, :3].contiguous()))
+    with pytest.raises(RuntimeError, match="on the CPU"):
+        ops.kernels.group_quant_matmul(x, w.qweight.to("meta"), w.scales, w.offsets, None, None, 4, 32, 0, None, False)
+    made = ops.kernels.group_quant_matmul(x, w.qweight, w.scales, w.offsets, None, None, 4, 32, 0, None, False)
+    assert made.shape == (2, N) and made.dtype == x.dtype
+    assert_within_rounding(made, x, w, None)
     two = random_weight(6, 32, gen, two_level=True)
     with pytest.raises(RuntimeError, match="super_group"):
         call(out, two, 6, 32, 3, (two.super_scales, two.super_offsets))

@@ -1,5 +1,6 @@
 // The Python bindings of the engine-cpu kernels: pybind11 with torch's tensor caster
 // only (torch/extension.h would bring the whole C++ frontend: four times the compile time).
+#include <optional>
 #include <torch/csrc/utils/pybind.h>
 
 #include "kernel.h"
@@ -51,6 +52,10 @@ void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweigh
                         torch::Tensor offsets, torch::Tensor super_scales, torch::Tensor super_offsets,
                         int64_t bits, int64_t group_size, int64_t super_group, torch::Tensor bias,
                         bool int8_activations);
+torch::Tensor group_quant_matmul(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets,
+                                 std::optional<torch::Tensor> super_scales, std::optional<torch::Tensor> super_offsets,
+                                 int64_t bits, int64_t group_size, int64_t super_group,
+                                 std::optional<torch::Tensor> bias, bool int8_activations);
 bool group_quant_int8_supported(int64_t bits, int64_t in_features, int64_t group_size);
 
 // mamba2.cpp
@@ -115,6 +120,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("offsets"),
         py::arg("super_scales"), py::arg("super_offsets"), py::arg("bits"), py::arg("group_size"),
         py::arg("super_group"), py::arg("bias"), py::arg("int8_activations") = false);
+  m.def("group_quant_matmul", &group_quant_matmul,
+        "group_quant_linear into a new [T, N] tensor (super_scales, super_offsets and bias may be None)",
+        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("offsets"), py::arg("super_scales"),
+        py::arg("super_offsets"), py::arg("bits"), py::arg("group_size"), py::arg("super_group"), py::arg("bias"),
+        py::arg("int8_activations"));
   m.def("group_quant_int8_supported", &group_quant_int8_supported,
         "whether group_quant_linear's int8 activations run in this build for such a weight");
   m.def("packed_kv_supported", &packed_kv_supported,

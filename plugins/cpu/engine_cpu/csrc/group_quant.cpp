@@ -50,6 +50,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -978,6 +979,22 @@ void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweigh
 #endif
     prefill(w, x, b, out.data_ptr<at::BFloat16>());
   }
+}
+
+// group_quant_linear into a new [T, N] tensor of x's dtype; absent super tensors (one level) and
+// bias may be None: one call from Python per layer, with no tensor made there
+torch::Tensor group_quant_matmul(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets,
+                                 std::optional<torch::Tensor> super_scales, std::optional<torch::Tensor> super_offsets,
+                                 int64_t bits, int64_t group_size, int64_t super_group,
+                                 std::optional<torch::Tensor> bias, bool int8_activations) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && qweight.device().is_cpu(),
+              "group_quant_matmul: x must be 2-D, and x and the weight on the CPU");
+  static const torch::Tensor no_bias = at::empty({0}, at::kFloat);
+  torch::Tensor out = at::empty({x.size(0), qweight.size(0)}, x.options());
+  const torch::Tensor none;
+  group_quant_linear(out, x, qweight, scales, offsets, super_scales.value_or(none), super_offsets.value_or(none), bits,
+                     group_size, super_group, bias.has_value() ? *bias : no_bias, int8_activations);
+  return out;
 }
 
 // whether group_quant_linear's int8 activations (int8_activations=true) run in this build for a

@@ -187,8 +187,74 @@ def test_cpu_tier_under_eviction_keeps_outputs_and_resumes_at_snapshots_only(kim
     llm.engine.close()
 
 
-def test_tensor_parallel_hybrid_models_refuse_a_tier_with_the_reason(kimi_linear):
-    from engine.errors import SelectionError
+@pytest.mark.parametrize("architecture", ["KimiLinearForCausalLM", "NemotronHForCausalLM"])
+@pytest.mark.parametrize(("store_tp", "load_tp"), [(2, 1), (1, 2)])
+def test_snapshots_stored_under_one_rank_count_restore_under_the_other(
+    architecture, store_tp, load_tp, tmp_path_factory, tmp_path
+):
+    """The disk tier keeps each snapshot whole (every head's state; Mamba-2's B and C of every
+    group): what two ranks stored (each its heads, or its group of Nemotron-H's two) one rank
+    resumes from, and the other way round, with the outputs of an engine without a tier."""
+    model = tiny_model(architecture, tmp_path_factory)
+    prompts = random_prompts(13, lengths=(PROMPT,) * 3)
+    reference = one_by_one(make_llm(model), prompts)
+    tier = {"kv_tier": "disk", "kv_tier_config": {"path": str(tmp_path), "capacity_gb": 0.1}}
 
-    with pytest.raises(SelectionError, match="single rank"):
-        make_llm(kimi_linear, tensor_parallel_size=2, kv_tier="cpu")
+    def run(tp: int):
+        llm = make_llm(model, "kv_tier_disk", tensor_parallel_size=tp, **tier)
+        outputs = one_by_one(llm, prompts)
+        spec, stats = llm.engine.kv_tier.spec, llm.engine.kv_tier.stats
+        llm.engine.close()  # every cached block and snapshot goes to the disk
+        return outputs, spec, stats
+
+    stored, stored_spec, _ = run(store_tp)
+    loaded, loaded_spec, stats = run(load_tp)
+    assert stored == reference and loaded == reference
+    assert loaded_spec == stored_spec  # whole heads and groups: one digest for both rank counts
+    assert stats.prefetched_states == len(prompts)  # each prompt resumed at its last snapshot
+    assert stats.prefetched_blocks == len(prompts) * (PROMPT // BLOCK)
+
+
+@pytest.mark.parametrize("groups", [2, 1])
+def test_each_rank_s_part_of_a_state_lies_where_its_heads_and_groups_are(groups):
+    """AttentionSpec.state_placement against the split written out: rank r of 2 holds heads
+    4r..4r+3 of 8: their channels of each convolution section (linear attention's q, k, v;
+    Mamba-2's x) and their rows of the recurrent matrix, and Mamba-2's B and C of group r of 2
+    (of the one group, on both ranks)."""
+    from engine.interfaces.attention import LINEAR, MAMBA2, AttentionSpec
+
+    dk, dv, hd, ds = 3, 5, 2, 7
+    linear = AttentionSpec(LINEAR, 4, 4, dk, 1.0, value_size=dv, conv_kernel=4, total_num_heads=8)
+    for rank in (0, 1):
+        runs, first_head = linear.state_placement(rank)
+        assert first_head == 4 * rank
+        assert runs == [
+            (4 * rank * dk, 0, 4 * dk),
+            (8 * dk + 4 * rank * dk, 4 * dk, 4 * dk),
+            (16 * dk + 4 * rank * dv, 8 * dk, 4 * dv),
+        ]
+    assert linear.canonical_state_numel() == 3 * 8 * (2 * dk + dv) + 8 * dk * dv
+    local_groups = groups // 2 or 1
+    mamba = AttentionSpec(
+        MAMBA2,
+        4,
+        4,
+        hd,
+        1.0,
+        conv_kernel=4,
+        state_size=ds,
+        num_groups=local_groups,
+        total_num_heads=8,
+        total_num_groups=groups,
+    )
+    for rank in (0, 1):
+        runs, first_head = mamba.state_placement(rank)
+        group = rank if groups == 2 else 0
+        x_all = 8 * hd
+        assert first_head == 4 * rank
+        assert runs == [
+            (4 * rank * hd, 0, 4 * hd),
+            (x_all + group * ds, 4 * hd, ds),
+            (x_all + groups * ds + group * ds, 4 * hd + ds, ds),
+        ]
+    assert mamba.canonical_state_numel() == 3 * (8 * hd + 2 * groups * ds) + 8 * hd * ds

@@ -59,13 +59,6 @@ def plan_caches(setup: EngineSetup, model: Model, rank: int) -> CachePlan:
             f"KV tiers carry blocks in the compute dtype; --kv-cache-dtype {config.kv_cache_dtype} caches are not "
             f"offloaded yet. Run without --kv-tier, or with --kv-cache-dtype auto."
         )
-    if setup.kv_tier_cls is not None and recurrent_kinds and config.tensor_parallel_size > 1:
-        # the tier carries their state snapshots beside the blocks, gathered from one rank's cache
-        raise SelectionError(
-            f"KV tiers carry {setup.architecture}'s {', '.join(recurrent_kinds)} state snapshots from a single "
-            f"rank's cache, not yet from --tensor-parallel-size {config.tensor_parallel_size}. Run it without "
-            f"--kv-tier, or on one rank."
-        )
     if setup.kv_tier_cls is not None:
         if rank == 0:  # the other ranks give and take their heads of rank 0's blocks
             spec = tier_spec_of(specs, config.block_size, setup.salt, setup.dtype)

@@ -8,7 +8,8 @@ Every step rank 0 broadcasts the step's flat input arrays (``("forward", arrays)
 time it needs logits which rows of the step's hidden states they are for (``("logits",
 rows)``: every rank has the same hidden states), and each time its KV tier moves blocks
 which ones (``("kv_gather", blocks)``, ``("kv_write", blocks, rows)``: each rank gives or
-takes its KV heads), so that every rank runs the same collectives in the same order."""
+takes its KV heads; ``("state_gather", row)``, ``("state_write", row, state)``: its part of a
+recurrent-state snapshot), so that every rank runs the same collectives in the same order."""
 
 from __future__ import annotations
 
@@ -64,6 +65,10 @@ def serve_steps(shard: ModelShard, channel: ControlChannel) -> None:
             channel.gather(shard.kv_blocks.local(message[1]))
         elif kind == "kv_write":  # ... or loads blocks: this rank takes its heads
             shard.kv_blocks.write(message[1], message[2])
+        elif kind == "state_gather":  # ... stores a recurrent-state snapshot: this rank's part of it
+            channel.gather(shard.kv_blocks.local_state(message[1]))
+        elif kind == "state_write":  # ... or loads one: this rank takes its part
+            shard.kv_blocks.write_state(message[1], message[2])
         elif kind == "stop":
             return
         else:

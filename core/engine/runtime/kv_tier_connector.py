@@ -56,7 +56,7 @@ def tier_spec_of(specs: list[AttentionSpec], block_size: int, salt: bytes, dtype
         )
     shapes = [(block_size, spec.total_kv_heads or spec.num_kv_heads, spec.head_size) for spec in paged]
     keys_only = tuple(i for i, spec in enumerate(paged) if not spec.has_values)
-    state_numels = tuple(spec.state_numel() for spec in specs if spec.is_recurrent)
+    state_numels = tuple(spec.canonical_state_numel() for spec in specs if spec.is_recurrent)
     dtype_name = str(dtype).removeprefix("torch.")
     layout = (salt, dtype_name, tuple(shapes), "canonical-v1") + ((("keys_only", keys_only),) if keys_only else ())
     if state_numels:
@@ -82,7 +82,10 @@ class CanonicalBlocks:
     (:meth:`TensorParallel.kv_heads`; a latent cache's one head on every rank); rank 0
     gathers every rank's heads into canonical rows, and every rank takes its heads out of
     canonical rows rank 0 sends. Recurrent layers' state rows go to and from a snapshot's
-    float32 elements (:meth:`local_state`, :meth:`write_state`), on a single rank only."""
+    float32 elements, each layer's whole state (its convolution inputs over all channels, then
+    its recurrent matrix over all heads): rank 0 assembles every rank's part
+    (:meth:`local_state`, :meth:`assemble_state`), and every rank writes its part of the whole
+    (:meth:`write_state`), as each layer's spec places it (``AttentionSpec.state_placement``)."""
 
     def __init__(self, kv_cache: KVCache, spec: KVTierSpec, tp: TensorParallel = SINGLE) -> None:
         self.kv_cache, self.spec, self.tp = kv_cache, spec, tp
@@ -90,18 +93,16 @@ class CanonicalBlocks:
         backends = kv_cache.layer_backends
         # (cache, backend) of the layers with per-token caches, in spec.layer_shapes' order
         self.paged = [(c, b) for c, b in zip(kv_cache.layer_caches, backends) if not b.spec.is_recurrent]
-        # the recurrent layers' state caches: a row per request slot and snapshot
-        self.states = [c for c, b in zip(kv_cache.layer_caches, backends) if b.spec.is_recurrent]
-        if spec.state_numels and tp.size > 1:
-            raise ValueError(
-                "KV tiers carry recurrent-state snapshots of a single rank's cache only; run tensor-parallel "
-                "models with recurrent layers without --kv-tier."
-            )
-        for cache, numel in zip(self.states, spec.state_numels, strict=True):
-            if cache[0].numel() != numel:
+        # the recurrent layers' state caches: a row per request slot and snapshot, and their specs
+        recurrent = [(c, b.spec) for c, b in zip(kv_cache.layer_caches, backends) if b.spec.is_recurrent]
+        self.states = [c for c, _ in recurrent]
+        self.state_specs = [layer_spec for _, layer_spec in recurrent]
+        for (cache, layer_spec), numel in zip(recurrent, spec.state_numels, strict=True):
+            if cache[0].numel() != layer_spec.state_numel() or layer_spec.canonical_state_numel() != numel:
                 raise ValueError(
-                    f"A recurrent layer's state rows hold {cache[0].numel()} elements, its spec says {numel}: "
-                    f"KV tiers read a state row as its convolution inputs, then its recurrent matrix."
+                    f"A recurrent layer's state rows hold {cache[0].numel()} elements ({numel} with all its heads), "
+                    f"its spec says {layer_spec.state_numel()} ({layer_spec.canonical_state_numel()}): KV tiers "
+                    f"read a state row as its convolution inputs, then its recurrent matrix."
                 )
         # per layer and rank: (first head, heads) of the layer's KV heads
         self.placements = [
@@ -156,14 +157,59 @@ class CanonicalBlocks:
             offset += self.spec.tensors(layer) * numel
 
     def local_state(self, row: int) -> torch.Tensor:
-        """The snapshot in state row ``row`` of every recurrent layer, one after another: float32
-        on the CPU, the canonical layout (a single rank holds every head)."""
+        """This rank's part of the snapshot in state row ``row`` of every recurrent layer, one
+        after another: float32 on the CPU (on a single rank, the whole snapshot)."""
         return torch.cat([cache[row].reshape(-1).float().cpu() for cache in self.states])
 
+    def assemble_state(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The whole snapshot from every rank's :meth:`local_state` (rank order)."""
+        if len(parts) == 1:
+            return parts[0]
+        out = torch.empty(sum(self.spec.state_numels), dtype=torch.float32)
+        for rank, part in enumerate(parts):
+            for whole, local, layer_spec in self._state_views(out, part):
+                runs, first_head = layer_spec.state_placement(rank)
+                (whole_conv, whole_matrix), (local_conv, local_matrix) = whole, local
+                for first, local_first, count in runs:
+                    whole_conv[:, first : first + count] = local_conv[:, local_first : local_first + count]
+                whole_matrix[first_head : first_head + local_matrix.shape[0]] = local_matrix
+        return out
+
     def write_state(self, row: int, state: torch.Tensor) -> None:
-        """Write a snapshot :meth:`local_state` gave into state row ``row`` of every recurrent layer."""
-        for cache, part in zip(self.states, state.split(list(self.spec.state_numels)), strict=True):
+        """Write this rank's part of a whole snapshot (:meth:`assemble_state`'s, or a single
+        rank's :meth:`local_state`) into state row ``row`` of every recurrent layer."""
+        local_parts = []
+        if self.tp.size == 1:
+            local_parts = list(state.split(list(self.spec.state_numels)))
+        else:
+            mine = torch.empty(sum(c[0].numel() for c in self.states), dtype=torch.float32)
+            for whole, local, layer_spec in self._state_views(state, mine):
+                runs, first_head = layer_spec.state_placement(self.tp.rank)
+                (whole_conv, whole_matrix), (local_conv, local_matrix) = whole, local
+                for first, local_first, count in runs:
+                    local_conv[:, local_first : local_first + count] = whole_conv[:, first : first + count]
+                local_matrix.copy_(whole_matrix[first_head : first_head + local_matrix.shape[0]])
+            local_parts = list(mine.split([c[0].numel() for c in self.states]))
+        for cache, part in zip(self.states, local_parts, strict=True):
             cache[row] = part.view(cache.shape[1:]).to(device=cache.device, dtype=cache.dtype)
+
+    def _state_views(self, whole: torch.Tensor, local: torch.Tensor):
+        """Per recurrent layer: ((convolution inputs [taps, channels], matrix [heads, ...]) of the
+        whole snapshot ``whole``, the same of this rank's part ``local``, the layer's spec)."""
+        offsets = [0, 0]
+        for layer_spec in self.state_specs:
+            views = []
+            for i, (flat, part_spec) in enumerate(((whole, layer_spec.whole()), (local, layer_spec))):
+                taps, channels, numel = part_spec.conv_kernel - 1, part_spec.conv_channels, part_spec.state_numel()
+                layer = flat[offsets[i] : offsets[i] + numel]
+                views.append(
+                    (
+                        layer[: taps * channels].view(taps, channels),
+                        layer[taps * channels :].view(part_spec.num_heads, -1),
+                    )
+                )
+                offsets[i] += numel
+            yield views[0], views[1], layer_spec
 
 
 class KVTierConnector:
@@ -191,6 +237,18 @@ class KVTierConnector:
 
     # canonical blocks <-> cache blocks
 
+    def gather_state(self, row: int) -> torch.Tensor:
+        """The whole snapshot in state row ``row`` (every rank's part of it), float32 on the CPU."""
+        if self.channel is None:
+            return self.blocks.local_state(row)
+        self.channel.send(("state_gather", row))
+        return self.blocks.assemble_state(self.channel.gather(self.blocks.local_state(row)))
+
+    def scatter_state(self, row: int, state: torch.Tensor) -> None:
+        if self.channel is not None:
+            self.channel.send(("state_write", row, state))
+        self.blocks.write_state(row, state)
+
     def gather(self, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), block_numel] on the CPU: each row one block in the canonical layout."""
         if self.channel is None:
@@ -217,7 +275,7 @@ class KVTierConnector:
         rows = list(self.gather([block for block, _ in evicted])) if evicted else []
         for h, row in states:
             keys += self.spec.state_keys(h)
-            rows += list(self.spec.state_rows(self.blocks.local_state(row)))
+            rows += list(self.spec.state_rows(self.gather_state(row)))
         self.stats.offered_blocks += len(evicted)
         self.stats.offered_states += len(states)
         try:
@@ -330,7 +388,7 @@ class KVTierConnector:
         if state is None:
             manager.return_snapshot_row(row)
         else:
-            self.blocks.write_state(row, state)
+            self.scatter_state(row, state)
             manager.keep_snapshot(row, hashes[end - 1])
             self.stats.prefetched_states += 1
         self.stats.prefetch_seconds += time.perf_counter() - start

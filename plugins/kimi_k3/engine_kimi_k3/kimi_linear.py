@@ -234,6 +234,7 @@ class KimiLinearForCausalLM(Model):
             d.linear_head_dim**-0.5,
             value_size=d.linear_head_dim,
             conv_kernel=d.conv_kernel,
+            total_num_heads=d.linear_num_heads if tp.is_parallel else None,
         )
         layers = []
         with torch.device(init.device):

@@ -433,6 +433,8 @@ class NemotronHForCausalLM(Model):
             state_size=d.state_size,
             num_groups=group_split(tp, d.groups)[1],
             dt_limit=d.dt_limit,
+            total_num_heads=d.mamba_heads if tp.is_parallel else None,
+            total_num_groups=d.groups if tp.is_parallel else None,
         )
         self.specs: list[AttentionSpec] = []  # one per layer that keeps a cache, in layer order
         with torch.device(init.device):

@@ -337,6 +337,7 @@ class Qwen3_5ForCausalLM(Model):
             d.key_dim**-0.5,
             value_size=d.value_dim,
             conv_kernel=d.conv_kernel,
+            total_num_heads=d.value_heads if tp.is_parallel else None,
         )
         with torch.device(init.device):
             layers = []

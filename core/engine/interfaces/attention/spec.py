@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # Attention kinds. A model declares one per layer; platforms list backends per kind. Each kind's
@@ -74,6 +75,10 @@ class AttentionSpec:
     # tensor parallelism: the layer's KV heads in all, when this rank's num_kv_heads are a part of
     # them (see engine.distributed.TensorParallel.kv_heads); KV tiers store blocks with all of them
     total_kv_heads: int | None = None
+    # linear, mamba2 under tensor parallelism: the layer's heads (and Mamba-2's groups) in all, when
+    # this rank's num_heads (num_groups) are a part of them; KV tiers store states with all of them
+    total_num_heads: int | None = None
+    total_num_groups: int | None = None
     sinks: bool = False  # mha, sliding_window: a learned logit per query head in the softmax's denominator
 
     @property
@@ -106,6 +111,50 @@ class AttentionSpec:
         [num_heads, head_size, state_size])."""
         width = self.state_size if self.kind == MAMBA2 else self.value_size
         return (self.conv_kernel - 1) * self.conv_channels + self.num_heads * self.head_size * width
+
+    def whole(self) -> AttentionSpec:
+        """Recurrent kinds: the spec with all the layer's heads and groups (under tensor
+        parallelism this rank's spec counts its part of them)."""
+        heads = self.total_num_heads or self.num_heads
+        return dataclasses.replace(
+            self,
+            num_heads=heads,
+            num_kv_heads=heads,
+            num_groups=self.total_num_groups or self.num_groups,
+            total_num_heads=None,
+            total_num_groups=None,
+        )
+
+    def canonical_state_numel(self) -> int:
+        """Recurrent kinds: :meth:`state_numel` with all the layer's heads and groups: the size
+        KV tiers store."""
+        return self.whole().state_numel()
+
+    def state_placement(self, rank: int) -> tuple[list[tuple[int, int, int]], int]:
+        """Recurrent kinds under tensor parallelism (this spec being every rank's, heads and groups
+        split evenly in rank order, or one group on every rank): where rank ``rank``'s state lies
+        in the whole layer's. Returns its convolution channels as runs ``(first channel among all,
+        first local channel, channels)`` and its first head of the recurrent matrix."""
+        heads = self.num_heads
+        first_head = rank * heads if (self.total_num_heads or heads) > heads else 0
+        if self.kind == MAMBA2:
+            all_heads, groups = self.total_num_heads or heads, self.num_groups
+            all_groups = self.total_num_groups or groups
+            first_group = rank * groups if all_groups > groups else 0  # else one group on every rank
+            # x (a head's head_size channels), then B and C (a group's state_size channels each)
+            sections = [(self.head_size, all_heads, heads, first_head)] + [
+                (self.state_size, all_groups, groups, first_group)
+            ] * 2
+        else:
+            all_heads = self.total_num_heads or heads
+            widths = (self.head_size, self.head_size, self.value_size)  # queries, keys, values
+            sections = [(width, all_heads, heads, first_head) for width in widths]
+        runs, whole, local = [], 0, 0
+        for width, total, count, first in sections:
+            runs.append((whole + first * width, local, count * width))
+            whole += total * width
+            local += count * width
+        return runs, first_head
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         if self.is_recurrent:

@@ -187,7 +187,7 @@ def test_cpu_tier_under_eviction_keeps_outputs_and_resumes_at_snapshots_only(kim
     llm.engine.close()
 
 
-@pytest.mark.parametrize("architecture", ["KimiLinearForCausalLM", "NemotronHForCausalLM"])
+@pytest.mark.parametrize("architecture", ["KimiLinearForCausalLM", "Qwen3_5ForCausalLM", "NemotronHForCausalLM"])
 @pytest.mark.parametrize(("store_tp", "load_tp"), [(2, 1), (1, 2)])
 def test_snapshots_stored_under_one_rank_count_restore_under_the_other(
     architecture, store_tp, load_tp, tmp_path_factory, tmp_path

@@ -152,6 +152,11 @@ class GgufLinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         bias = layer.bias
+        if len(layer.gguf_parts) == 1:  # one run (most layers): a decode step calls this for each
+            weight = layer.gguf_parts[0][2]
+            if isinstance(weight, GroupQuantWeight):
+                return layer.ops.group_quant_linear(x, weight, bias)
+            return F.linear(x, weight, bias)
         outputs = []
         for first, last, weight in layer.gguf_parts:
             part_bias = None if bias is None else (bias if len(layer.gguf_parts) == 1 else bias[first:last])

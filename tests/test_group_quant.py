@@ -127,7 +127,7 @@ def test_pack_unpack_round_trip(bits):
     w = GroupQuantWeight.from_values(values, torch.ones(7, 3), torch.zeros(7, 3), bits)
     assert torch.equal(w.values(), values)
     assert torch.equal(w.dequantize(), values.float())
-    assert w.nbytes == 7 * 384 * bits // 8 + 2 * 7 * 3 * 4
+    assert w.zero == 0 and w.nbytes == 7 * 384 * bits // 8 + 7 * 3 * 4  # zero offsets: a zero of 0, no tensor
 
 
 def test_two_level_scales_hold_their_bytes_and_values():
@@ -206,8 +206,11 @@ def test_quantize_groups_error_is_half_a_step(bits, symmetric):
     half_step = w.scales.unsqueeze(-1) / 2
     assert (error <= half_step * (1 + 1e-5) + 1e-7).all()
     assert error.max() > half_step.min() / 4  # it does round
-    if symmetric:  # the zero at 2**(bits-1): offset = scale * 2**(bits-1)
-        torch.testing.assert_close(w.offsets, w.scales * (1 << (bits - 1)))
+    if symmetric:  # the zero at 2**(bits-1): offset = scale * 2**(bits-1), held as that zero
+        assert w.zero == 1 << (bits - 1) and w.offsets is None
+        torch.testing.assert_close(w.group_offsets(), w.scales * (1 << (bits - 1)))
+    else:
+        assert w.zero is None and w.offsets is not None
 
 
 def test_quantize_groups_keeps_zero_exact():

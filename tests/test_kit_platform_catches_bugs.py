@@ -203,10 +203,7 @@ class OrderBlindOps(LayerOps):
         # ignores the weight's input order (act-order GPTQ), as a kernel given x as it came would
         from engine.interfaces.group_quant import group_quant_linear
 
-        unordered = type(weight)(
-            weight.qweight, weight.scales, weight.offsets, weight.bits, weight.group_size,
-            weight.in_features, weight.out_features,
-        )
+        unordered = dataclasses.replace(weight, input_order=None)
         return group_quant_linear(x, unordered, bias)
 
 

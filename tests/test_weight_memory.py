@@ -35,8 +35,9 @@ def hand_count(itemsize: int, quantized: bool) -> tuple[int, int, int]:
     and a final one, the four linear layers of each layer, and the rotary cos and sin tables
     (float32 [max_position_embeddings, head_dim] each, whatever the compute dtype)."""
     dense_linear = L * sum(n * k for n, k in LINEAR.values()) * itemsize
-    # 4-bit: N * K / 2 bytes of values, float32 scale and offset per row and group of 32 inputs
-    gptq_linear = L * sum(n * k // 2 + 2 * n * (k // GROUP_SIZE) * 4 for n, k in LINEAR.values())
+    # 4-bit symmetric: N * K / 2 bytes of values, a float32 scale per row and group of 32 inputs
+    # (each offset is the zero, 8, times the scale: no tensor of offsets)
+    gptq_linear = L * sum(n * k // 2 + n * (k // GROUP_SIZE) * 4 for n, k in LINEAR.values())
     others = (2 * V * H + (2 * L + 1) * H) * itemsize + 2 * C["max_position_embeddings"] * HEAD_DIM * 4
     if not quantized:
         return others + dense_linear, 0, 0
@@ -75,12 +76,12 @@ def test_gptq_while_loading_counts_the_packed_layers_against_their_dense_size(ti
     assert memory.resident_bytes == resident
     assert memory.quantized_bytes == quantized and memory.quantized_dense_bytes == dense
     assert memory.num_quantized_layers == L * len(LINEAR)  # the LM head stays dense
-    # float32 weights: 4 bits of 32 plus 64 bits of scale and offset per 32 weights, 3/16 of them
-    assert memory.quantized_fraction == pytest.approx(3 / 16)
+    # float32 weights: 4 bits of 32 plus 32 bits of scale per 32 weights, 5/32 of them
+    assert memory.quantized_fraction == pytest.approx(5 / 32)
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights")]
     assert logged == [
         f"weights: {resident / MIB:.2f} MiB resident ({quantized / MIB:.2f} MiB in {L * len(LINEAR)} quantized "
-        "linear layers, 18.8% of their float32 size)"
+        "linear layers, 15.6% of their float32 size)"
     ]
 
 

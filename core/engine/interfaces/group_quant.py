@@ -37,6 +37,11 @@ Storage (:class:`GroupQuantWeight`):
   ``super_scales``, ``super_offsets`` [N, K / group_size / super_group]: group ``j``'s scale is
   ``super_scales[n, j // super_group] * scales[n, j]`` rounded to float32 once (exact for the
   k-quants: a float16 times an 8-bit integer), and likewise its offset;
+- or, where every group's offset is its scale times one integer ``zero`` (symmetric formats:
+  GPTQ ``sym``, GGUF ``Q8_0`` / ``Q4_0`` / ``Q6_K``), ``offsets`` (and ``super_offsets``)
+  None and ``zero`` set: the offset is the float32 product ``zero * scale``.
+  :meth:`GroupQuantWeight.from_values` finds such a zero itself, keeping it only where those
+  products are the very offsets it was given;
 - ``input_order`` int64 [K] or None: when set, the weight's input ``k`` multiplies
   ``x[:, input_order[k]]`` (GPTQ act-order, whose groups are scattered over the inputs: the
   inputs are gathered so that each group is contiguous).
@@ -69,7 +74,7 @@ class GroupQuantWeight:
 
     qweight: torch.Tensor
     scales: torch.Tensor
-    offsets: torch.Tensor
+    offsets: torch.Tensor | None
     bits: int
     group_size: int
     in_features: int
@@ -78,6 +83,7 @@ class GroupQuantWeight:
     super_scales: torch.Tensor | None = None
     super_offsets: torch.Tensor | None = None
     super_group: int = 0  # groups a super-block (two-level scales); 0: float32 scales per group
+    zero: int | None = None  # every offset is zero * its group's scale (offsets None)
 
     def __post_init__(self) -> None:
         n, k, g = self.out_features, self.in_features, self.group_size
@@ -95,14 +101,21 @@ class GroupQuantWeight:
             )
         groups, s = k // g, self.super_group
         code = torch.int8 if s else torch.float32
-        for name in ("scales", "offsets"):
+        if self.zero is not None and (
+            self.offsets is not None or self.super_offsets is not None or not 0 <= self.zero < 256
+        ):
+            raise ValueError(f"zero {self.zero} (0..255) stands for the offsets: offsets and super_offsets are None")
+        if self.zero is None and self.offsets is None:
+            raise ValueError("offsets are None only with a zero")
+        levels = ("scales",) if self.zero is not None else ("scales", "offsets")
+        for name in levels:
             t = getattr(self, name)
             if tuple(t.shape) != (n, groups) or t.dtype != code:
                 raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype}; expected ({n}, {groups}) {code}")
         if s:
             if s & (s - 1) or groups % s:
                 raise ValueError(f"super_group {s} must be a power of two dividing the {groups} groups")
-            for name in ("super_scales", "super_offsets"):
+            for name in [f"super_{level}" for level in levels]:
                 t = getattr(self, name)
                 if t is None or tuple(t.shape) != (n, groups // s) or t.dtype != torch.float32:
                     got = None if t is None else (tuple(t.shape), t.dtype)
@@ -129,7 +142,12 @@ class GroupQuantWeight:
 
     def group_offsets(self) -> torch.Tensor:
         """Each group's offset, float32 [N, K / group_size]."""
-        return self._level(self.offsets, self.super_offsets)
+        return self._offsets()
+
+    def _offsets(self, groups: slice = slice(None)) -> torch.Tensor:
+        if self.zero is not None:
+            return self._level(self.scales, self.super_scales, groups) * float(self.zero)
+        return self._level(self.offsets, self.super_offsets, groups)
 
     def _level(self, codes: torch.Tensor, supers: torch.Tensor | None, groups: slice = slice(None)) -> torch.Tensor:
         """Float32 values of ``groups`` from one level of codes or two."""
@@ -139,8 +157,8 @@ class GroupQuantWeight:
 
     def one_level(self) -> GroupQuantWeight:
         """The same weight with float32 scales and offsets per group (the same values): for a
-        kernel that computes one-level scales only."""
-        if not self.super_group:
+        kernel that computes one-level scales and explicit offsets only."""
+        if not self.super_group and self.zero is None:
             return self
         return dataclasses.replace(
             self,
@@ -149,6 +167,7 @@ class GroupQuantWeight:
             super_scales=None,
             super_offsets=None,
             super_group=0,
+            zero=None,
         )
 
     def order_inputs(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,7 +189,9 @@ class GroupQuantWeight:
         """Pack integer ``values`` [N, K] (each in ``[0, 2**bits)``, any integer dtype) with their
         ``scales`` / ``offsets`` [N, K / group_size] (converted to float32; with ``super_scales`` /
         ``super_offsets`` [N, K / group_size / super_group], integer codes converted to int8);
-        ``bits`` up to 4 are stored in 4 bits, up to 6 in 6 (when K is a multiple of ``TOP_CHUNK``), up to 8 in 8."""
+        ``bits`` up to 4 are stored in 4 bits, up to 6 in 6 (when K is a multiple of ``TOP_CHUNK``), up to 8 in 8.
+        Offsets that are all one integer times their scale (float32 products, exactly) are kept
+        as that ``zero``."""
         n, k = values.shape
         if not 1 <= bits <= 8:
             raise ValueError(f"values of {bits} bits cannot be stored in a byte")
@@ -196,7 +217,7 @@ class GroupQuantWeight:
                 ):
                     raise ValueError(f"two-level {name} must be integer codes in [-128, 127]")
         code = torch.int8 if two_level else torch.float32
-        return cls(
+        weight = cls(
             pack(values, storage),
             scales.to(code).contiguous(),
             offsets.to(code).contiguous(),
@@ -209,6 +230,22 @@ class GroupQuantWeight:
             None if not two_level else super_offsets.to(torch.float32).contiguous(),
             0 if not two_level else groups // super_scales.shape[-1],
         )
+        return weight.with_zero()
+
+    def with_zero(self) -> GroupQuantWeight:
+        """The weight with its offsets kept as a ``zero`` where every group's offset is the
+        float32 product of one integer in [0, 256) and its scale; else itself."""
+        if self.zero is not None or self.offsets is None or not self.scales.numel():
+            return self
+        scales, offsets = self.group_scales(), self.group_offsets()
+        nonzero = scales != 0
+        if not bool(nonzero.any()):
+            return self
+        first = int(nonzero.flatten().nonzero()[0])
+        zero = float(offsets.flatten()[first] / scales.flatten()[first])
+        if zero != round(zero) or not 0 <= zero < 256 or not torch.equal(offsets, scales * zero):
+            return self
+        return dataclasses.replace(self, offsets=None, super_offsets=None, zero=int(zero))
 
     def values(self) -> torch.Tensor:
         """The integers q [N, K] (uint8)."""
@@ -250,7 +287,7 @@ def join(parts: list[GroupQuantWeight]) -> GroupQuantWeight:
 
 def joinable(a: GroupQuantWeight, b: GroupQuantWeight) -> bool:
     """Whether :func:`join` takes ``a`` and ``b`` together."""
-    layout = ("bits", "group_size", "super_group", "in_features")
+    layout = ("bits", "group_size", "super_group", "zero", "in_features")
     if any(getattr(a, name) != getattr(b, name) for name in layout):
         return False
     if a.input_order is None or b.input_order is None:
@@ -309,7 +346,7 @@ def _dequantize_block(w: GroupQuantWeight, start: int, end: int) -> torch.Tensor
     g = w.group_size
     groups = slice(start // g, end // g)
     scales = w._level(w.scales, w.super_scales, groups).repeat_interleave(g, dim=1)
-    offsets = w._level(w.offsets, w.super_offsets, groups).repeat_interleave(g, dim=1)
+    offsets = w._offsets(groups).repeat_interleave(g, dim=1)
     return scales * q.float() - offsets
 
 

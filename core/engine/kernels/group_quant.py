@@ -71,6 +71,7 @@ def _group_quant_matmul(
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     SUPER_GROUP: tl.constexpr,
+    ZERO: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -79,7 +80,8 @@ def _group_quant_matmul(
 ):
     """x [M, K] (bf16 / fp16 / fp32); qweight [N, K * BITS / 8] uint8; scales, offsets
     [N, K / GROUP_SIZE] float32 (``SUPER_GROUP`` 0) or int8 codes times ``super_scales``,
-    ``super_offsets`` [N, K / GROUP_SIZE / SUPER_GROUP] float32; bias [N]; y [splits, M, N]: split
+    ``super_offsets`` [N, K / GROUP_SIZE / SUPER_GROUP] float32 (``ZERO`` >= 0: no offsets, each
+    the zero times its scale); bias [N]; y [splits, M, N]: split
     ``program_id(2)``'s sums over its ``tiles_per_split`` K tiles (plus the bias, in y's dtype,
     when there is one split)."""
     pid_m = tl.program_id(0)
@@ -121,10 +123,14 @@ def _group_quant_matmul(
             x_sum = tl.sum(a.to(tl.float32), axis=1)
         group = k0 // GROUP_SIZE
         scale = tl.load(scales + offs_n * stride_sn + group, mask=mask_n, other=0).to(tl.float32)
-        offset = tl.load(offsets + offs_n * stride_on + group, mask=mask_n, other=0).to(tl.float32)
         if SUPER_GROUP > 0:
             scale *= tl.load(super_scales + offs_n * stride_ssn + group // SUPER_GROUP, mask=mask_n, other=0.0)
-            offset *= tl.load(super_offsets + offs_n * stride_son + group // SUPER_GROUP, mask=mask_n, other=0.0)
+        if ZERO >= 0:  # symmetric: each offset is the zero times the scale
+            offset = scale * ZERO
+        else:
+            offset = tl.load(offsets + offs_n * stride_on + group, mask=mask_n, other=0).to(tl.float32)
+            if SUPER_GROUP > 0:
+                offset *= tl.load(super_offsets + offs_n * stride_son + group // SUPER_GROUP, mask=mask_n, other=0.0)
         acc += part * scale[None, :] - x_sum[:, None] * offset[None, :]
     if HAS_BIAS:
         acc += tl.load(bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -202,12 +208,12 @@ def triton_group_quant_linear(
     # float32 -> bfloat16 conversion truncates, torch's rounds to nearest
     in_kernel = split == 1 and not interpreting()
     y = torch.empty(split, m, n, dtype=x.dtype if in_kernel else torch.float32, device=x.device)
-    qweight, scales, offsets = (
-        t if t.stride(-1) == 1 else t.contiguous() for t in (weight.qweight, weight.scales, weight.offsets)
-    )
+    qweight, scales = (t if t.stride(-1) == 1 else t.contiguous() for t in (weight.qweight, weight.scales))
+    symmetric = weight.zero is not None
+    offsets = scales if symmetric else weight.offsets.contiguous()  # unread with a zero
     two_level = weight.super_group > 0
     super_scales = weight.super_scales.contiguous() if two_level else scales  # unread with one level
-    super_offsets = weight.super_offsets.contiguous() if two_level else offsets
+    super_offsets = weight.super_offsets.contiguous() if two_level and not symmetric else offsets
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
     _group_quant_matmul[grid](
         rows,
@@ -233,6 +239,7 @@ def triton_group_quant_linear(
         BITS=weight.bits,
         GROUP_SIZE=weight.group_size,
         SUPER_GROUP=weight.super_group,
+        ZERO=-1 if weight.zero is None else weight.zero,
         HAS_BIAS=bias is not None and split == 1,
         DOT_FP32=dot_fp32,
         BLOCK_M=block_m,

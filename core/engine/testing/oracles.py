@@ -323,11 +323,20 @@ class FlashInferPrefillWrapper:
 
 
 def random_group_quant(
-    n: int, k: int, bits: int, group_size: int, gen: torch.Generator, *, ordered: bool = False, two_level: bool = False
+    n: int,
+    k: int,
+    bits: int,
+    group_size: int,
+    gen: torch.Generator,
+    *,
+    ordered: bool = False,
+    two_level: bool = False,
+    symmetric: bool = False,
 ) -> GroupQuantWeight:
     """A random group-quantized weight [n, k] for kernel tests: uniform ``bits``-bit values;
     float32 scales and zero points per group, or (``two_level``) signed int8 scale codes (as
     ``Q6_K``'s) and offset codes per group times float32s per super-block of up to 16 groups;
+    ``symmetric``: every offset the scale times ``2**(bits-1)`` (held as the weight's ``zero``);
     ``ordered``: a random input order."""
     from engine.interfaces.group_quant import GroupQuantWeight
 
@@ -337,13 +346,17 @@ def random_group_quant(
     if two_level:
         supers = groups // next(s for s in (16, 8, 4, 2, 1) if groups % s == 0)
         codes = torch.randint(-128, 128, (n, groups), generator=gen)
-        zeros = torch.randint(0, 128, (n, groups), generator=gen)
+        zeros = codes if symmetric else torch.randint(0, 128, (n, groups), generator=gen)
         unit = torch.rand(n, supers, generator=gen) * 4e-4 + 1e-5
+        zero_unit = unit * (1 << (bits - 1)) if symmetric else unit * (1 << bits) / 128
         return GroupQuantWeight.from_values(
-            values, codes, zeros, bits, input_order=order, super_scales=unit, super_offsets=unit * (1 << bits) / 128
+            values, codes, zeros, bits, input_order=order, super_scales=unit, super_offsets=zero_unit
         )
     scales = torch.rand(n, groups, generator=gen) * 0.05 + 0.001
-    zeros = torch.randint(0, 1 << bits, (n, groups), generator=gen).float()
+    if symmetric:
+        zeros = torch.full((n, groups), float(1 << (bits - 1)))
+    else:
+        zeros = torch.randint(0, 1 << bits, (n, groups), generator=gen).float()
     return GroupQuantWeight.from_values(values, scales, scales * zeros, bits, input_order=order)
 
 

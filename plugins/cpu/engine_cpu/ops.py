@@ -96,6 +96,7 @@ class NativeLayerOps(LayerOps):
             weight.bits,
             weight.group_size,
             weight.super_group,
+            -1 if weight.zero is None else weight.zero,
             bias,
             self.int8_activations,
         )

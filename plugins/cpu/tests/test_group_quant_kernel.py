@@ -43,15 +43,24 @@ def int8_ops(each_isa):
     return NativeLayerOps(native.load(), int8_activations=True)
 
 
-# (value bits, two-level scales): 4 and 8 bits with float32 scales; 4 and 6 bits with int8 codes
-# per group and float32 per super-block (the GGUF k-quants)
-LAYOUTS = [(4, False), (8, False), (4, True), (6, True)]
+# (value bits, two-level scales, symmetric): 4 and 8 bits with float32 scales; 4 and 6 bits with
+# int8 codes per group and float32 per super-block (the GGUF k-quants); symmetric ones, whose
+# offsets are a zero times the scales (GPTQ sym, Q8_0, Q6_K)
+LAYOUTS = [(4, False, False), (8, False, False), (4, True, False), (6, True, False), (4, False, True), (6, True, True)]
 
 
 def random_weight(
-    bits: int, group_size: int, gen: torch.Generator, *, ordered: bool = False, two_level: bool = False
+    bits: int,
+    group_size: int,
+    gen: torch.Generator,
+    *,
+    ordered: bool = False,
+    two_level: bool = False,
+    symmetric: bool = False,
 ) -> GroupQuantWeight:
-    return random_group_quant(N, K, bits, group_size, gen, ordered=ordered, two_level=two_level)
+    w = random_group_quant(N, K, bits, group_size, gen, ordered=ordered, two_level=two_level, symmetric=symmetric)
+    assert (w.zero is not None) == symmetric
+    return w
 
 
 def assert_within_rounding(out: torch.Tensor, x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None):
@@ -67,12 +76,12 @@ def assert_within_rounding(out: torch.Tensor, x: torch.Tensor, w: GroupQuantWeig
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, 64, 300])
 @pytest.mark.parametrize("group_size", [16, 32, 128, K, 24, 6])
-@pytest.mark.parametrize(("bits", "two_level"), LAYOUTS)
-def test_kernel_matches_the_layout_and_the_reference(ops, bits, two_level, group_size, rows, dtype):
+@pytest.mark.parametrize(("bits", "two_level", "symmetric"), LAYOUTS)
+def test_kernel_matches_the_layout_and_the_reference(ops, bits, two_level, symmetric, group_size, rows, dtype):
     if bits == 6 and group_size % 4:
         pytest.skip("6-bit values are stored in 6 bits in groups of whole 4 inputs")
     gen = torch.Generator().manual_seed(bits * 1000 + group_size * 10 + rows)
-    w = random_weight(bits, group_size, gen, two_level=two_level)
+    w = random_weight(bits, group_size, gen, two_level=two_level, symmetric=symmetric)
     assert (w.bits, w.super_group > 0) == (bits, two_level)
     x = torch.randn(rows, K, generator=gen).to(dtype)
     for bias in (None, torch.randn(N, generator=gen).to(dtype)):
@@ -87,10 +96,10 @@ def test_kernel_matches_the_layout_and_the_reference(ops, bits, two_level, group
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
-@pytest.mark.parametrize(("bits", "two_level"), LAYOUTS)
-def test_input_order_gathers_the_inputs(ops, bits, two_level, rows, dtype):
+@pytest.mark.parametrize(("bits", "two_level", "symmetric"), LAYOUTS)
+def test_input_order_gathers_the_inputs(ops, bits, two_level, symmetric, rows, dtype):
     gen = torch.Generator().manual_seed(rows + bits)
-    w = random_weight(bits, 32, gen, ordered=True, two_level=two_level)
+    w = random_weight(bits, 32, gen, ordered=True, two_level=two_level, symmetric=symmetric)
     x = torch.randn(2, rows, K, generator=gen).to(dtype)  # leading dimensions are kept
     bias = torch.randn(N, generator=gen)
     out = ops.group_quant_linear(x, w, bias)
@@ -107,8 +116,8 @@ def int8_block(bits: int, group_size: int) -> int:
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("group_size", [16, 32, 64, 128, K])
-@pytest.mark.parametrize(("bits", "two_level"), LAYOUTS)
-def test_int8_activations_stay_within_their_contract(int8_ops, ops, bits, two_level, group_size, rows):
+@pytest.mark.parametrize(("bits", "two_level", "symmetric"), LAYOUTS)
+def test_int8_activations_stay_within_their_contract(int8_ops, ops, bits, two_level, symmetric, group_size, rows):
     kernels = int8_ops.kernels
     vnni = "avx512_vnni" in native.chosen_variant().requires
     supported = kernels.group_quant_int8_supported(bits, K, group_size)
@@ -116,7 +125,7 @@ def test_int8_activations_stay_within_their_contract(int8_ops, ops, bits, two_le
     if not supported:
         pytest.skip(f"the {kernels.variant} build has no int8 activations for {bits} bits, groups of {group_size}")
     gen = torch.Generator().manual_seed(bits * 7 + group_size + rows)
-    w = random_weight(bits, group_size, gen, two_level=two_level)
+    w = random_weight(bits, group_size, gen, two_level=two_level, symmetric=symmetric)
     x = (torch.randn(rows, K, generator=gen) * torch.rand(rows, K, generator=gen) * 3).bfloat16()
     bias = torch.randn(N, generator=gen)
     out = int8_ops.group_quant_linear(x, w, bias)
@@ -153,9 +162,9 @@ def test_kernel_refuses_what_it_cannot_take(ops):
     out = torch.empty(2, N)
     none, no_supers = torch.empty(0), torch.empty(0, 0)
 
-    def call(out, w, bits, group_size, super_group=0, supers=(no_supers, no_supers)):
+    def call(out, w, bits, group_size, super_group=0, supers=(no_supers, no_supers), zero=-1):
         ops.kernels.group_quant_linear(
-            out, x, w.qweight, w.scales, w.offsets, *supers, bits, group_size, super_group, none, False
+            out, x, w.qweight, w.scales, w.offsets, *supers, bits, group_size, super_group, zero, none, False
         )
 
     with pytest.raises(RuntimeError, match="4, 6 or 8 bits"):
@@ -169,9 +178,15 @@ def test_kernel_refuses_what_it_cannot_take(ops):
     with pytest.raises(RuntimeError, match="int8"):  # float32 scales given as two-level codes
         call(out, w, 4, 32, 4, (w.scales[:, :3].contiguous(), w.scales[:, :3].contiguous()))
     with pytest.raises(RuntimeError, match="on the CPU"):
-        ops.kernels.group_quant_matmul(x, w.qweight.to("meta"), w.scales, w.offsets, None, None, 4, 32, 0, None, False)
-    made = ops.kernels.group_quant_matmul(x, w.qweight, w.scales, w.offsets, None, None, 4, 32, 0, None, False)
+        ops.kernels.group_quant_matmul(
+            x, w.qweight.to("meta"), w.scales, w.offsets, None, None, 4, 32, 0, -1, None, False
+        )
+    made = ops.kernels.group_quant_matmul(x, w.qweight, w.scales, w.offsets, None, None, 4, 32, 0, -1, None, False)
     assert made.shape == (2, N) and made.dtype == x.dtype
+    with pytest.raises(RuntimeError, match="zero 300"):
+        call(out, w, 4, 32, zero=300)
+    with pytest.raises(RuntimeError, match="scales and offsets"):  # no zero, no offsets
+        ops.kernels.group_quant_matmul(x, w.qweight, w.scales, None, None, None, 4, 32, 0, -1, None, False)
     assert_within_rounding(made, x, w, None)
     two = random_weight(6, 32, gen, two_level=True)
     with pytest.raises(RuntimeError, match="super_group"):

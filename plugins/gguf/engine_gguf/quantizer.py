@@ -60,9 +60,11 @@ def quantize(weight: torch.Tensor, quant_type: str, what: str) -> torch.Tensor:
         raise ValueError(f"{what}: {exc} Choose a type of 32-input blocks (Q8_0, Q4_0).") from None
 
 
-def _layout(weight: GroupQuantWeight | torch.Tensor) -> tuple[int, int, int] | None:
-    """What shards must share to be joined: (bits, group size, groups a super-block); None for a dense part."""
-    return None if isinstance(weight, torch.Tensor) else (weight.bits, weight.group_size, weight.super_group)
+def _layout(weight: GroupQuantWeight | torch.Tensor) -> tuple[int, int, int, int | None] | None:
+    """What shards must share to be joined: (bits, group size, groups a super-block, zero); None for a dense part."""
+    if isinstance(weight, torch.Tensor):
+        return None
+    return (weight.bits, weight.group_size, weight.super_group, weight.zero)
 
 
 class GgufLinearMethod(LinearMethod):

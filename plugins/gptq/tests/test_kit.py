@@ -31,6 +31,7 @@ def test_the_experts_check_catches_broken_experts(monkeypatch):
 
     def without_offsets(self, tensors, out_features, in_features, what):
         weight = good(self, tensors, out_features, in_features, what)
+        weight = weight.one_level()  # explicit offsets, also where they were a zero
         return dataclasses.replace(weight, offsets=torch.zeros_like(weight.offsets))
 
     monkeypatch.setattr(FormatExpertsMethod, "expert_weight", without_offsets)

@@ -50,12 +50,13 @@ void dot_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Tens
 // group_quant.cpp
 void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                         torch::Tensor offsets, torch::Tensor super_scales, torch::Tensor super_offsets,
-                        int64_t bits, int64_t group_size, int64_t super_group, torch::Tensor bias,
+                        int64_t bits, int64_t group_size, int64_t super_group, int64_t zero, torch::Tensor bias,
                         bool int8_activations);
-torch::Tensor group_quant_matmul(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets,
-                                 std::optional<torch::Tensor> super_scales, std::optional<torch::Tensor> super_offsets,
-                                 int64_t bits, int64_t group_size, int64_t super_group,
-                                 std::optional<torch::Tensor> bias, bool int8_activations);
+torch::Tensor group_quant_matmul(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                                 std::optional<torch::Tensor> offsets, std::optional<torch::Tensor> super_scales,
+                                 std::optional<torch::Tensor> super_offsets, int64_t bits, int64_t group_size,
+                                 int64_t super_group, int64_t zero, std::optional<torch::Tensor> bias,
+                                 bool int8_activations);
 bool group_quant_int8_supported(int64_t bits, int64_t in_features, int64_t group_size);
 
 // mamba2.cpp
@@ -119,12 +120,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(engine.interfaces.group_quant; fp32 / bf16)",
         py::arg("out"), py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("offsets"),
         py::arg("super_scales"), py::arg("super_offsets"), py::arg("bits"), py::arg("group_size"),
-        py::arg("super_group"), py::arg("bias"), py::arg("int8_activations") = false);
+        py::arg("super_group"), py::arg("zero"), py::arg("bias"), py::arg("int8_activations") = false);
   m.def("group_quant_matmul", &group_quant_matmul,
-        "group_quant_linear into a new [T, N] tensor (super_scales, super_offsets and bias may be None)",
+        "group_quant_linear into a new [T, N] tensor (offsets, super_scales, super_offsets and bias may be None)",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("offsets"), py::arg("super_scales"),
-        py::arg("super_offsets"), py::arg("bits"), py::arg("group_size"), py::arg("super_group"), py::arg("bias"),
-        py::arg("int8_activations"));
+        py::arg("super_offsets"), py::arg("bits"), py::arg("group_size"), py::arg("super_group"), py::arg("zero"),
+        py::arg("bias"), py::arg("int8_activations"));
   m.def("group_quant_int8_supported", &group_quant_int8_supported,
         "whether group_quant_linear's int8 activations run in this build for such a weight");
   m.def("packed_kv_supported", &packed_kv_supported,

@@ -4,7 +4,8 @@
 // chunk of 128 inputs: byte i holds those of the chunk's inputs 2i, 2i + 64, 2i + 1 and 2i + 65, two
 // bits each from bit 0) or 8. Two-level scales (the GGUF k-quants): int8 codes
 // per group times an fp32 per super-block of S groups, expanded per output row into fp32 (each
-// product exact for the k-quants, the reference's value) before the row's sums.
+// product exact for the k-quants, the reference's value) before the row's sums. Symmetric weights
+// hold no offsets but a zero: each group's offset is zero times its scale (an fp32 product).
 //
 // 6 bits: the low nibbles take the 4-bit path and the top bits are or-ed in above them. A chunk's
 // even inputs (the low nibbles' vector) find theirs in bits 0-1 (first 32) and 2-3 (last 32) of
@@ -71,11 +72,12 @@ constexpr int64_t kDecodeGrainRows = 16;  // output rows per parallel_for grain 
 struct Weight {
   const uint8_t* q;  // [N, K * bits / 8]
   const void* scales;
-  const void* offsets;  // [N, G]: fp32, or int8 codes with two levels
+  const void* offsets;  // [N, G]: fp32, or int8 codes with two levels; null with a zero
   const float* super_scales;
   const float* super_offsets;  // [N, G / S] (two levels) or null
   int64_t N, K, G, g, bits, S;  // S: groups a super-block (a power of two), 0 for one level
   int shift;                     // log2(S)
+  int64_t zero;                  // >= 0: every offset is zero * its group's scale (no offsets)
   int64_t row_bytes() const { return K * bits / 8; }
   const uint8_t* row(int64_t n) const { return q + n * row_bytes(); }
   // the top 2 bits of a 6-bit row (32 bytes per chunk of 128 inputs, see the header)
@@ -125,11 +127,19 @@ struct RowScales {
 };
 
 inline RowScales row_scales(const Weight& w, int64_t n, float* s_buf, float* m_buf) {
-  if (w.S == 0)
-    return {static_cast<const float*>(w.scales) + n * w.G, static_cast<const float*>(w.offsets) + n * w.G};
-  expand_level(w, w.scales, w.super_scales, n, s_buf);
+  const float* s = static_cast<const float*>(w.scales) + n * w.G;
+  if (w.S) {
+    expand_level(w, w.scales, w.super_scales, n, s_buf);
+    s = s_buf;
+  }
+  if (w.zero >= 0) {
+    const float zero = static_cast<float>(w.zero);
+    for (int64_t j = 0; j < w.G; ++j) m_buf[j] = s[j] * zero;
+    return {s, m_buf};
+  }
+  if (w.S == 0) return {s, static_cast<const float*>(w.offsets) + n * w.G};
   expand_level(w, w.offsets, w.super_offsets, n, m_buf);
-  return {s_buf, m_buf};
+  return {s, m_buf};
 }
 
 // value k of a row (plain C++)
@@ -611,15 +621,26 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, const float* s, 
       }
     }
   }
-  // minus sum_j m_j sum(x_j), 16 groups a step (sums are zero past G)
+  // minus sum_j m_j sum(x_j), 16 groups a step (sums are zero past G); a zero: m_j = zero * s_j
   const __m512i spread = super_spread(w.shift);
+  const bool zero = w.zero >= 0;
+  const __m512 zero_v = _mm512_set1_ps(static_cast<float>(w.zero));
   for (int64_t j = 0; j < w.G; j += 16) {
     __m512 xs[R];
     for (int r = 0; r < R; ++r) xs[r] = _mm512_loadu_ps(in.sums + (t0 + r) * in.G_pad + j);
     for (int o = 0; o < O; ++o) {
-      const __m512 mv = TWO ? level16(static_cast<const int8_t*>(w.offsets) + (n + o) * w.G,
-                                      w.super_offsets + (n + o) * (w.G >> w.shift), j, w.G, w.shift, spread)
-                            : _mm512_maskz_loadu_ps(groups_mask(w.G - j), m + o * w.G + j);
+      __m512 mv;
+      if constexpr (TWO) {
+        const int64_t row = n + o, supers = w.G >> w.shift;
+        mv = zero ? _mm512_mul_ps(level16(static_cast<const int8_t*>(w.scales) + row * w.G, w.super_scales + row * supers,
+                                          j, w.G, w.shift, spread),
+                                  zero_v)
+                  : level16(static_cast<const int8_t*>(w.offsets) + row * w.G, w.super_offsets + row * supers, j, w.G,
+                            w.shift, spread);
+      } else {
+        mv = zero ? _mm512_mul_ps(_mm512_maskz_loadu_ps(groups_mask(w.G - j), s + o * w.G + j), zero_v)
+                  : _mm512_maskz_loadu_ps(groups_mask(w.G - j), m + o * w.G + j);
+      }
       for (int r = 0; r < R; ++r) acc[o][r] = _mm512_fnmadd_ps(mv, xs[r], acc[o][r]);
     }
   }
@@ -654,15 +675,15 @@ void decode_int8(const Weight& w, const T* x, int64_t T_, const float* bias, T* 
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kOutputs, outputs = std::min(kOutputs, w.N - n0);
       const bool four = T_ == 1 && outputs == kOutputs;
-      if (w.S == 0) {  // the rows' scales and offsets, one after another in the weight
+      if (w.S == 0) {  // the rows' scales and offsets, one after another in the weight (a zero: no offsets)
         s = static_cast<const float*>(w.scales) + n0 * w.G;
-        m = static_cast<const float*>(w.offsets) + n0 * w.G;
+        m = w.zero >= 0 ? nullptr : static_cast<const float*>(w.offsets) + n0 * w.G;
       } else if (!two) {  // expanded
         for (int64_t o = 0; o < outputs; ++o) {
           expand_level(w, w.scales, w.super_scales, n0 + o, s_buf.data() + o * w.G);
-          expand_level(w, w.offsets, w.super_offsets, n0 + o, m_buf.data() + o * w.G);
+          if (w.zero < 0) expand_level(w, w.offsets, w.super_offsets, n0 + o, m_buf.data() + o * w.G);
         }
-        s = s_buf.data(), m = m_buf.data();
+        s = s_buf.data(), m = w.zero >= 0 ? nullptr : m_buf.data();
       }
       with_bits(w.bits, [&](auto bits_c) {
         constexpr int B = decltype(bits_c)::value;
@@ -837,10 +858,8 @@ void amx_prefill(const Weight& w, const at::BFloat16* x, int64_t T_, const float
       unpack_rows_bf16(w, n0, a.data());
       for (int64_t n = 0; n < outputs; ++n) {
         const RowScales sm = row_scales(w, n0 + n, unit_s.data() + n * G, unit_m.data() + n * G);
-        if (sm.s != unit_s.data() + n * G) {
-          std::memcpy(unit_s.data() + n * G, sm.s, G * sizeof(float));
-          std::memcpy(unit_m.data() + n * G, sm.m, G * sizeof(float));
-        }
+        if (sm.s != unit_s.data() + n * G) std::memcpy(unit_s.data() + n * G, sm.s, G * sizeof(float));
+        if (sm.m != unit_m.data() + n * G) std::memcpy(unit_m.data() + n * G, sm.m, G * sizeof(float));
       }
       for (int64_t t0 = 0; t0 < T_pad; t0 += kAmxRows) {
         std::memset(acc, 0, sizeof(acc));
@@ -904,12 +923,13 @@ void amx_prefill(const Weight& w, const at::BFloat16* x, int64_t T_, const float
 // out [T, N] = x [T, K] @ W^T + bias for a group-quantized W (engine.interfaces.group_quant):
 // x and out fp32 or bf16 (one dtype), qweight uint8 [N, K * bits / 8], scales and offsets fp32
 // [N, K / group_size] (super_group 0) or int8 codes with fp32 super_scales and super_offsets
-// [N, K / group_size / super_group], bias fp32 [N] or empty. fp32 sums; bf16 out rounded once.
+// [N, K / group_size / super_group]; zero >= 0: no offsets (nor super_offsets), each offset zero
+// times its scale; bias fp32 [N] or empty. fp32 sums; bf16 out rounded once.
 // int8_activations: bf16 decode rows may be quantized to int8 (see the header) where this build has
 // AVX512-VNNI.
 void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                         torch::Tensor offsets, torch::Tensor super_scales, torch::Tensor super_offsets,
-                        int64_t bits, int64_t group_size, int64_t super_group, torch::Tensor bias,
+                        int64_t bits, int64_t group_size, int64_t super_group, int64_t zero, torch::Tensor bias,
                         bool int8_activations) {
   TORCH_CHECK(bits == 4 || bits == 6 || bits == 8, "group_quant_linear: 4, 6 or 8 bits a value, not ", bits);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(),
@@ -927,15 +947,19 @@ void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweigh
   TORCH_CHECK(qweight.scalar_type() == at::kByte && qweight.is_contiguous() && qweight.dim() == 2 &&
                   qweight.size(1) == K * bits / 8,
               "group_quant_linear: qweight must be contiguous uint8 [N, ", K * bits / 8, "]");
+  TORCH_CHECK(zero < 256, "group_quant_linear: zero ", zero, " must lie in [0, 256), or be negative for offsets");
   const auto code = S ? at::kChar : at::kFloat;
-  for (const auto* t : {&scales, &offsets})
-    TORCH_CHECK(t->scalar_type() == code && t->is_contiguous() && t->dim() == 2 && t->size(0) == N && t->size(1) == G,
+  std::vector<const torch::Tensor*> levels{&scales}, supers{&super_scales};
+  if (zero < 0) levels.push_back(&offsets), supers.push_back(&super_offsets);
+  for (const auto* t : levels)
+    TORCH_CHECK(t->defined() && t->scalar_type() == code && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
+                    t->size(1) == G,
                 "group_quant_linear: scales and offsets must be contiguous ", S ? "int8" : "fp32", " [", N, ", ", G,
                 "]");
   if (S)
-    for (const auto* t : {&super_scales, &super_offsets})
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == N &&
-                      t->size(1) == G / S,
+    for (const auto* t : supers)
+      TORCH_CHECK(t->defined() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                      t->size(0) == N && t->size(1) == G / S,
                   "group_quant_linear: super_scales and super_offsets must be contiguous fp32 [", N, ", ", G / S, "]");
   TORCH_CHECK(out.size(0) == T_ && out.size(1) == N, "group_quant_linear: out must be [", T_, ", ", N, "]");
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() && bias.scalar_type() == at::kFloat),
@@ -943,16 +967,17 @@ void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweigh
   if (T_ == 0 || N == 0) return;
   const Weight w{qweight.data_ptr<uint8_t>(),
                  scales.data_ptr(),
-                 offsets.data_ptr(),
+                 zero < 0 ? offsets.data_ptr() : nullptr,
                  S ? super_scales.data_ptr<float>() : nullptr,
-                 S ? super_offsets.data_ptr<float>() : nullptr,
+                 S && zero < 0 ? super_offsets.data_ptr<float>() : nullptr,
                  N,
                  K,
                  G,
                  g,
                  bits,
                  S,
-                 S ? __builtin_ctzll(static_cast<unsigned long long>(S)) : 0};
+                 S ? __builtin_ctzll(static_cast<unsigned long long>(S)) : 0,
+                 zero < 0 ? -1 : zero};
   (void)int8_activations;  // builds without AVX512-VNNI
   const float* b = bias.numel() ? bias.data_ptr<float>() : nullptr;
   if (x.scalar_type() == at::kFloat) {
@@ -981,19 +1006,21 @@ void group_quant_linear(torch::Tensor out, torch::Tensor x, torch::Tensor qweigh
   }
 }
 
-// group_quant_linear into a new [T, N] tensor of x's dtype; absent super tensors (one level) and
-// bias may be None: one call from Python per layer, with no tensor made there
-torch::Tensor group_quant_matmul(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales, torch::Tensor offsets,
-                                 std::optional<torch::Tensor> super_scales, std::optional<torch::Tensor> super_offsets,
-                                 int64_t bits, int64_t group_size, int64_t super_group,
-                                 std::optional<torch::Tensor> bias, bool int8_activations) {
+// group_quant_linear into a new [T, N] tensor of x's dtype; absent offsets (a zero), super tensors
+// (one level) and bias may be None: one call from Python per layer, with no tensor made there
+torch::Tensor group_quant_matmul(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                                 std::optional<torch::Tensor> offsets, std::optional<torch::Tensor> super_scales,
+                                 std::optional<torch::Tensor> super_offsets, int64_t bits, int64_t group_size,
+                                 int64_t super_group, int64_t zero, std::optional<torch::Tensor> bias,
+                                 bool int8_activations) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && qweight.device().is_cpu(),
               "group_quant_matmul: x must be 2-D, and x and the weight on the CPU");
   static const torch::Tensor no_bias = at::empty({0}, at::kFloat);
   torch::Tensor out = at::empty({x.size(0), qweight.size(0)}, x.options());
   const torch::Tensor none;
-  group_quant_linear(out, x, qweight, scales, offsets, super_scales.value_or(none), super_offsets.value_or(none), bits,
-                     group_size, super_group, bias.has_value() ? *bias : no_bias, int8_activations);
+  group_quant_linear(out, x, qweight, scales, offsets.value_or(none), super_scales.value_or(none),
+                     super_offsets.value_or(none), bits, group_size, super_group, zero,
+                     bias.has_value() ? *bias : no_bias, int8_activations);
   return out;
 }
 

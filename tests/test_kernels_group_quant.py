@@ -35,15 +35,21 @@ FP32_EPSILONS = 6.0  # of the terms' size: the float32 tolerance
 HALF_STEP = {torch.float32: 0.0, torch.bfloat16: 2**-8, torch.float16: 2**-11}  # one rounding, relative
 
 
-# (value bits, two-level scales): 4 and 8 bits with float32 scales; 4 and 6 bits with int8 codes
-# per group and float32 per super-block (the GGUF k-quants)
-LAYOUTS = [(4, False), (8, False), (4, True), (6, True)]
+# (value bits, two-level scales, symmetric): 4 and 8 bits with float32 scales; 4 and 6 bits with
+# int8 codes per group and float32 per super-block (the GGUF k-quants); symmetric ones (a zero)
+LAYOUTS = [(4, False, False), (8, False, False), (4, True, False), (6, True, False), (8, False, True), (6, True, True)]
 
 
 def random_weight(
-    bits: int, group_size: int, gen: torch.Generator, *, ordered: bool = False, two_level: bool = False
+    bits: int,
+    group_size: int,
+    gen: torch.Generator,
+    *,
+    ordered: bool = False,
+    two_level: bool = False,
+    symmetric: bool = False,
 ) -> GroupQuantWeight:
-    return random_group_quant(N, K, bits, group_size, gen, ordered=ordered, two_level=two_level)
+    return random_group_quant(N, K, bits, group_size, gen, ordered=ordered, two_level=two_level, symmetric=symmetric)
 
 
 def assert_within_rounding(out: torch.Tensor, x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None):
@@ -56,10 +62,11 @@ def assert_within_rounding(out: torch.Tensor, x: torch.Tensor, w: GroupQuantWeig
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
 @pytest.mark.parametrize("group_size", [16, 32, 128, K])
-@pytest.mark.parametrize(("bits", "two_level"), LAYOUTS)
-def test_kernel_matches_the_layout_and_the_reference(bits, two_level, group_size, rows):
+@pytest.mark.parametrize(("bits", "two_level", "symmetric"), LAYOUTS)
+def test_kernel_matches_the_layout_and_the_reference(bits, two_level, symmetric, group_size, rows):
     gen = torch.Generator().manual_seed(bits * 1000 + group_size * 10 + rows)
-    w = random_weight(bits, group_size, gen, two_level=two_level)
+    w = random_weight(bits, group_size, gen, two_level=two_level, symmetric=symmetric)
+    assert (w.zero is not None) == symmetric
     x = torch.randn(rows, K, generator=gen)
     bias = torch.randn(N, generator=gen) if rows != 5 else None
     out = triton_group_quant_linear(x, w, bias)
@@ -70,12 +77,12 @@ def test_kernel_matches_the_layout_and_the_reference(bits, two_level, group_size
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 64])
-@pytest.mark.parametrize(("bits", "two_level"), LAYOUTS)
-def test_16_bit_activations(bits, two_level, rows, dtype):
+@pytest.mark.parametrize(("bits", "two_level", "symmetric"), LAYOUTS)
+def test_16_bit_activations(bits, two_level, symmetric, rows, dtype):
     """bf16 / fp16 x and bias: float32 sums of the exact products, rounded once to x's dtype,
     as the reference does (the two differ only next to a tie)."""
     gen = torch.Generator().manual_seed(bits * 100 + rows)
-    w = random_weight(bits, 32, gen, two_level=two_level)
+    w = random_weight(bits, 32, gen, two_level=two_level, symmetric=symmetric)
     x = torch.randn(rows, K, generator=gen).to(dtype)
     bias = torch.randn(N, generator=gen).to(dtype)
     out = triton_group_quant_linear(x, w, bias)
@@ -85,11 +92,11 @@ def test_16_bit_activations(bits, two_level, rows, dtype):
     assert (out != reference).float().mean().item() < 0.02
 
 
-@pytest.mark.parametrize(("bits", "two_level"), LAYOUTS)
-def test_input_order(bits, two_level):
+@pytest.mark.parametrize(("bits", "two_level", "symmetric"), LAYOUTS)
+def test_input_order(bits, two_level, symmetric):
     """With an input order, input k of the weight multiplies x[:, input_order[k]]."""
     gen = torch.Generator().manual_seed(7 + bits)
-    w = random_weight(bits, 32, gen, ordered=True, two_level=two_level)
+    w = random_weight(bits, 32, gen, ordered=True, two_level=two_level, symmetric=symmetric)
     x = torch.randn(5, K, generator=gen)
     bias = torch.randn(N, generator=gen)
     out = triton_group_quant_linear(x, w, bias)

@@ -169,7 +169,9 @@ def check_fp8_gemm(device) -> bool:
 
 
 GROUP_QUANT_LAYERS = {"gate_up": (2816, 512), "down": (512, 1408)}  # llama58m's MLP: (N, K)
-GROUP_QUANT_FORMATS = ((4, 128), (8, 32))  # (bits, group size): GPTQ/AWQ int4, GGUF Q8_0
+# (bits, group size, groups a super-block, symmetric): GPTQ/AWQ int4 (asymmetric), GGUF Q8_0
+# (a zero), Q4_K (two levels) and Q6_K (6 bits, two levels, a zero)
+GROUP_QUANT_FORMATS = ((4, 128, 0, False), (8, 32, 0, True), (4, 32, 8, False), (6, 16, 16, True))
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -185,14 +187,16 @@ def check_group_quant(device, rows: tuple[int, ...] = (1, 256), repeat: int = 20
     for dtype in (torch.bfloat16, torch.float16):
         for layer, (n, k) in GROUP_QUANT_LAYERS.items():
             dense = torch.randn(n, k, generator=gen) / k**0.5
-            for bits, group_size in GROUP_QUANT_FORMATS:
-                weight = quantize_groups(dense, bits, group_size).to(device)
+            for bits, group_size, super_group, symmetric in GROUP_QUANT_FORMATS:
+                weight = quantize_groups(dense, bits, group_size, super_group=super_group, symmetric=symmetric)
+                weight = weight.to(device)
                 dequantized = weight.dequantize(dtype)
                 for m in rows:
                     x = torch.randn(m, k, generator=gen).to(device, dtype)
                     expected = group_quant_linear(x, weight)
                     _, ref_ms = timed(lambda x=x, d=dequantized: torch.nn.functional.linear(x, d), repeat=repeat)
-                    name = f"int{bits}/g{group_size} {layer} {DTYPE_NAMES[dtype]} {m}x{n}x{k}"
+                    layout = f"int{bits}/g{group_size}" + (f"/s{super_group}" if super_group else "")
+                    name = f"{layout}{'/sym' if symmetric else ''} {layer} {DTYPE_NAMES[dtype]} {m}x{n}x{k}"
                     got, ms = timed(lambda x=x, w=weight: triton_group_quant_linear(x, w), repeat=repeat)
                     ok &= report(name, got, expected, ms, ref_ms)
                     if m == 1:

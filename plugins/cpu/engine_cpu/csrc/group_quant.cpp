@@ -445,6 +445,10 @@ int64_t pass_rows(Path path) {
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const at::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) { return engine_cpu::load_bf16(p); }
+#endif
 
 // x [T, K] -> fp32 (the inputs of each `chunk` reordered: evens, then odds) and its sums per group
 template <typename T>
@@ -509,33 +513,63 @@ void quantize_input(const T* x, int64_t T_, int64_t K, int64_t g, int64_t bits, 
                     float* dx, float* sums) {
   const int64_t chunk = vnni_chunk(bits), block = std::min(g, chunk), G = K / g;
   const int64_t lane_inputs = bits != 8 ? 8 : 4;
+  // 16 inputs a vector where groups and blocks hold whole vectors (the same values as the plain
+  // loops: the scale's inverse rounded once, products rounded to nearest even; the group sums
+  // add in another order)
+  const bool vector = g % 16 == 0 && block % 16 == 0;
   at::parallel_for(0, T_, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> xf(K), scale(K / block);
     std::vector<int8_t> natural(K);
     for (int64_t t = t0; t < t1; ++t) {
       const T* xr = x + t * K;
-      for (int64_t k = 0; k < K; ++k) xf[k] = load(xr, k);
-      for (int64_t j = 0; j < G_pad; ++j) {
-        float total = 0.f;
-        if (j < G)
-          for (int64_t k = j * g; k < (j + 1) * g; ++k) total += xf[k];
-        sums[t * G_pad + j] = total;
-      }
-      for (int64_t b = 0; b < K / block; ++b) {
-        float amax = 0.f;
-        for (int64_t k = b * block; k < (b + 1) * block; ++k) amax = std::max(amax, std::abs(xf[k]));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        scale[b] = amax / 127.f;
-        for (int64_t k = b * block; k < (b + 1) * block; ++k)
-          natural[k] = static_cast<int8_t>(std::clamp(std::nearbyint(xf[k] * inv), -127.f, 127.f));
+      if (vector) {
+        for (int64_t k = 0; k < K; k += 16) _mm512_storeu_ps(xf.data() + k, load16(xr + k));
+        for (int64_t j = 0; j < G; ++j) {
+          __m512 total = _mm512_setzero_ps();
+          for (int64_t k = j * g; k < (j + 1) * g; k += 16) total = _mm512_add_ps(total, _mm512_loadu_ps(xf.data() + k));
+          sums[t * G_pad + j] = _mm512_reduce_add_ps(total);
+        }
+        for (int64_t j = G; j < G_pad; ++j) sums[t * G_pad + j] = 0.f;
+        for (int64_t b = 0; b < K / block; ++b) {
+          __m512 m = _mm512_setzero_ps();
+          for (int64_t k = b * block; k < (b + 1) * block; k += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xf.data() + k)));
+          const float amax = _mm512_reduce_max_ps(m);
+          const float inv = amax > 0.f ? 127.f / amax : 0.f;
+          scale[b] = amax / 127.f;
+          const __m512 vinv = _mm512_set1_ps(inv), hi = _mm512_set1_ps(127.f), lo = _mm512_set1_ps(-127.f);
+          for (int64_t k = b * block; k < (b + 1) * block; k += 16) {
+            const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xf.data() + k), vinv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            const __m512i q = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(natural.data() + k), _mm512_cvtsepi32_epi8(q));
+          }
+        }
+      } else {
+        for (int64_t k = 0; k < K; ++k) xf[k] = load(xr, k);
+        for (int64_t j = 0; j < G_pad; ++j) {
+          float total = 0.f;
+          if (j < G)
+            for (int64_t k = j * g; k < (j + 1) * g; ++k) total += xf[k];
+          sums[t * G_pad + j] = total;
+        }
+        for (int64_t b = 0; b < K / block; ++b) {
+          float amax = 0.f;
+          for (int64_t k = b * block; k < (b + 1) * block; ++k) amax = std::max(amax, std::abs(xf[k]));
+          const float inv = amax > 0.f ? 127.f / amax : 0.f;
+          scale[b] = amax / 127.f;
+          for (int64_t k = b * block; k < (b + 1) * block; ++k)
+            natural[k] = static_cast<int8_t>(std::clamp(std::nearbyint(xf[k] * inv), -127.f, 127.f));
+        }
       }
       int8_t* out = xq + t * K;
       float* lanes = dx + t * (K / chunk) * 16;
       for (int64_t c = 0; c < K; c += chunk) {
-        if (bits != 8) {
-          for (int64_t i = 0; i < chunk / 2; ++i) {
-            out[c + i] = natural[c + 2 * i];
-            out[c + chunk / 2 + i] = natural[c + 2 * i + 1];
+        if (bits != 8) {  // the chunk's even inputs, then its odd ones: the low bytes of 16-bit pairs, then the high
+          for (int64_t h = 0; h < 2; ++h) {
+            const __m512i v = _mm512_loadu_si512(natural.data() + c + 64 * h);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c + 32 * h), _mm512_cvtepi16_epi8(v));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + c + 64 + 32 * h),
+                                _mm512_cvtepi16_epi8(_mm512_srli_epi16(v, 8)));
           }
         } else {
           std::memcpy(out + c, natural.data() + c, chunk);

@@ -107,7 +107,8 @@ def test_quantizing_while_loading_reports_the_engines_weights_and_the_peers_dens
     )
     assert report["runners"] == ["engine", "hf"]
     assert report["setup"]["weights"] == logged_weights(dense, quantization="gptq", quantization_config=GPTQ)
-    assert "in 8 quantized linear layers, 18.8% of their float32 size" in report["setup"]["weights"]
+    # symmetric 4-bit groups of 32: 4 bits and a float32 scale a group (the zero stands for the offsets), 5/32
+    assert "in 8 quantized linear layers, 15.6% of their float32 size" in report["setup"]["weights"]
     assert "quantization gptq" in report["setup"]["engine"]
     assert any("the peers run its unquantized weights in float32" in note for note in report["notes"])
     figures = report["sections"]["w1"]["figures"]

@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined: run them on the CPU
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import sys  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
@@ -40,16 +41,7 @@ HALF_STEP = {torch.float32: 0.0, torch.bfloat16: 2**-8, torch.float16: 2**-11}  
 LAYOUTS = [(4, False, False), (8, False, False), (4, True, False), (6, True, False), (8, False, True), (6, True, True)]
 
 
-def random_weight(
-    bits: int,
-    group_size: int,
-    gen: torch.Generator,
-    *,
-    ordered: bool = False,
-    two_level: bool = False,
-    symmetric: bool = False,
-) -> GroupQuantWeight:
-    return random_group_quant(N, K, bits, group_size, gen, ordered=ordered, two_level=two_level, symmetric=symmetric)
+random_weight = functools.partial(random_group_quant, N, K)  # (bits, group_size, gen, **layout)
 
 
 def assert_within_rounding(out: torch.Tensor, x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None):

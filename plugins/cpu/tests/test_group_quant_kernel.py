@@ -16,6 +16,7 @@ by at most dx / 2 and the output by at most ``(dx / 2) @ |s q|^T`` more: the con
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -49,18 +50,7 @@ def int8_ops(each_isa):
 LAYOUTS = [(4, False, False), (8, False, False), (4, True, False), (6, True, False), (4, False, True), (6, True, True)]
 
 
-def random_weight(
-    bits: int,
-    group_size: int,
-    gen: torch.Generator,
-    *,
-    ordered: bool = False,
-    two_level: bool = False,
-    symmetric: bool = False,
-) -> GroupQuantWeight:
-    w = random_group_quant(N, K, bits, group_size, gen, ordered=ordered, two_level=two_level, symmetric=symmetric)
-    assert (w.zero is not None) == symmetric
-    return w
+random_weight = functools.partial(random_group_quant, N, K)  # (bits, group_size, gen, **layout)
 
 
 def assert_within_rounding(out: torch.Tensor, x: torch.Tensor, w: GroupQuantWeight, bias: torch.Tensor | None):
@@ -82,7 +72,7 @@ def test_kernel_matches_the_layout_and_the_reference(ops, bits, two_level, symme
         pytest.skip("6-bit values are stored in 6 bits in groups of whole 4 inputs")
     gen = torch.Generator().manual_seed(bits * 1000 + group_size * 10 + rows)
     w = random_weight(bits, group_size, gen, two_level=two_level, symmetric=symmetric)
-    assert (w.bits, w.super_group > 0) == (bits, two_level)
+    assert (w.bits, w.super_group > 0, w.zero is not None) == (bits, two_level, symmetric)
     x = torch.randn(rows, K, generator=gen).to(dtype)
     for bias in (None, torch.randn(N, generator=gen).to(dtype)):
         out = ops.group_quant_linear(x, w, bias)

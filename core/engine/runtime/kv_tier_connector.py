@@ -167,31 +167,29 @@ class CanonicalBlocks:
             return parts[0]
         out = torch.empty(sum(self.spec.state_numels), dtype=torch.float32)
         for rank, part in enumerate(parts):
-            for whole, local, layer_spec in self._state_views(out, part):
-                runs, first_head = layer_spec.state_placement(rank)
-                (whole_conv, whole_matrix), (local_conv, local_matrix) = whole, local
-                for first, local_first, count in runs:
-                    whole_conv[:, first : first + count] = local_conv[:, local_first : local_first + count]
-                whole_matrix[first_head : first_head + local_matrix.shape[0]] = local_matrix
+            self._copy_state(out, part, rank, into_local=False)
         return out
 
     def write_state(self, row: int, state: torch.Tensor) -> None:
         """Write this rank's part of a whole snapshot (:meth:`assemble_state`'s, or a single
         rank's :meth:`local_state`) into state row ``row`` of every recurrent layer."""
-        local_parts = []
-        if self.tp.size == 1:
-            local_parts = list(state.split(list(self.spec.state_numels)))
-        else:
-            mine = torch.empty(sum(c[0].numel() for c in self.states), dtype=torch.float32)
-            for whole, local, layer_spec in self._state_views(state, mine):
-                runs, first_head = layer_spec.state_placement(self.tp.rank)
-                (whole_conv, whole_matrix), (local_conv, local_matrix) = whole, local
-                for first, local_first, count in runs:
-                    local_conv[:, local_first : local_first + count] = whole_conv[:, first : first + count]
-                local_matrix.copy_(whole_matrix[first_head : first_head + local_matrix.shape[0]])
-            local_parts = list(mine.split([c[0].numel() for c in self.states]))
-        for cache, part in zip(self.states, local_parts, strict=True):
+        sizes = [cache[0].numel() for cache in self.states]
+        mine = state
+        if self.tp.size > 1:
+            mine = torch.empty(sum(sizes), dtype=torch.float32)
+            self._copy_state(state, mine, self.tp.rank, into_local=True)
+        for cache, part in zip(self.states, mine.split(sizes), strict=True):
             cache[row] = part.view(cache.shape[1:]).to(device=cache.device, dtype=cache.dtype)
+
+    def _copy_state(self, whole: torch.Tensor, local: torch.Tensor, rank: int, *, into_local: bool) -> None:
+        """Copy rank ``rank``'s part of each recurrent layer's state between the whole snapshot
+        ``whole`` and that rank's ``local`` part, into ``local`` or into ``whole``."""
+        for (whole_conv, whole_matrix), (local_conv, local_matrix), layer_spec in self._state_views(whole, local):
+            runs, first_head = layer_spec.state_placement(rank)
+            pairs = [(whole_conv[:, f : f + n], local_conv[:, lf : lf + n]) for f, lf, n in runs]
+            pairs.append((whole_matrix[first_head : first_head + local_matrix.shape[0]], local_matrix))
+            for whole_part, local_part in pairs:
+                (local_part if into_local else whole_part).copy_(whole_part if into_local else local_part)
 
     def _state_views(self, whole: torch.Tensor, local: torch.Tensor):
         """Per recurrent layer: ((convolution inputs [taps, channels], matrix [heads, ...]) of the

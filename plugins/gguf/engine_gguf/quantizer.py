@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.interfaces.group_quant import GroupQuantWeight, join
+from engine.interfaces.group_quant import GroupQuantWeight, join, joinable
 from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
 from engine.layers.quantized_checkpoint import quantized_checkpoint
 from engine.model_loader.gguf_quantize import QUANT_TYPES, quantize_blocks
@@ -60,11 +60,9 @@ def quantize(weight: torch.Tensor, quant_type: str, what: str) -> torch.Tensor:
         raise ValueError(f"{what}: {exc} Choose a type of 32-input blocks (Q8_0, Q4_0).") from None
 
 
-def _layout(weight: GroupQuantWeight | torch.Tensor) -> tuple[int, int, int, int | None] | None:
-    """What shards must share to be joined: (bits, group size, groups a super-block, zero); None for a dense part."""
-    if isinstance(weight, torch.Tensor):
-        return None
-    return (weight.bits, weight.group_size, weight.super_group, weight.zero)
+def _joins(a: GroupQuantWeight | torch.Tensor, b: GroupQuantWeight | torch.Tensor) -> bool:
+    """Whether shards ``a`` and ``b`` join into one weight: both group-quantized, of one layout."""
+    return isinstance(a, GroupQuantWeight) and isinstance(b, GroupQuantWeight) and joinable(a, b)
 
 
 class GgufLinearMethod(LinearMethod):
@@ -140,13 +138,13 @@ class GgufLinearMethod(LinearMethod):
         # runs of consecutive shards of one layout, joined along the outputs
         runs: list[list[int]] = []
         for shard, weight in enumerate(shards):
-            if runs and _layout(weight) is not None and _layout(shards[runs[-1][-1]]) == _layout(weight):
+            if runs and _joins(shards[runs[-1][-1]], weight):
                 runs[-1].append(shard)
             else:
                 runs.append([shard])
         for index, run in enumerate(runs):
             parts = [shards[shard] for shard in run]
-            weight = join(parts) if _layout(parts[0]) is not None else torch.cat(parts)
+            weight = join(parts) if isinstance(parts[0], GroupQuantWeight) else torch.cat(parts)
             end = start + sum(layer.output_sizes[shard] for shard in run)
             suffix = "" if len(runs) == 1 else f"_{index}"
             layer.gguf_parts.append((start, end, hold(layer, weight.to(device), suffix)))

@@ -74,14 +74,14 @@ class TestKimiK3Kit(ModelTests):
         return path, None
 
 
-def test_mxfp4_experts_in_compressed_tensors_load_dequantized(tmp_path):
-    """Routed experts stored as compressed-tensors MXFP4 (weight_packed + weight_scale, as K3
-    ships them) load dequantized; the logits are the reference's on the dequantized weights."""
+def mxfp4_checkpoint(path) -> dict[str, torch.Tensor]:
+    """A K3 checkpoint whose routed experts are compressed-tensors MXFP4 (weight_packed +
+    weight_scale, as K3 ships them); returns the dense tensors the MXFP4 values stand for."""
     import json
 
     from safetensors.torch import save_file
 
-    tensors = make_k3_checkpoint(tmp_path, seed=3)
+    tensors = make_k3_checkpoint(path, seed=3)
     e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
     stored, dense = {}, dict(tensors)
     for name, tensor in tensors.items():
@@ -98,16 +98,18 @@ def test_mxfp4_experts_in_compressed_tensors_load_dequantized(tmp_path):
         stored[prefix + ".weight_packed"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
         stored[prefix + ".weight_scale"] = (exponents + 127).to(torch.uint8)
         dense[name] = (e2m1[magnitude] * scaled.sign() * 2.0 ** exponents[..., None]).view(rows, cols)
-    save_file(stored, str(tmp_path / "model.safetensors"))
-    config = json.loads((tmp_path / "config.json").read_text())
+    save_file(stored, str(path / "model.safetensors"))
+    config = json.loads((path / "config.json").read_text())
     config["text_config"]["quantization_config"] = config["quantization_config"] = {
         "quant_method": "compressed-tensors",
         "format": "mxfp4-pack-quantized",
     }
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(config))
+    return dense
+
+
+def check_mxfp4_logits(llm, dense) -> None:
     prompt = prompts(5, lengths=(19,))[0]
-    llm = make_llm(tmp_path)
-    assert llm.engine.dequantizer.dequantized == 4 * 8 * 3  # four MoE layers, eight experts, w1/w2/w3
     (logits,) = llm.prompt_logits([prompt])
     reference = reference_logits(dense, TEXT_CONFIG, prompt)
     # This checkpoint is ill-conditioned at two positions: there the reference itself computed in
@@ -116,3 +118,26 @@ def test_mxfp4_experts_in_compressed_tensors_load_dequantized(tmp_path):
     # bound is 1e-4 of the logits' scale, or 16 times float32's own error at that position.
     bound = torch.clamp(16 * float32_rounding_error(dense, TEXT_CONFIG, prompt), min=1e-4 * reference.abs().max())
     assert ((logits - reference).abs().amax(dim=-1) <= bound).all()
+
+
+def test_mxfp4_experts_in_compressed_tensors_load_dequantized(tmp_path):
+    """Without a quantizer for the format, the MXFP4 routed experts load dequantized; the logits
+    are the reference's on the dequantized weights."""
+    dense = mxfp4_checkpoint(tmp_path)
+    llm = make_llm(tmp_path)
+    assert llm.engine.dequantizer.dequantized == 4 * 8 * 3  # four MoE layers, eight experts, w1/w2/w3
+    check_mxfp4_logits(llm, dense)
+
+
+def test_mxfp4_experts_stay_in_their_values_with_engine_compressed_tensors(tmp_path):
+    """With engine-compressed-tensors, the MXFP4 routed experts are computed from their own
+    values (group-quantized, nothing dequantized), with the same logits."""
+    pytest.importorskip("engine_compressed_tensors")
+    from engine.interfaces.group_quant import GroupQuantWeight
+
+    dense = mxfp4_checkpoint(tmp_path)
+    llm = make_llm(tmp_path, plugins=["cpu", "kimi_k3", "compressed_tensors"])
+    assert llm.engine.dequantizer.dequantized == 0 and llm.engine.dequantizer.kept == 4 * 8 * 3
+    experts = [m for m in llm.engine.model.modules() if hasattr(m, "down") and hasattr(m, "gate_up")]
+    assert len(experts) == 4 and all(isinstance(w, GroupQuantWeight) and w.zero == 12 for m in experts for w in m.down)
+    check_mxfp4_logits(llm, dense)

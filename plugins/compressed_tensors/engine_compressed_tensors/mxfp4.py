@@ -1,0 +1,209 @@
+"""compressed-tensors ``mxfp4-pack-quantized`` routed experts computed in the engine's
+group-quantized layout, without dequantizing them at load.
+
+A checkpoint in this format (``quant_method: compressed-tensors``, format
+``mxfp4-pack-quantized``, as Kimi-K3's routed experts ship) holds per quantized module
+``weight_packed`` (uint8 [N, K / 2]: two e2m1 codes a byte, the element of even index in the
+low nibble) and ``weight_scale`` (uint8 [N, K / 32]: a biased exponent ``s`` per 32 elements of
+a row, the factor ``2^(s - 127)``; 255 is NaN in the OCP MX format). An e2m1 code is a sign
+(bit 3) and a magnitude from ``0, 0.5, 1, 1.5, 2, 3, 4, 6`` (bits 0-2).
+
+Twice an e2m1 value is an integer in -12 .. 12, so a group's elements are exactly
+
+    2^(s - 127) · v = (2^(s - 127) / 2) · ((2 v + 12) − 12)
+
+integers ``2 v + 12`` in 0 .. 24 with the scale ``2^(s - 127) / 2`` (a power of two, exact in
+float32) and the zero 12: the layout's symmetric weights (``GroupQuantWeight.zero``), values
+stored in 6 bits (8 where a row's inputs are not a multiple of 128), computed by the platform's
+``group_quant_linear`` as any group-quantized layer, on every platform.
+
+Linear layers and routed experts stay in this layout (the output head and the routers are not
+quantized); an unquantized checkpoint is rounded to MXFP4 while loading
+(``--quantization compressed-tensors/mxfp4-pack-quantized``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from engine.interfaces.group_quant import GroupQuantWeight
+from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
+from engine.layers.group_quant_method import GroupQuantLinearMethod
+from engine.layers.quantized_checkpoint import quantized_checkpoint
+from engine_compressed_tensors.quantizer import Settings
+
+FORMAT = "mxfp4-pack-quantized"
+GROUP = 32  # elements per shared exponent
+ZERO = 12  # 2 v + 12 for an e2m1 value v: 0 .. 24
+NAN_EXPONENT = 255  # e8m0's NaN
+# e2m1 code (sign bit 3, magnitude bits 0-2) -> twice its value
+DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def to_group_quant(packed: torch.Tensor, scale: torch.Tensor, rows: int, inputs: int, what: str) -> GroupQuantWeight:
+    """One module's ``weight_packed`` [rows, inputs / 2] and ``weight_scale`` [rows, inputs / 32]
+    as a GroupQuantWeight (values ``2 v + 12``, scales ``2^(s - 127) / 2``, zero 12), exactly."""
+    if inputs % GROUP:
+        raise ValueError(f"{what}: MXFP4 groups {GROUP} inputs; the module has {inputs}.")
+    expected = {"weight_packed": (rows, inputs // 2), "weight_scale": (rows, inputs // GROUP)}
+    for name, tensor in (("weight_packed", packed), ("weight_scale", scale)):
+        if tuple(tensor.shape) != expected[name] or tensor.dtype not in (torch.uint8, torch.int8):
+            raise ValueError(
+                f"{what}'s {FORMAT} {name} is {tuple(tensor.shape)} {tensor.dtype}; a module of {inputs} inputs "
+                f"and {rows} outputs holds uint8 {expected[name]}."
+            )
+    codes = packed.view(torch.uint8)
+    exponents = scale.view(torch.uint8).to(torch.int32)
+    if bool((exponents == NAN_EXPONENT).any()):
+        raise ValueError(f"{what}'s weight_scale holds {NAN_EXPONENT} (NaN in the e8m0 format).")
+    table = torch.tensor(DOUBLED, dtype=torch.int16, device=codes.device) + ZERO
+    values = torch.stack([table[(codes & 0x0F).long()], table[(codes >> 4).long()]], dim=-1).flatten(-2)
+    scales = torch.exp2((exponents - 128).float())  # 2^(s - 127) / 2
+    return GroupQuantWeight.from_values(values, scales, scales * ZERO, 5)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight [N, K] rounded to MXFP4 (``weight_packed``, ``weight_scale``): per group of
+    32, the smallest power of two that brings its largest magnitude to 6 or below, then each
+    element to the nearest e2m1 value (ties to the smaller magnitude)."""
+    rows, cols = weight.shape
+    groups = weight.float().view(rows, cols // GROUP, GROUP)
+    amax = groups.abs().amax(-1).clamp(min=2.0**-126)
+    exponents = torch.ceil(torch.log2(amax / 6)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponents)[..., None]
+    magnitude = (scaled.abs()[..., None] - torch.tensor(MAGNITUDES)).abs().argmin(-1)
+    codes = (magnitude + 8 * (scaled < 0)).view(rows, cols).to(torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), (exponents + 127).to(torch.uint8)
+
+
+class Mxfp4LinearMethod(GroupQuantLinearMethod):
+    """Loads ``weight_packed`` [N, K / 2] and ``weight_scale`` [N, K / 32] per output shard
+    (``engine.layers.group_quant_method``), or rounds a dense weight to MXFP4 once loaded, and
+    holds the layer in the group-quantized layout."""
+
+    format_name = FORMAT
+
+    def check_layer(self, input_size, output_sizes) -> None:
+        if input_size % GROUP:
+            raise ValueError(f"An {FORMAT} layer groups {GROUP} inputs; this one has {input_size}.")
+
+    def tensor_names(self) -> tuple[str, ...]:
+        return ("weight_packed", "weight_scale")
+
+    def check(self, tensors, rows, inputs, what) -> dict[str, torch.Tensor]:
+        return tensors  # checked by convert, with the tensors' own names
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        packed, scale = quantize(weight)
+        return {"weight_packed": packed, "weight_scale": scale}
+
+    def convert(self, tensors, rows, inputs, what) -> GroupQuantWeight:
+        return to_group_quant(tensors["weight_packed"], tensors["weight_scale"], rows, inputs, what)
+
+    def describe(self) -> str:
+        return f"compressed-tensors {FORMAT} (e2m1 values doubled, power-of-two scales), {self.describe_layout()}"
+
+
+class Mxfp4ExpertsMethod(ExpertsMethod):
+    """Each expert projection from its ``weight_packed`` and ``weight_scale``: as the checkpoint
+    stream passes them (the packed bytes under ``weight``, carrying their scale) or by their own
+    names; a dense ``weight`` of an unquantized checkpoint is rounded to MXFP4 first (in a
+    prequantized one it is an error: the quantization_config did not say so)."""
+
+    def __init__(self, prequantized: bool) -> None:
+        self.prequantized = prequantized
+
+    def expert_weight(self, tensors, out_features, in_features, what) -> GroupQuantWeight:
+        if set(tensors) == {"weight_packed", "weight_scale"}:
+            return to_group_quant(tensors["weight_packed"], tensors["weight_scale"], out_features, in_features, what)
+        if set(tensors) != {"weight"}:
+            raise ValueError(
+                f"{what} holds {', '.join(sorted(tensors))}; an {FORMAT} expert holds weight_packed and weight_scale."
+            )
+        weight = tensors["weight"]
+        kept = quantized_checkpoint(weight)
+        if kept is not None:
+            return to_group_quant(weight, kept.scale, out_features, in_features, what)
+        if self.prequantized:
+            raise ValueError(
+                f"{what} is a plain {weight.dtype} weight in an {FORMAT} checkpoint whose quantization_config "
+                "does not leave the experts out (ignore); expected weight_packed and weight_scale."
+            )
+        if not weight.is_floating_point() or tuple(weight.shape) != (out_features, in_features):
+            raise ValueError(
+                f"{what}: an unquantized expert weight must be a float ({out_features}, {in_features}) tensor; "
+                f"the checkpoint has {weight.dtype} {tuple(weight.shape)}."
+            )
+        if in_features % GROUP:
+            raise ValueError(f"{what}: {FORMAT} groups {GROUP} inputs; the expert has {in_features}.")
+        packed, scale = quantize(weight)
+        return to_group_quant(packed, scale, out_features, in_features, what)
+
+    def describe(self) -> str:
+        return f"compressed-tensors {FORMAT} experts (e2m1 values doubled, power-of-two scales), group-quantized layout"
+
+
+class Mxfp4Quantizer(Quantizer):
+    """``quant_method: compressed-tensors`` in format ``mxfp4-pack-quantized``: linear layers and
+    routed experts computed in MXFP4's own values (the output head and router gates stay in the
+    compute dtype)."""
+
+    name: ClassVar[str] = f"compressed-tensors/{FORMAT}"
+    activation_dtypes: ClassVar[frozenset[str]] = frozenset({"bfloat16", "float16", "float32"})
+    # the relative output error of Gaussian layers rounded to MXFP4 here: measured 0.113, given
+    # about 25% headroom
+    error_bound: float = 0.14
+
+    def __init__(self, prequantized: bool, quantization_config: dict[str, Any] | None = None) -> None:
+        config = quantization_config or {}
+        self.prequantized = prequantized
+        groups = [g for g in (config.get("config_groups") or {}).values() if isinstance(g, dict)]
+        # a prequantized checkpoint's linear layers are MXFP4 where a config group targets
+        # "Linear" (less its ignore list); the rest hold plain weights (and any MXFP4 tensor
+        # such a layer meets is dequantized at load). Quantizing while loading takes them all.
+        self.linear_targeted = not prequantized or any("Linear" in (g.get("targets") or ()) for g in groups)
+        self.settings = Settings(ignore=tuple(config.get("ignore") or ()))
+
+    @classmethod
+    def declines(cls, quantization_config: dict[str, Any]) -> str | None:
+        groups = (quantization_config.get("config_groups") or {}).values()
+        formats = {g.get("format") for g in groups if isinstance(g, dict) and g.get("format")} or {
+            quantization_config.get("format")
+        }
+        if formats != {FORMAT}:
+            return f"format {', '.join(sorted(map(str, formats)))}; it runs {FORMAT} only"
+        return None
+
+    @classmethod
+    def from_config(cls, quantization_config: dict[str, Any], *, prequantized: bool) -> Mxfp4Quantizer:
+        # on the fly, a config is optional (there is nothing to choose: groups of 32, e2m1, e8m0)
+        if prequantized or quantization_config:
+            declined = cls.declines(quantization_config)
+            if declined is not None:
+                raise ValueError(f"compressed-tensors config not served as {FORMAT}: {declined}.")
+        return cls(prequantized, quantization_config)
+
+    def get_linear_method(self, layer_name: str) -> LinearMethod | None:
+        if layer_name.split(".")[-1] in ("lm_head", "gate"):  # output head, MoE router
+            return None
+        if not self.linear_targeted or self.settings.ignores(layer_name):
+            return None
+        return Mxfp4LinearMethod(self.prequantized)
+
+    def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
+        if self.settings.ignores(f"{layer_name}.0.gate_proj"):
+            return None
+        return Mxfp4ExpertsMethod(self.prequantized)
+
+    def checkpoint_config(self) -> dict[str, Any]:
+        return {"quant_method": "compressed-tensors", "format": FORMAT, "ignore": ["lm_head"]}
+
+    def export_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """One linear module's tensors, rounded to MXFP4."""
+        tensors = Mxfp4LinearMethod(False).quantize(weight)
+        if bias is not None:
+            tensors["bias"] = bias
+        return tensors

@@ -46,8 +46,16 @@ def int8_ops(each_isa):
 
 # (value bits, two-level scales, symmetric): 4 and 8 bits with float32 scales; 4 and 6 bits with
 # int8 codes per group and float32 per super-block (the GGUF k-quants); symmetric ones, whose
-# offsets are a zero times the scales (GPTQ sym, Q8_0, Q6_K)
-LAYOUTS = [(4, False, False), (8, False, False), (4, True, False), (6, True, False), (4, False, True), (6, True, True)]
+# offsets are a zero times the scales (GPTQ sym, Q8_0, Q6_K, MXFP4's doubled e2m1 values)
+LAYOUTS = [
+    (4, False, False),
+    (8, False, False),
+    (4, True, False),
+    (6, True, False),
+    (4, False, True),
+    (6, True, True),
+    (6, False, True),
+]
 
 
 random_weight = functools.partial(random_group_quant, N, K)  # (bits, group_size, gen, **layout)

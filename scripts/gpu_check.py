@@ -170,8 +170,8 @@ def check_fp8_gemm(device) -> bool:
 
 GROUP_QUANT_LAYERS = {"gate_up": (2816, 512), "down": (512, 1408)}  # llama58m's MLP: (N, K)
 # (bits, group size, groups a super-block, symmetric): GPTQ/AWQ int4 (asymmetric), GGUF Q8_0
-# (a zero), Q4_K (two levels) and Q6_K (6 bits, two levels, a zero)
-# GPTQ int4, Q8_0, Q4_K, Q6_K and MXFP4 (6-bit doubled e2m1 values, one scale per 32, zero 12) layouts
+# (a zero), Q4_K (two levels), Q6_K (6 bits, two levels, a zero) and MXFP4 (6-bit doubled e2m1
+# values, one scale per 32, a zero)
 GROUP_QUANT_FORMATS = ((4, 128, 0, False), (8, 32, 0, True), (4, 32, 8, False), (6, 16, 16, True), (6, 32, 0, True))
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 

@@ -14,7 +14,9 @@ product below without rounding:
   ``offset = scale * zero`` (symmetric: ``zero = 2**(bits-1)``);
 - GGUF Q8_0 / Q4_0: ``d * (q - 8)`` style, ``offset = d * 8`` (Q8_0: ``q + 128``, ``offset = 128 d``);
 - GGUF Q4_K / Q5_K: ``d * sc * q - dmin * m`` per 32 inputs, ``scale = d * sc``, ``offset = dmin * m``;
-- GGUF Q6_K: ``d * sc * (q - 32)`` per 16 inputs.
+- GGUF Q6_K: ``d * sc * (q - 32)`` per 16 inputs;
+- MXFP4 (e2m1 values ``v``, a factor ``2^(s - 127)`` per 32 inputs): ``2 v`` is an integer in
+  -12 .. 12, so ``q = 2 v + 12``, ``scale = 2^(s - 127) / 2`` and the zero 12 (:func:`from_mxfp4`).
 
 Storage (:class:`GroupQuantWeight`):
 
@@ -267,6 +269,36 @@ class GroupQuantWeight:
 
     def to(self, device: torch.device | str) -> GroupQuantWeight:
         return dataclasses.replace(self, **{name: t.to(device) for name, t in self._tensors().items()})
+
+
+MXFP4_GROUP = 32  # elements sharing an MXFP4 exponent
+MXFP4_ZERO = 12  # q = 2 v + 12 for an e2m1 value v
+MXFP4_NAN = 255  # e8m0's NaN
+# e2m1 code (sign bit 3, magnitude bits 0-2: 0, 0.5, 1, 1.5, 2, 3, 4, 6) -> twice its value
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def from_mxfp4(packed: torch.Tensor, exponents: torch.Tensor) -> GroupQuantWeight:
+    """MXFP4 rows as a GroupQuantWeight, exactly: ``packed`` uint8 [N, K / 2] holds two e2m1 codes
+    a byte (element 2j in the low nibble of byte j), ``exponents`` uint8 [N, K / 32] the biased
+    exponent ``s`` of each 32 elements of a row (the factor ``2^(s - 127)``). Each element
+    ``2^(s - 127) v`` is ``(2^(s - 127) / 2) ((2 v + 12) - 12)``: values ``2 v + 12`` in 0 .. 24,
+    stored in 6 bits (8 where K is not a multiple of ``TOP_CHUNK``), a float32 scale per 32
+    inputs and the zero 12. Raises ``ValueError`` for shapes that do not match and for the
+    exponent 255 (NaN)."""
+    rows, half = packed.shape
+    if tuple(exponents.shape) != (rows, 2 * half // MXFP4_GROUP) or (2 * half) % MXFP4_GROUP:
+        raise ValueError(
+            f"MXFP4 rows of {2 * half} elements take one exponent per {MXFP4_GROUP}: [{rows}, "
+            f"{2 * half // MXFP4_GROUP}], not {list(exponents.shape)}"
+        )
+    codes, biased = packed.view(torch.uint8), exponents.view(torch.uint8).to(torch.int32)
+    if bool((biased == MXFP4_NAN).any()):
+        raise ValueError(f"an MXFP4 exponent is {MXFP4_NAN} (NaN in the e8m0 format)")
+    table = torch.tensor(E2M1_DOUBLED, dtype=torch.int16, device=codes.device) + MXFP4_ZERO
+    values = torch.stack([table[(codes & 0x0F).long()], table[(codes >> 4).long()]], dim=-1).flatten(-2)
+    scales = torch.exp2((biased - 128).float())  # 2^(s - 127) / 2
+    return GroupQuantWeight.from_values(values, scales, scales * MXFP4_ZERO, 5)
 
 
 def join(parts: list[GroupQuantWeight]) -> GroupQuantWeight:

@@ -13,9 +13,9 @@ Twice an e2m1 value is an integer in -12 .. 12, so a group's elements are exactl
     2^(s - 127) · v = (2^(s - 127) / 2) · ((2 v + 12) − 12)
 
 integers ``2 v + 12`` in 0 .. 24 with the scale ``2^(s - 127) / 2`` (a power of two, exact in
-float32) and the zero 12: the layout's symmetric weights (``GroupQuantWeight.zero``), values
-stored in 6 bits (8 where a row's inputs are not a multiple of 128), computed by the platform's
-``group_quant_linear`` as any group-quantized layer, on every platform.
+float32) and the zero 12 (``engine.interfaces.group_quant.from_mxfp4``): the layout's symmetric
+weights, values stored in 6 bits (8 where a row's inputs are not a multiple of 128), computed by
+the platform's ``group_quant_linear`` as any group-quantized layer, on every platform.
 
 Linear layers and routed experts stay in this layout (the output head and the routers are not
 quantized); an unquantized checkpoint is rounded to MXFP4 while loading
@@ -28,18 +28,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.interfaces.group_quant import GroupQuantWeight
+from engine.interfaces.group_quant import MXFP4_GROUP, GroupQuantWeight, from_mxfp4
 from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
 from engine.layers.group_quant_method import GroupQuantLinearMethod
 from engine.layers.quantized_checkpoint import quantized_checkpoint
 from engine_compressed_tensors.quantizer import Settings
 
 FORMAT = "mxfp4-pack-quantized"
-GROUP = 32  # elements per shared exponent
-ZERO = 12  # 2 v + 12 for an e2m1 value v: 0 .. 24
-NAN_EXPONENT = 255  # e8m0's NaN
-# e2m1 code (sign bit 3, magnitude bits 0-2) -> twice its value
-DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+GROUP = MXFP4_GROUP  # elements per shared exponent
 MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -55,14 +51,10 @@ def to_group_quant(packed: torch.Tensor, scale: torch.Tensor, rows: int, inputs:
                 f"{what}'s {FORMAT} {name} is {tuple(tensor.shape)} {tensor.dtype}; a module of {inputs} inputs "
                 f"and {rows} outputs holds uint8 {expected[name]}."
             )
-    codes = packed.view(torch.uint8)
-    exponents = scale.view(torch.uint8).to(torch.int32)
-    if bool((exponents == NAN_EXPONENT).any()):
-        raise ValueError(f"{what}'s weight_scale holds {NAN_EXPONENT} (NaN in the e8m0 format).")
-    table = torch.tensor(DOUBLED, dtype=torch.int16, device=codes.device) + ZERO
-    values = torch.stack([table[(codes & 0x0F).long()], table[(codes >> 4).long()]], dim=-1).flatten(-2)
-    scales = torch.exp2((exponents - 128).float())  # 2^(s - 127) / 2
-    return GroupQuantWeight.from_values(values, scales, scales * ZERO, 5)
+    try:
+        return from_mxfp4(packed, scale)
+    except ValueError as error:
+        raise ValueError(f"{what}'s weight_scale: {error}.") from None
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

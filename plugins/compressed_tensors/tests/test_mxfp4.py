@@ -84,7 +84,7 @@ def test_tensors_that_do_not_fit_are_refused_by_name():
     with pytest.raises(ValueError, match=r"weight_packed is \(8, 32\) torch.uint8; a module of 96 inputs"):
         to_group_quant(packed, scale, 8, 96, "proj")
     scale[3, 1] = 255
-    with pytest.raises(ValueError, match="proj's weight_scale holds 255 .NaN"):
+    with pytest.raises(ValueError, match="proj's weight_scale: an MXFP4 exponent is 255 .NaN"):
         to_group_quant(packed, scale, 8, 64, "proj")
     with pytest.raises(ValueError, match="not served as mxfp4-pack-quantized: format pack-quantized"):
         Mxfp4Quantizer.from_config({**CONFIG, "format": "pack-quantized", "config_groups": {}}, prequantized=True)

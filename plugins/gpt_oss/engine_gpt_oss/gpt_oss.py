@@ -12,7 +12,12 @@ logits, and every expert is a clamped SwiGLU with biases::
     expert(x) = ((up + 1) · gate · sigmoid(alpha · gate)) W_down + b_down
 
 The experts keep transformers' stacked layout (``gate_up_proj`` [E, hidden, 2I] with gate and
-up in alternate columns, ``down_proj`` [E, I, hidden]).
+up in alternate columns, ``down_proj`` [E, I, hidden]). A checkpoint that ships them in MXFP4
+(``quant_method: "mxfp4"``: ``X_blocks`` and ``X_scales``) keeps them in its values: each
+expert's projection becomes a group-quantized weight (``engine.interfaces.group_quant.from_mxfp4``:
+the e2m1 values doubled, 6-bit, a power-of-two scale per 32 inputs), computed with the platform's
+``group_quant_linear`` (:class:`Mxfp4Quantizer`, registered as ``mxfp4``, has the engine pass
+the blocks on with their scales instead of dequantizing them).
 
 Under tensor parallelism each rank runs its attention heads (with their sinks) and its part of
 every expert's intermediate size (a contiguous run of ``gate_up_proj``'s alternate columns, the
@@ -23,7 +28,7 @@ every rank, and the ranks sum their outputs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +37,10 @@ from torch import nn
 from engine.distributed import TensorParallel
 from engine.interfaces.attention import MHA, SLIDING_WINDOW, AttentionSpec
 from engine.interfaces.forward_context import ForwardContext
+from engine.interfaces.group_quant import MXFP4_GROUP, GroupQuantWeight, from_mxfp4
 from engine.interfaces.model import Model, ModelInit
+from engine.interfaces.ops import LayerOps
+from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
 from engine.layers.attention import Attention
 from engine.layers.decoder import DecoderStack, PreNormDecoderLayer, load_tensor
 from engine.layers.linear import (
@@ -43,9 +51,12 @@ from engine.layers.linear import (
     linear_layers,
     shard_parameter,
 )
+from engine.layers.quantized_checkpoint import quantized_checkpoint
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
 
+# the stacked experts the checkpoint stream passes on in MXFP4, carrying their scales
+MXFP4_EXPERTS = ("experts.gate_up_proj.weight", "experts.down_proj.weight")
 # checkpoint module name -> (fused module name, shard index)
 STACKED_PARAMS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 
@@ -212,6 +223,53 @@ class Experts(nn.Module):
         self.down_proj = shard_parameter(param(e, i, h), 1, start, full)
         self.down_proj_bias = param(e, h)
         self.alpha, self.limit = dims.swiglu_alpha, dims.swiglu_limit
+        self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
+        # projections kept in MXFP4's values (load_mxfp4): one weight per expert, by projection
+        self.quantized: dict[str, list[GroupQuantWeight]] = {}
+
+    def load_mxfp4(self, proj: str, blocks: torch.Tensor, scales: torch.Tensor, what: str) -> list[str]:
+        """A stacked projection kept in MXFP4 (``blocks`` uint8 [E, out, in / 32, 16], ``scales``
+        uint8 [E, out, in / 32]) in place of its dense stack: each expert's rows as a
+        group-quantized weight. Returns the names of the parameters that now hold it."""
+        if self.tp.is_parallel:
+            raise ValueError(
+                f"{what}: MXFP4 experts cannot be split across {self.tp.size} tensor-parallel ranks yet; "
+                "use --tensor-parallel-size 1."
+            )
+        e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
+        outputs, inputs = (2 * i, h) if proj == "gate_up_proj" else (h, i)
+        groups = inputs // MXFP4_GROUP
+        if (
+            inputs % MXFP4_GROUP
+            or tuple(blocks.shape) != (e, outputs, groups, 16)
+            or tuple(scales.shape)
+            != (
+                e,
+                outputs,
+                groups,
+            )
+        ):
+            raise ValueError(
+                f"{what}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}; the model's "
+                f"{e} experts of {outputs} outputs and {inputs} inputs take ({e}, {outputs}, {groups}, 16) and "
+                f"({e}, {outputs}, {groups})."
+            )
+        before = set(self._parameters)
+        delattr(self, proj)  # the dense stack
+        try:
+            self.quantized[proj] = [
+                from_mxfp4(blocks[x].flatten(-2), scales[x]).attach(self, f"_{proj}_{x}") for x in range(e)
+            ]
+        except ValueError as error:
+            raise ValueError(f"{what}: {error}.") from None
+        return sorted(set(self._parameters) - before)
+
+    def _project(self, proj: str, expert: int, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """x @ W of one expert's projection, from its MXFP4 values or its dense stack."""
+        weights = self.quantized.get(proj)
+        if weights is not None:
+            return ops.group_quant_linear(x, weights[expert])
+        return x @ getattr(self, proj)[expert]
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[n, 2I], gate and up in alternate columns -> the clamped SwiGLU [n, I]."""
@@ -219,12 +277,12 @@ class Experts(nn.Module):
         up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """x [T, hidden], expert_ids / weights [T, k] -> Σ_k weight · expert(x) [T, hidden]."""
         num_tokens, k = expert_ids.shape
         flat = expert_ids.flatten()
         order = flat.argsort(stable=True)  # (token, choice) rows in expert order
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         # each (token, choice)'s expert output, in place: [T * k, hidden]
         outputs = torch.empty(num_tokens * k, x.shape[1], dtype=x.dtype, device=x.device)
         start = 0
@@ -233,8 +291,8 @@ class Experts(nn.Module):
                 continue
             rows = order[start : start + count]
             start += count
-            gate_up = x[rows // k] @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
-            down = self.activation(gate_up) @ self.down_proj[expert]
+            gate_up = self._project("gate_up_proj", expert, x[rows // k], ops) + self.gate_up_proj_bias[expert]
+            down = self._project("down_proj", expert, self.activation(gate_up), ops)
             outputs[rows] = down + self.down_proj_bias[expert] if self.tp.rank == 0 else down  # one bias in the sum
         weighted = outputs.view(num_tokens, k, -1).float() * weights.float().unsqueeze(-1)
         return self.tp.all_reduce(weighted.sum(dim=1)).to(x.dtype)
@@ -248,7 +306,7 @@ class GptOssMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         expert_ids, weights = self.router(x)
-        return self.experts(x, expert_ids, weights)
+        return self.experts(x, expert_ids, weights, ctx.ops)
 
 
 class GptOssForCausalLM(Model):
@@ -314,7 +372,37 @@ class GptOssForCausalLM(Model):
         for name, tensor in weights:
             if name.startswith("lm_head.") and self.tie_word_embeddings:
                 continue  # the embedding, stored twice
+            kept = quantized_checkpoint(tensor)
+            if kept is not None and name.endswith(MXFP4_EXPERTS):  # kept in MXFP4 (Mxfp4Quantizer)
+                path, proj = name.removesuffix(".weight").rsplit(".", 1)
+                experts = self.get_submodule(path)
+                loaded |= {f"{path}.{p}" for p in experts.load_mxfp4(proj, tensor, kept.scale, kept.name)}
+                continue
             if name.endswith(".self_attn.sinks"):
                 name = name.removesuffix("sinks") + "attn.sinks"  # held by the attention layer that passes them
             loaded |= load_tensor(self, params, linears, name, tensor, STACKED_PARAMS)
         return loaded
+
+
+class Mxfp4Quantizer(Quantizer):
+    """gpt-oss's ``quant_method: "mxfp4"``: the routed experts stay in their MXFP4 values
+    (:meth:`Experts.load_mxfp4`); every other layer holds what the checkpoint holds (the
+    attention layers ship in bf16). Prequantized checkpoints only."""
+
+    name: ClassVar[str] = "mxfp4"
+    activation_dtypes: ClassVar[frozenset[str]] = frozenset({"bfloat16", "float16", "float32"})
+
+    @classmethod
+    def from_config(cls, quantization_config: dict[str, Any], *, prequantized: bool) -> Mxfp4Quantizer:
+        if not prequantized:
+            raise ValueError(
+                "--quantization mxfp4 names gpt-oss's checkpoint format, which the engine loads as the checkpoint "
+                "ships it; it does not round a model while loading (compressed-tensors/mxfp4-pack-quantized does)."
+            )
+        return cls()
+
+    def get_linear_method(self, layer_name: str) -> LinearMethod | None:
+        return None  # the checkpoint's linear layers are not MXFP4
+
+    def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
+        return None  # gpt-oss holds its experts itself (Experts.load_mxfp4)

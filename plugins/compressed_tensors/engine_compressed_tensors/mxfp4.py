@@ -1,5 +1,5 @@
-"""compressed-tensors ``mxfp4-pack-quantized`` routed experts computed in the engine's
-group-quantized layout, without dequantizing them at load.
+"""compressed-tensors ``mxfp4-pack-quantized`` linear layers and routed experts computed in the
+engine's group-quantized layout, without dequantizing them at load.
 
 A checkpoint in this format (``quant_method: compressed-tensors``, format
 ``mxfp4-pack-quantized``, as Kimi-K3's routed experts ship) holds per quantized module

@@ -239,20 +239,11 @@ class Experts(nn.Module):
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
         outputs, inputs = (2 * i, h) if proj == "gate_up_proj" else (h, i)
         groups = inputs // MXFP4_GROUP
-        if (
-            inputs % MXFP4_GROUP
-            or tuple(blocks.shape) != (e, outputs, groups, 16)
-            or tuple(scales.shape)
-            != (
-                e,
-                outputs,
-                groups,
-            )
-        ):
+        shapes = (e, outputs, groups, 16), (e, outputs, groups)
+        if inputs % MXFP4_GROUP or (tuple(blocks.shape), tuple(scales.shape)) != shapes:
             raise ValueError(
                 f"{what}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}; the model's "
-                f"{e} experts of {outputs} outputs and {inputs} inputs take ({e}, {outputs}, {groups}, 16) and "
-                f"({e}, {outputs}, {groups})."
+                f"{e} experts of {outputs} outputs and {inputs} inputs take {shapes[0]} and {shapes[1]}."
             )
         before = set(self._parameters)
         delattr(self, proj)  # the dense stack

@@ -32,7 +32,7 @@ from engine.interfaces.group_quant import MXFP4_GROUP, GroupQuantWeight, from_mx
 from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
 from engine.layers.group_quant_method import GroupQuantLinearMethod
 from engine.layers.quantized_checkpoint import quantized_checkpoint
-from engine_compressed_tensors.quantizer import Settings
+from engine_compressed_tensors.quantizer import Settings, declines_other_formats
 
 FORMAT = "mxfp4-pack-quantized"
 GROUP = MXFP4_GROUP  # elements per shared exponent
@@ -161,13 +161,7 @@ class Mxfp4Quantizer(Quantizer):
 
     @classmethod
     def declines(cls, quantization_config: dict[str, Any]) -> str | None:
-        groups = (quantization_config.get("config_groups") or {}).values()
-        formats = {g.get("format") for g in groups if isinstance(g, dict) and g.get("format")} or {
-            quantization_config.get("format")
-        }
-        if formats != {FORMAT}:
-            return f"format {', '.join(sorted(map(str, formats)))}; it runs {FORMAT} only"
-        return None
+        return declines_other_formats(quantization_config, FORMAT)
 
     @classmethod
     def from_config(cls, quantization_config: dict[str, Any], *, prequantized: bool) -> Mxfp4Quantizer:

@@ -165,6 +165,18 @@ class Settings:
         return False
 
 
+def declines_other_formats(quantization_config: dict[str, Any], served: str) -> str | None:
+    """Why a quantizer of the format ``served`` does not take this ``quantization_config`` (its
+    config_groups', or else its own, ``format`` is another, or they mix formats), or None."""
+    groups = (quantization_config.get("config_groups") or {}).values()
+    formats = {g.get("format") for g in groups if isinstance(g, dict) and g.get("format")} or {
+        quantization_config.get("format")
+    }
+    if formats != {served}:
+        return f"format {', '.join(sorted(map(str, formats)))}; it runs {served} only"
+    return None
+
+
 def to_group_quant(tensors: dict[str, torch.Tensor], settings: Settings, rows: int, inputs: int) -> GroupQuantWeight:
     """The GroupQuantWeight of one module's (or one output shard's) ``pack-quantized`` tensors:
     W[n, k] = scale[n, k // g] * u[n, k] - scale[n, k // g] * (z[n, k // g] + 2**(bits-1))."""
@@ -294,13 +306,7 @@ class PackQuantizedQuantizer(Quantizer):
 
     @classmethod
     def declines(cls, quantization_config: dict[str, Any]) -> str | None:
-        groups = (quantization_config.get("config_groups") or {}).values()
-        formats = {g.get("format") for g in groups if isinstance(g, dict) and g.get("format")} or {
-            quantization_config.get("format")
-        }
-        if formats != {FORMAT}:
-            return f"format {', '.join(sorted(map(str, formats)))}; it runs {FORMAT} only"
-        return None
+        return declines_other_formats(quantization_config, FORMAT)
 
     @classmethod
     def from_config(cls, quantization_config: dict[str, Any], *, prequantized: bool) -> PackQuantizedQuantizer:

@@ -70,17 +70,20 @@ def test_pack_quantized_resolves_to_its_own_plugin(base, tmp_path):
     assert type(setup_for(base, tmp_path / "top", top).quantizer) is PackQuantizedQuantizer
 
 
-def test_float_quantized_on_cpu_is_still_dequantized_at_load(base, tmp_path):
-    """engine-cuda's float-quantized quantizer runs on cuda only: here the weights become dense."""
+def test_float_quantized_where_its_quantizer_does_not_run_is_dequantized_at_load(base, tmp_path, monkeypatch):
+    """A platform outside the float-quantized quantizer's supported_platforms: the weights become dense."""
+    from engine_cuda.fp8 import CompressedTensorsFp8Quantizer
+
+    monkeypatch.setattr(CompressedTensorsFp8Quantizer, "supported_platforms", frozenset({"cuda"}))
     setup = setup_for(base, tmp_path / "float", compressed_tensors(group_0=FLOAT))
     assert setup.quantizer is None and isinstance(setup.dequantizer, CheckpointDequantizer)
     assert not setup.dequantizer.keep_quantized
 
 
-def test_float_quantized_resolves_to_engine_cuda_where_it_runs(base, tmp_path, monkeypatch):
+def test_float_quantized_resolves_to_engine_cuda_where_it_runs(base, tmp_path):
+    """engine-cuda's float-quantized quantizer runs on the CPU too (the platform's fp8_linear)."""
     from engine_cuda.fp8 import CompressedTensorsFp8Quantizer
 
-    monkeypatch.setattr(CompressedTensorsFp8Quantizer, "supported_platforms", frozenset({"cuda", "cpu"}))
     setup = setup_for(base, tmp_path / "float", compressed_tensors(group_0=FLOAT))
     assert type(setup.quantizer) is CompressedTensorsFp8Quantizer and setup.dequantizer.keep_quantized
 

@@ -71,6 +71,28 @@ class LayerOps:
 
         return group_quant_linear(x, weight, bias)
 
+    def fp8_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        block_k: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, K] times an FP8 weight, transposed, plus ``bias``: [T, N] in x's dtype. ``weight``
+        is float8_e4m3fn [N, K] and ``scales`` float32 [N, ceil(K / block_k)]: element (n, k)
+        stands for ``weight[n, k] * scales[n, k // block_k]``. The reference sums in float32 the
+        products of x with that float32 weight (each product of an e4m3 value and a float32
+        scale is exact in float32 unless it falls below float32's normal range); a kernel must
+        agree with it to float32 rounding of the sums. With 16-bit x a kernel may also round the
+        dequantized weight to x's dtype (a BLAS multiplying tiles of it): up to ``2^-8`` of
+        ``|x| @ |W s|^T`` more (the platform kit allows exactly that)."""
+        factors = scales.float().repeat_interleave(block_k, dim=1)[:, : weight.shape[1]]
+        out = x.float() @ (weight.float() * factors).T
+        if bias is not None:
+            out = out + bias.float()
+        return out.to(x.dtype)
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [N, V] in any float dtype -> [N] int64, the first index of each row's
         maximum (a NaN counts as the maximum), as ``torch.argmax``. Greedy sampling."""

@@ -59,6 +59,7 @@ SOURCES = [
         "amx_attention.cpp",
         "dot_linear.cpp",
         "group_quant.cpp",
+        "fp8_linear.cpp",
         "mamba2.cpp",
     )
 ]

@@ -7,6 +7,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from engine.interfaces.ops import LayerOps
 
@@ -14,6 +15,8 @@ if TYPE_CHECKING:
     from engine.interfaces.group_quant import GroupQuantWeight
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+FP8_DECODE_ROWS = 8  # rows of x up to which fp8_linear runs the kernel (it reads the weight once)
+FP8_TILE_ROWS = 1024  # output rows dequantized at a time for more rows
 
 
 class NativeLayerOps(LayerOps):
@@ -70,6 +73,31 @@ class NativeLayerOps(LayerOps):
         out = torch.empty(logits.shape[0], dtype=torch.int64)
         self.kernels.argmax(out, logits)
         return out
+
+    def fp8_linear(self, x, weight, scales, block_k, bias=None):
+        # decode rows: the kernel reads the e4m3 bytes once for all of them; more rows (prefill):
+        # tiles of output rows dequantized to x's dtype, times the BLAS (oneDNN, AMX where there is one)
+        if x.dtype not in NATIVE_DTYPES or not x.is_cpu or weight.dtype != torch.float8_e4m3fn:
+            return super().fp8_linear(x, weight, scales, block_k, bias)
+        n, k = weight.shape
+        rows = x if x.dim() == 2 else x.reshape(-1, k)
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        if scales.dtype != torch.float32 or not scales.is_contiguous():
+            scales = scales.float().contiguous()
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+            bias = bias.float().contiguous()
+        if rows.shape[0] <= FP8_DECODE_ROWS:
+            out = self.kernels.fp8_matmul(rows, weight, scales, block_k, bias)
+        else:
+            out = torch.empty(rows.shape[0], n, dtype=x.dtype)
+            for n0 in range(0, n, FP8_TILE_ROWS):
+                n1 = min(n, n0 + FP8_TILE_ROWS)
+                tile = torch.empty(n1 - n0, k, dtype=x.dtype)
+                self.kernels.fp8_dequantize(tile, weight[n0:n1], scales[n0:n1], block_k)
+                product = F.linear(rows, tile)
+                out[:, n0:n1] = product if bias is None else product.float() + bias[n0:n1]
+        return out if rows is x else out.view(*x.shape[:-1], n)
 
     def group_quant_linear(
         self, x: torch.Tensor, weight: GroupQuantWeight, bias: torch.Tensor | None = None

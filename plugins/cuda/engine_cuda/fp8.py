@@ -18,9 +18,10 @@ How a layer multiplies, chosen once it has loaded, by where its weight lies:
   DeepSeek's inference code and vLLM run these checkpoints; a checkpoint's static
   ``input_scale`` is not used);
 - an older GPU: the weight dequantized once to the model's dtype, then ``F.linear``;
-- anywhere else (the CPU, where the engine dequantizes FP8 checkpoints at load instead and
-  these layers only run in tests): the dequantized product, ``F.linear`` on ``weight ·
-  scale`` computed as it runs: the reference the GPU paths are held to.
+- anywhere else (the CPU): the platform's ``layer.ops.fp8_linear``, which keeps the e4m3
+  weight (engine-cpu: a kernel that widens the bytes in registers for decode rows, tiles
+  dequantized for the BLAS for more; the reference elsewhere: the dequantized product, the
+  values the GPU paths are held to).
 
 Routed MoE experts of these checkpoints are not linear layers: the loader hands them dense
 (``engine.model_loader.dequant``).
@@ -45,7 +46,7 @@ logger = logging.getLogger("engine.cuda")
 E4M3_MAX = 448.0
 DEFAULT_BLOCK = (128, 128)  # DeepSeek's, and what --quantization fp8 quantizes in
 FLOAT_FORMAT = "float-quantized"
-KERNELS = ("triton", "dense", "reference")
+KERNELS = ("triton", "dense", "ops", "reference")
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -102,8 +103,8 @@ class Fp8LinearMethod(LinearMethod):
     """See the module docstring. ``block``: the checkpoint's scale block (rows, columns), or
     None for per-channel / per-tensor scales; ``scale_name``: the checkpoint tensor holding
     them; ``prequantized``: the checkpoint is FP8 (else each dense shard is quantized in
-    ``block`` blocks as it loads); ``kernel``: force one of ``triton``, ``dense`` or
-    ``reference`` instead of choosing by device."""
+    ``block`` blocks as it loads); ``kernel``: force one of ``triton``, ``dense``, ``ops`` (the
+    platform's ``fp8_linear``) or ``reference`` instead of choosing by device."""
 
     def __init__(
         self,
@@ -199,7 +200,7 @@ class Fp8LinearMethod(LinearMethod):
             return self.forced_kernel
         device = layer.weight.device
         if device.type != "cuda":
-            return "reference"
+            return "ops"
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) < (8, 9):
             return "dense"  # no FP8 tensor cores
@@ -214,7 +215,7 @@ class Fp8LinearMethod(LinearMethod):
     def describe(self) -> str | None:
         blocks = "per channel" if self.block is None else f"{self.block[0]}x{self.block[1]} blocks"
         acts = "e4m3 activations per row group" if self.quantize_activations else "activations as they come"
-        return f"FP8 e4m3 weights ({blocks}), {acts} on FP8 GPUs"
+        return f"FP8 e4m3 weights ({blocks}), {acts} on FP8 GPUs, the platform's fp8_linear elsewhere"
 
     def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
         bias = layer.bias.to(x.dtype) if layer.bias is not None else None
@@ -235,6 +236,8 @@ class Fp8LinearMethod(LinearMethod):
                 quantize_activations=self.quantize_activations,
                 block_k=k_tile(scale_k, k),
             )
+        if kernel == "ops":
+            return layer.ops.fp8_linear(x, layer.weight, layer.weight_scale, self.scale_k(layer.weight.shape[1]), bias)
         return F.linear(x, self.dense_weight(layer, x.dtype), bias)
 
 
@@ -270,7 +273,8 @@ class Fp8Quantizer(Quantizer):
     quantizes a dense checkpoint in 128 × 128 blocks."""
 
     name: ClassVar[str] = "fp8"
-    supported_platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+    # the CPU computes its layers with the platform's fp8_linear (engine-cpu's kernel)
+    supported_platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda", "cpu"})
     activation_dtypes: ClassVar[frozenset[str]] = frozenset({"bfloat16", "float16", "float32"})
     # relative output error for Gaussian weights and inputs, quantized while loading in
     # 128 x 128 blocks, over 200 random [192, 256] layers: the dequantized product (what a GPU
@@ -297,6 +301,17 @@ class Fp8Quantizer(Quantizer):
             return None
         scale_name = "weight_scale" if self.block is None else "weight_scale_inv"
         return Fp8LinearMethod(self.block, scale_name, prequantized=self.prequantized)
+
+    def checkpoint_config(self) -> dict[str, Any]:
+        """What :meth:`export_weight`'s checkpoints hold: e4m3 in blocks (``weight_scale_inv``), as
+        DeepSeek's and transformers' FP8 configs spell it; without the block size a reader would
+        take the scales for one per tensor or channel."""
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(self.block or DEFAULT_BLOCK),
+        }
 
     def export_weight(self, weight: torch.Tensor, bias: torch.Tensor | None) -> dict[str, torch.Tensor]:
         q, scales = quantize_fp8_blocks(weight, self.block or DEFAULT_BLOCK)
@@ -335,7 +350,8 @@ class CompressedTensorsFp8Quantizer(Quantizer):
     compressed-tensors formats are declined (and dequantized by the engine where it can)."""
 
     name: ClassVar[str] = "compressed-tensors/float-quantized"
-    supported_platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda"})
+    # the CPU computes its layers with the platform's fp8_linear (engine-cpu's kernel)
+    supported_platforms: ClassVar[frozenset[str] | None] = frozenset({"cuda", "cpu"})
     activation_dtypes: ClassVar[frozenset[str]] = frozenset({"bfloat16", "float16", "float32"})
     error_bound: float = 0.05  # as fp8's: the same e4m3 elements
 

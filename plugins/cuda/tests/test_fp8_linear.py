@@ -63,7 +63,7 @@ def test_fused_shards_of_uneven_rows_hold_one_factor_per_row_and_compute_the_deq
         done = layer.load_checkpoint_tensor("bias", index, biases[index])
     assert done and layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (88, 3)
     layer.method.process_weights_after_loading(layer)
-    assert layer.fp8_kernel == "reference"  # on the CPU
+    assert layer.fp8_kernel == "ops"  # on the CPU: the platform's fp8_linear (here the reference ops)
     x = torch.randn(5, k)
     dense = torch.cat([d for _, _, d in shards])
     expected = x @ dense.t() + torch.cat(biases)
@@ -201,42 +201,37 @@ def quantize_deepseek_checkpoint(path, reference_path, block):
     return getattr(transformers, config["architectures"][0]).from_pretrained(reference_path, dtype=torch.float32).eval()
 
 
-def test_deepseek_fp8_checkpoint_keeps_fp8_linear_layers_and_dense_experts(tmp_path, monkeypatch):
-    """The cuda quantizer serving the CPU here (its layers compute the dequantized product):
+def test_deepseek_fp8_checkpoint_keeps_fp8_linear_layers_and_dense_experts(tmp_path):
+    """The FP8 quantizer serving the CPU (its layers compute with engine-cpu's fp8_linear):
     attention and shared-expert projections stay e4m3, routed experts are dequantized, and
-    the logits are transformers' on the dense weights."""
+    the logits are transformers' on the dense weights; so are the greedy tokens, whose decode
+    rows run the kernel that widens the e4m3 bytes in registers."""
     from engine import LLM
     from engine.testing.checkpoints import make_tiny_checkpoint
 
     path = tmp_path / "fp8"
     make_tiny_checkpoint("DeepseekV3ForCausalLM", path)
     hf_model = quantize_deepseek_checkpoint(path, tmp_path / "dense", (16, 16))
-    monkeypatch.setattr(Fp8Quantizer, "supported_platforms", frozenset({"cuda", "cpu"}))
     llm = LLM(str(path), plugins=["cpu", "deepseek_v4", "cuda"], dtype="float32", kv_cache_memory=0.05, progress=False)
     setup = llm.engine.setup
     assert setup.quantizer.name == "fp8" and setup.dequantizer.keep_quantized
     assert setup.dequantizer.kept > 0 and setup.dequantizer.dequantized > 0  # experts made dense
     model = llm.engine.model
     fp8_layers = [m for m in model.modules() if isinstance(m, MergedLinear) and isinstance(m.method, Fp8LinearMethod)]
-    assert fp8_layers and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8_layers)
+    assert fp8_layers and all(m.weight.dtype == torch.float8_e4m3fn and m.fp8_kernel == "ops" for m in fp8_layers)
     rng = random.Random(0)
     batch = [[rng.randrange(3, 320) for _ in range(n)] for n in (5, 19)]
     for prompt, logits in zip(batch, llm.prompt_logits(batch)):
         with torch.no_grad():
             reference = hf_model(torch.tensor([prompt])).logits[0]
         assert (logits - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item())
+    from engine import SamplingParams
 
-
-def test_on_the_cpu_platform_an_fp8_checkpoint_is_dequantized_even_with_engine_cuda_installed(tmp_path):
-    from engine import LLM
-    from engine.testing.checkpoints import make_tiny_checkpoint
-
-    path = tmp_path / "fp8"
-    make_tiny_checkpoint("DeepseekV3ForCausalLM", path)
-    quantize_deepseek_checkpoint(path, tmp_path / "dense", (16, 16))
-    llm = LLM(str(path), plugins=["cpu", "deepseek_v4", "cuda"], dtype="float32", kv_cache_memory=0.05, progress=False)
-    setup = llm.engine.setup
-    assert setup.quantizer is None and not setup.dequantizer.keep_quantized and setup.dequantizer.kept == 0
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for prompt, output in zip(batch, llm.generate(batch, params, use_tqdm=False)):
+        with torch.no_grad():
+            want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+        assert output.outputs[0].token_ids == want[0, len(prompt) :].tolist()
 
 
 def quantize_llama_per_channel(path, reference_path):
@@ -274,16 +269,18 @@ def quantize_llama_per_channel(path, reference_path):
 
 
 @pytest.mark.parametrize("kept", [False, True], ids=["dequantized", "fp8-layers"])
-def test_compressed_tensors_fp8_llama_matches_transformers(tmp_path, monkeypatch, kept):
+def test_compressed_tensors_fp8_llama_matches_transformers(tmp_path, kept):
+    """Without the FP8 quantizer's plugin the checkpoint loads dequantized; with it the layers
+    stay e4m3 and compute with the CPU platform's fp8_linear. Both give transformers' logits on
+    the dense weights."""
     from engine import LLM
     from engine.testing.checkpoints import make_tiny_checkpoint
 
     path = tmp_path / "fp8"
     make_tiny_checkpoint("LlamaForCausalLM", path)
     hf_model = quantize_llama_per_channel(path, tmp_path / "dense")
-    if kept:
-        monkeypatch.setattr(CompressedTensorsFp8Quantizer, "supported_platforms", frozenset({"cuda", "cpu"}))
-    llm = LLM(str(path), plugins=["cpu", "llama", "cuda"], dtype="float32", kv_cache_memory=0.05, progress=False)
+    plugins = ["cpu", "llama", "cuda"] if kept else ["cpu", "llama"]
+    llm = LLM(str(path), plugins=plugins, dtype="float32", kv_cache_memory=0.05, progress=False)
     dequantizer = llm.engine.setup.dequantizer
     assert dequantizer.dropped > 0 and (dequantizer.kept > 0) == kept
     layers = [

@@ -201,7 +201,7 @@ class PlatformTests(KitTests):
     def test_layer_ops_match_the_reference(self) -> None:
         """Where ``layer_ops(dtype)`` gives fused ops: RMSNorm (with and without the residual
         add), rotary (whole and partial rotary dims), SiLU-and-mul, the group-quantized linear
-        layer (``group_quant_linear``) and the token bitmask give the
+        layer (``group_quant_linear``), the FP8 linear layer (``fp8_linear``) and the token bitmask give the
         reference ops' values within the dtype's rounding, and ``argmax`` equals ``torch.argmax``
         exactly (the first of equal maxima, a NaN counting as the maximum)."""
         platform = self.available_platform()
@@ -291,6 +291,25 @@ class PlatformTests(KitTests):
         gate_up = rand(7, 256)
         close(ops.silu_and_mul(gate_up.clone()), REFERENCE_OPS.silu_and_mul(gate_up), "silu_and_mul")
         self.check_group_quant_linear(ops, rand, close, device)
+        # fp8_linear: finite e4m3 bytes (subnormals included), a scale per row and 64 inputs (the
+        # last block cut short), one and several rows, with and without a bias. With 16-bit x a
+        # kernel may round the dequantized weight to x's dtype: up to 2^-8 of |x| @ |W s|^T more.
+        codes = torch.randint(0, 256, (40, 200), generator=generator, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN
+        weight = codes.view(torch.float8_e4m3fn).to(device)
+        scales = (torch.rand(40, 4, generator=generator) * 0.01 + 1e-4).to(device)
+        dense = weight.float().cpu() * scales.cpu().repeat_interleave(64, dim=1)[:, :200]
+        for rows in (1, 12):
+            x = rand(rows, 200)
+            allowed = 0.0 if dtype == torch.float32 else (x.float().cpu().abs() @ dense.abs().T) * 2.0**-8
+            for b in (None, rand(40)):
+                got = ops.fp8_linear(x, weight, scales, 64, b).float().cpu()
+                expected = REFERENCE_OPS.fp8_linear(x, weight, scales, 64, b).float().cpu()
+                close(
+                    got,
+                    expected + (got - expected).clamp(-allowed, allowed),
+                    f"fp8_linear ({rows} rows, {'bias' if b is not None else 'no bias'})",
+                )
         logits = rand(4, 100).float()
         bitmask = torch.randint(-(2**31), 2**31, (2, 4), generator=generator, dtype=torch.int64).to(torch.int32)
         rows = torch.tensor([2, 0])

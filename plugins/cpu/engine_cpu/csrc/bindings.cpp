@@ -59,6 +59,11 @@ torch::Tensor group_quant_matmul(torch::Tensor x, torch::Tensor qweight, torch::
                                  bool int8_activations);
 bool group_quant_int8_supported(int64_t bits, int64_t in_features, int64_t group_size);
 
+// fp8_linear.cpp
+torch::Tensor fp8_matmul(torch::Tensor x, torch::Tensor weight, torch::Tensor scales, int64_t block_k,
+                         std::optional<torch::Tensor> bias);
+void fp8_dequantize(torch::Tensor out, torch::Tensor weight, torch::Tensor scales, int64_t block_k);
+
 // mamba2.cpp
 void mamba2_conv(torch::Tensor x_out, torch::Tensor b_out, torch::Tensor c_out, torch::Tensor xbc,
                  torch::Tensor kept, torch::Tensor weight, torch::Tensor bias, torch::Tensor query_start_loc,
@@ -126,6 +131,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("offsets"), py::arg("super_scales"),
         py::arg("super_offsets"), py::arg("bits"), py::arg("group_size"), py::arg("super_group"), py::arg("zero"),
         py::arg("bias"), py::arg("int8_activations"));
+  m.def("fp8_matmul", &fp8_matmul,
+        "x [T, K] @ (float8_e4m3fn weight [N, K] * float32 scales per row and block_k inputs)^T + bias (float32 [N] "
+        "or None) into a new [T, N] tensor of x's dtype (fp32 / bf16)",
+        py::arg("x"), py::arg("weight"), py::arg("scales"), py::arg("block_k"), py::arg("bias"));
+  m.def("fp8_dequantize", &fp8_dequantize, "out [N, K] (fp32 / bf16) = float8_e4m3fn weight * its scales",
+        py::arg("out"), py::arg("weight"), py::arg("scales"), py::arg("block_k"));
   m.def("group_quant_int8_supported", &group_quant_int8_supported,
         "whether group_quant_linear's int8 activations run in this build for such a weight");
   m.def("packed_kv_supported", &packed_kv_supported,

@@ -68,11 +68,7 @@ inline __m256 e4m3x8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(static_cast<int16_t>(kHalfFields))));
 }
 
-inline float sum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
+using engine_cpu::sum8;  // vec.h
 #endif
 
 // y[r] = sum over blocks of scale * sum_k w[k] x[r][k] for one weight row w [K] and R rows of x

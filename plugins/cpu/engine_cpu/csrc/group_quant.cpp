@@ -186,11 +186,7 @@ void row_scalar(const Weight& w, const Input& in, int64_t n, const float* s, con
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kAvx2Rows = 2;  // rows of x per pass: 4 accumulators each, 16 ymm
 
-inline float sum8(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_shuffle_ps(quarter, quarter, 1)));
-}
+using engine_cpu::sum8;  // vec.h
 
 // the top bytes of the inputs k, k + 2, ... of a 6-bit row (k even), and the shifts to the top bits
 // of the even input (the low nibble's) and of the odd one (see the header)

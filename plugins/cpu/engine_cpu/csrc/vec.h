@@ -1,4 +1,4 @@
-// AVX512 helpers shared by the engine-cpu kernels.
+// AVX512 (and, at the end, AVX2) helpers shared by the engine-cpu kernels.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -60,6 +60,21 @@ inline void with_head_size(int64_t head_size, F&& run) {
     case 128: run(std::integral_constant<int, 128>{}); break;
     default: run(std::integral_constant<int, 256>{}); break;
   }
+}
+
+}  // namespace engine_cpu
+#endif
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+namespace engine_cpu {
+
+// 8 lanes summed as ((0+4)+(2+6)) + ((1+5)+(3+7)): a fixed tree
+inline float sum8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_shuffle_ps(quarter, quarter, 1)));
 }
 
 }  // namespace engine_cpu

@@ -62,6 +62,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     32, the smallest power of two that brings its largest magnitude to 6 or below, then each
     element to the nearest e2m1 value (ties to the smaller magnitude)."""
     rows, cols = weight.shape
+    if cols % GROUP:
+        raise ValueError(f"MXFP4 groups {GROUP} inputs; this weight has {cols}.")
     groups = weight.float().view(rows, cols // GROUP, GROUP)
     amax = groups.abs().amax(-1).clamp(min=2.0**-126)
     exponents = torch.ceil(torch.log2(amax / 6)).clamp(-127, 127)
@@ -86,7 +88,11 @@ class Mxfp4LinearMethod(GroupQuantLinearMethod):
         return ("weight_packed", "weight_scale")
 
     def check(self, tensors, rows, inputs, what) -> dict[str, torch.Tensor]:
-        return tensors  # checked by convert, with the tensors' own names
+        if set(tensors) != set(self.tensor_names()):
+            raise ValueError(
+                f"{what} holds {', '.join(sorted(tensors))}; an {FORMAT} module holds weight_packed and weight_scale."
+            )
+        return tensors  # their shapes and dtypes: checked by convert
 
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         packed, scale = quantize(weight)
@@ -102,40 +108,30 @@ class Mxfp4LinearMethod(GroupQuantLinearMethod):
 class Mxfp4ExpertsMethod(ExpertsMethod):
     """Each expert projection from its ``weight_packed`` and ``weight_scale``: as the checkpoint
     stream passes them (the packed bytes under ``weight``, carrying their scale) or by their own
-    names; a dense ``weight`` of an unquantized checkpoint is rounded to MXFP4 first (in a
-    prequantized one it is an error: the quantization_config did not say so)."""
+    names (the linear method's checks and conversion); a dense ``weight`` of an unquantized
+    checkpoint is rounded to MXFP4 first (in a prequantized one it is an error: the
+    quantization_config did not say so)."""
 
     def __init__(self, prequantized: bool) -> None:
         self.prequantized = prequantized
+        self.format = Mxfp4LinearMethod(prequantized).experts_method(
+            f"compressed-tensors {FORMAT} experts (e2m1 values doubled, power-of-two scales), group-quantized layout"
+        )
 
     def expert_weight(self, tensors, out_features, in_features, what) -> GroupQuantWeight:
-        if set(tensors) == {"weight_packed", "weight_scale"}:
-            return to_group_quant(tensors["weight_packed"], tensors["weight_scale"], out_features, in_features, what)
-        if set(tensors) != {"weight"}:
-            raise ValueError(
-                f"{what} holds {', '.join(sorted(tensors))}; an {FORMAT} expert holds weight_packed and weight_scale."
-            )
-        weight = tensors["weight"]
-        kept = quantized_checkpoint(weight)
-        if kept is not None:
+        weight = tensors.get("weight")
+        kept = None if weight is None else quantized_checkpoint(weight)
+        if kept is not None and len(tensors) == 1:
             return to_group_quant(weight, kept.scale, out_features, in_features, what)
-        if self.prequantized:
+        if self.prequantized and set(tensors) == {"weight"}:
             raise ValueError(
                 f"{what} is a plain {weight.dtype} weight in an {FORMAT} checkpoint whose quantization_config "
                 "does not leave the experts out (ignore); expected weight_packed and weight_scale."
             )
-        if not weight.is_floating_point() or tuple(weight.shape) != (out_features, in_features):
-            raise ValueError(
-                f"{what}: an unquantized expert weight must be a float ({out_features}, {in_features}) tensor; "
-                f"the checkpoint has {weight.dtype} {tuple(weight.shape)}."
-            )
-        if in_features % GROUP:
-            raise ValueError(f"{what}: {FORMAT} groups {GROUP} inputs; the expert has {in_features}.")
-        packed, scale = quantize(weight)
-        return to_group_quant(packed, scale, out_features, in_features, what)
+        return self.format.expert_weight(tensors, out_features, in_features, what)
 
-    def describe(self) -> str:
-        return f"compressed-tensors {FORMAT} experts (e2m1 values doubled, power-of-two scales), group-quantized layout"
+    def describe(self) -> str | None:
+        return self.format.describe()
 
 
 class Mxfp4Quantizer(Quantizer):

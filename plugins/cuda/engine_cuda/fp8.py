@@ -46,7 +46,7 @@ logger = logging.getLogger("engine.cuda")
 E4M3_MAX = 448.0
 DEFAULT_BLOCK = (128, 128)  # DeepSeek's, and what --quantization fp8 quantizes in
 FLOAT_FORMAT = "float-quantized"
-KERNELS = ("triton", "dense", "ops", "reference")
+KERNELS = ("triton", "dense", "ops")
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -103,8 +103,9 @@ class Fp8LinearMethod(LinearMethod):
     """See the module docstring. ``block``: the checkpoint's scale block (rows, columns), or
     None for per-channel / per-tensor scales; ``scale_name``: the checkpoint tensor holding
     them; ``prequantized``: the checkpoint is FP8 (else each dense shard is quantized in
-    ``block`` blocks as it loads); ``kernel``: force one of ``triton``, ``dense``, ``ops`` (the
-    platform's ``fp8_linear``) or ``reference`` instead of choosing by device."""
+    ``block`` blocks as it loads); ``kernel``: force one of ``triton``, ``dense`` or ``ops`` (the
+    platform's ``fp8_linear``, whose reference is the dequantized product) instead of choosing by
+    device."""
 
     def __init__(
         self,
@@ -236,9 +237,7 @@ class Fp8LinearMethod(LinearMethod):
                 quantize_activations=self.quantize_activations,
                 block_k=k_tile(scale_k, k),
             )
-        if kernel == "ops":
-            return layer.ops.fp8_linear(x, layer.weight, layer.weight_scale, self.scale_k(layer.weight.shape[1]), bias)
-        return F.linear(x, self.dense_weight(layer, x.dtype), bias)
+        return layer.ops.fp8_linear(x, layer.weight, layer.weight_scale, self.scale_k(layer.weight.shape[1]), bias)
 
 
 @dataclass(frozen=True)

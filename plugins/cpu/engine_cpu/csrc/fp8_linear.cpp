@@ -153,10 +153,6 @@ void fp8_rows(const T* x, int64_t T_, int64_t K, const uint8_t* w, const float* 
   });
 }
 
-}  // namespace
-
-namespace {
-
 void check_weight(const torch::Tensor& weight, const torch::Tensor& scales, int64_t K, int64_t block_k) {
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
                   (weight.scalar_type() == at::kFloat8_e4m3fn || weight.scalar_type() == at::kByte),

@@ -502,7 +502,7 @@ struct QuantInput {
   const int8_t* xq;
   const float* dx;
   const float* sums;  // [T, G_pad] exact sums of x per group, zero past G
-  int64_t K, G_pad, block;
+  int64_t K, G_pad;
   const int32_t* lane_block;    // [16] each lane's block within its chunk
   const int64_t* chunk_group;  // [K / chunk] the group of each chunk's first input
 };
@@ -651,7 +651,8 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, const float* s, 
       __m512i lo, hi = _mm512_setzero_si512();
       // the same bytes kPrefetchRows rows on (past the last row: a prefetch never faults)
       _mm_prefetch(reinterpret_cast<const char*>(w.row(n + o + kPrefetchRows) + c * 64), _MM_HINT_T0);
-      if constexpr (BITS == 6) _mm_prefetch(reinterpret_cast<const char*>(w.top(n + o + kPrefetchRows) + c * 32), _MM_HINT_T0);
+      if constexpr (BITS == 6)
+        _mm_prefetch(reinterpret_cast<const char*>(w.top(n + o + kPrefetchRows) + c * 32), _MM_HINT_T0);
       if constexpr (BITS != 8) {
         const __m512i b = _mm512_loadu_si512(w.row(n + o) + c * chunk / 2);
         lo = _mm512_and_si512(b, nibble);
@@ -675,11 +676,8 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, const float* s, 
       }
     }
   }
-  if constexpr (O == 4 && R == 1) {
-    _mm_storeu_ps(y, reduce4(acc[0][0], acc[1][0], acc[2][0], acc[3][0]));
-  } else if constexpr (O == 8 && R == 1) {
-    _mm_storeu_ps(y, reduce4(acc[0][0], acc[1][0], acc[2][0], acc[3][0]));
-    _mm_storeu_ps(y + 4, reduce4(acc[4][0], acc[5][0], acc[6][0], acc[7][0]));
+  if constexpr (R == 1 && O % 4 == 0) {  // four rows' sums share a reduction
+    for (int o = 0; o < O; o += 4) _mm_storeu_ps(y + o, reduce4(acc[o][0], acc[o + 1][0], acc[o + 2][0], acc[o + 3][0]));
   } else {
     for (int o = 0; o < O; ++o)
       for (int r = 0; r < R; ++r) y[o * R + r] = _mm512_reduce_add_ps(acc[o][r]);
@@ -697,7 +695,7 @@ void decode_int8(const Weight& w, const T* x, int64_t T_, const float* bias, T* 
   std::vector<int8_t> xq(T_ * w.K);
   std::vector<float> dx(T_ * (w.K / chunk) * 16), sums(T_ * G_pad);
   quantize_input(x, T_, w.K, w.g, w.bits, G_pad, xq.data(), dx.data(), sums.data());
-  const QuantInput in{xq.data(), dx.data(), sums.data(), w.K, G_pad, block, lane_block, chunk_group.data()};
+  const QuantInput in{xq.data(), dx.data(), sums.data(), w.K, G_pad, lane_block, chunk_group.data()};
   const bool two = w.S > 0;  // the kernel reads two-level codes itself
   // one row of x: 8 output rows a pass (more independent sums in flight; each 4 rows' reductions
   // share their shuffles): the 32000 x 512 Q6_K head 350 -> 320 us

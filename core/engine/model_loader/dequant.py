@@ -72,7 +72,7 @@ def dequantizable(config: dict[str, Any]) -> bool:
     method = config.get("quant_method")
     if method in ("fp8", GPT_OSS_MXFP4):
         return True
-    return method == "compressed-tensors" and _compressed_tensors_formats(config) <= COMPRESSED_FORMATS
+    return method == "compressed-tensors" and compressed_tensors_formats(config) <= COMPRESSED_FORMATS
 
 
 def fp8_block_size(config: dict[str, Any]) -> tuple[int, int] | None:
@@ -91,9 +91,20 @@ def _compressed_tensors_groups(config: dict[str, Any]) -> list[dict[str, Any]]:
     return [group for group in (config.get("config_groups") or {}).values() if isinstance(group, dict)]
 
 
-def _compressed_tensors_formats(config: dict[str, Any]) -> set[str]:
+def compressed_tensors_formats(config: dict[str, Any]) -> set[str]:
+    """The formats a compressed-tensors ``quantization_config`` names: its config_groups', or else
+    its top-level ``format`` (a set holding None when it names none)."""
     formats = {group.get("format") for group in _compressed_tensors_groups(config) if group.get("format")}
     return formats or {config.get("format")}
+
+
+def declines_other_formats(config: dict[str, Any], served: str) -> str | None:
+    """For a quantizer of one compressed-tensors format (``Quantizer.declines``): why it does not
+    take ``config`` (another format, or several), or None."""
+    formats = compressed_tensors_formats(config)
+    if formats != {served}:
+        return f"format {', '.join(sorted(map(str, formats)))}; it runs {served} only"
+    return None
 
 
 def _float_weight_layout(config: dict[str, Any]) -> tuple[tuple[int, int] | None, int | None]:

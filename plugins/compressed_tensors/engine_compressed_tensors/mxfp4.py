@@ -32,7 +32,8 @@ from engine.interfaces.group_quant import MXFP4_GROUP, GroupQuantWeight, from_mx
 from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
 from engine.layers.group_quant_method import GroupQuantLinearMethod
 from engine.layers.quantized_checkpoint import quantized_checkpoint
-from engine_compressed_tensors.quantizer import Settings, declines_other_formats
+from engine.model_loader.dequant import declines_other_formats
+from engine_compressed_tensors.quantizer import Settings
 
 FORMAT = "mxfp4-pack-quantized"
 GROUP = MXFP4_GROUP  # elements per shared exponent

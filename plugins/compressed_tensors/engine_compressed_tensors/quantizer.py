@@ -24,6 +24,7 @@ from engine.interfaces.group_quant import GroupQuantWeight
 from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
 from engine.layers.group_quant_method import GroupQuantLinearMethod
 from engine.layers.quantized_checkpoint import check_tensor_shapes
+from engine.model_loader.dequant import declines_other_formats
 from engine_compressed_tensors.packing import PACKED_BITS, pack_factor, quantize_rtn, unpack
 
 logger = logging.getLogger("engine.compressed_tensors")
@@ -163,18 +164,6 @@ class Settings:
             elif f".{entry}." in f".{name}.":
                 return True
         return False
-
-
-def declines_other_formats(quantization_config: dict[str, Any], served: str) -> str | None:
-    """Why a quantizer of the format ``served`` does not take this ``quantization_config`` (its
-    config_groups', or else its own, ``format`` is another, or they mix formats), or None."""
-    groups = (quantization_config.get("config_groups") or {}).values()
-    formats = {g.get("format") for g in groups if isinstance(g, dict) and g.get("format")} or {
-        quantization_config.get("format")
-    }
-    if formats != {served}:
-        return f"format {', '.join(sorted(map(str, formats)))}; it runs {served} only"
-    return None
 
 
 def to_group_quant(tensors: dict[str, torch.Tensor], settings: Settings, rows: int, inputs: int) -> GroupQuantWeight:

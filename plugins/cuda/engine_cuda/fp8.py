@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.interfaces.quantizer import LinearMethod, Quantizer
-from engine.model_loader.dequant import fp8_block_size
+from engine.model_loader.dequant import declines_other_formats, fp8_block_size
 
 logger = logging.getLogger("engine.cuda")
 
@@ -360,13 +360,7 @@ class CompressedTensorsFp8Quantizer(Quantizer):
 
     @classmethod
     def declines(cls, quantization_config: dict[str, Any]) -> str | None:
-        groups = (quantization_config.get("config_groups") or {}).values()
-        formats = {g.get("format") for g in groups if isinstance(g, dict) and g.get("format")} or {
-            quantization_config.get("format")
-        }
-        if formats != {FLOAT_FORMAT}:
-            return f"format {', '.join(sorted(map(str, formats)))}; it runs {FLOAT_FORMAT} only"
-        return None
+        return declines_other_formats(quantization_config, FLOAT_FORMAT)
 
     @classmethod
     def from_config(cls, quantization_config: dict[str, Any], *, prequantized: bool) -> CompressedTensorsFp8Quantizer:

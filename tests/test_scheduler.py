@@ -35,6 +35,39 @@ def test_manager_allocates_ceil_blocks_and_frees():
     assert pool.num_free_blocks == 10 and r.block_ids == []
 
 
+def test_manager_places_each_table_in_one_run_of_blocks_with_room_to_grow():
+    pool = KVCacheManager(64, 4, enable_prefix_caching=False)
+    a = Request("a", list(range(1, 10)), SamplingParams(max_tokens=8))  # 17 tokens at most: 5 blocks
+    b = Request("b", list(range(1, 6)), SamplingParams(max_tokens=3))  # 8 tokens: 2 blocks
+    assert pool.allocate(a, 9) and pool.allocate(b, 5)
+    assert a.block_ids == [0, 1, 2] and b.block_ids == [5, 6]  # b starts after a's 5 blocks
+    a.num_computed_tokens = 9
+    assert pool.allocate(a, 8) and a.block_ids == [0, 1, 2, 3, 4]  # a grows into its own run
+    # past its run, the next block is b's: a's comes from the free queue's front instead
+    a.num_computed_tokens = 17
+    assert pool.allocate(a, 4) and a.block_ids == [0, 1, 2, 3, 4, 7]
+    d = Request("d", [1, 2, 3, 4], SamplingParams(max_tokens=1))  # its start, block 7, is a's now
+    assert pool.allocate(d, 4) and d.block_ids == [8]
+    for r in (a, b, d):
+        pool.free(r)
+    assert pool.num_free_blocks == 64
+
+
+def test_manager_placement_never_evicts_a_cached_block():
+    pool = KVCacheManager(16, 4, enable_prefix_caching=True)
+    a = Request("a", list(range(1, 9)), SamplingParams(max_tokens=1))  # two full blocks, both cached
+    assert pool.allocate(a, 8) and a.block_ids == [0, 1]
+    a_hashes = [pool.block_hashes[0], pool.block_hashes[1]]
+    pool.free(a)  # blocks 0 and 1 stay cached, free, at the back of the queue
+    b = Request("b", list(range(100, 105)), SamplingParams(max_tokens=100))  # no room: the cursor wraps to 0
+    assert pool.allocate(b, 5) and b.block_ids == [2, 3]  # block 0 is cached: the front of the queue instead
+    assert all(pool.cached.get(h) == i for i, h in enumerate(a_hashes))
+    # with every other block taken, the cached ones are evicted from the queue's front as before
+    c = Request("c", list(range(200, 200 + 4 * 14)), SamplingParams(max_tokens=1))
+    assert pool.allocate(c, 4 * 14) and sorted(b.block_ids + c.block_ids) == list(range(16))
+    assert c.block_ids[-2:] == [1, 0] and not any(h in pool.cached for h in a_hashes)
+
+
 def test_chunked_prefill_under_the_token_budget_and_decode_first():
     scheduler = Scheduler(
         KVCacheManager(100, 4, enable_prefix_caching=False), max_num_seqs=8, max_num_batched_tokens=10

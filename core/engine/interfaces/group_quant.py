@@ -59,8 +59,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.interfaces.ops import LayerOps
 
 STORAGE_BITS = (4, 6, 8)
 TOP_CHUNK = 128  # inputs whose top 2 bits share 32 bytes (bits == 6)
@@ -256,6 +260,17 @@ class GroupQuantWeight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The dense weight [N, K] in float32 (then ``dtype``), inputs in the weight's order."""
         return _dequantize_block(self, 0, self.in_features).to(dtype)
+
+    def linear(self, ops: LayerOps, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in_features] @ the weight transposed, by the platform's ``group_quant_linear``."""
+        return ops.group_quant_linear(x, self)
+
+    def joined(self, other: object) -> GroupQuantWeight | None:
+        """This weight's rows then ``other``'s as one weight (:func:`join`) when they share a
+        layout; else None."""
+        if not isinstance(other, GroupQuantWeight) or not joinable(self, other):
+            return None
+        return join([self, other])
 
     def attach(self, layer: torch.nn.Module, suffix: str = "") -> GroupQuantWeight:
         """Register the tensors as frozen parameters of ``layer`` (``qweight<suffix>``,

@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 if TYPE_CHECKING:
     import torch
 
+    from engine.interfaces.fp8 import Fp8Weight
     from engine.interfaces.group_quant import GroupQuantWeight
+
+    # one expert projection as an ExpertsMethod holds it: each has linear(ops, x), joined(other)
+    # (gate and up as one weight, or None) and attach(module, suffix)
+    ExpertWeight = GroupQuantWeight | Fp8Weight
 
 
 class LinearMethod(ABC):
@@ -84,16 +89,19 @@ class LinearMethod(ABC):
 class ExpertsMethod(ABC):
     """How a quantizer holds a mixture-of-experts layer's routed experts
     (:class:`engine.layers.moe.Experts`): each expert's ``gate_proj``, ``up_proj`` and
-    ``down_proj`` in the group-quantized layout (``engine.interfaces.group_quant``), computed
-    with the platform's ``group_quant_linear``. The experts stage every checkpoint tensor of an
-    expert projection by its suffix (``experts.<e>.<proj>.<suffix>``: ``weight`` in an
-    unquantized checkpoint, the format's own names in a prequantized one) and, once all are
-    loaded, ask :meth:`expert_weight` for the weight."""
+    ``down_proj`` as an :data:`ExpertWeight`: in the group-quantized layout
+    (``engine.interfaces.group_quant``), computed with the platform's ``group_quant_linear``,
+    or as e4m3 bytes with their factors (``engine.interfaces.fp8``), computed with its
+    ``fp8_linear``. The experts stage every checkpoint tensor of an expert projection by its
+    suffix (``experts.<e>.<proj>.<suffix>``: ``weight`` in an unquantized checkpoint, the
+    format's own names in a prequantized one, or ``weight`` carrying its scale where the
+    loader keeps an FP8 weight as it is) and, once all are loaded, ask :meth:`expert_weight`
+    for the weight."""
 
     @abstractmethod
     def expert_weight(
         self, tensors: dict[str, torch.Tensor], out_features: int, in_features: int, what: str
-    ) -> GroupQuantWeight:
+    ) -> ExpertWeight:
         """One expert projection ([out_features, in_features]) from its checkpoint ``tensors``
         by suffix: quantized from ``weight`` while loading, or converted from the format's
         tensors. Raise ``ValueError`` naming ``what`` for tensors that do not fit."""

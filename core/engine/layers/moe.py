@@ -18,14 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import TensorParallel, resolve_tp
-from engine.interfaces.group_quant import GroupQuantWeight, join, joinable
 from engine.layers.decoder import GATE_UP_PARAMS, GatedMLP, load_tensor
 from engine.layers.linear import linear_layers
 from engine.layers.quantized_checkpoint import dense_tensor
 
 if TYPE_CHECKING:
     from engine.interfaces.forward_context import ForwardContext
-    from engine.interfaces.quantizer import ExpertsMethod, Quantizer
+    from engine.interfaces.quantizer import ExpertsMethod, ExpertWeight, Quantizer
 
 # an expert projection's tensor: `weight`, or a quantized format's own names (qweight, scales, ...)
 EXPERT_TENSOR = re.compile(
@@ -158,11 +157,11 @@ class Experts(nn.Module):
         self._loaded: set[tuple[int, str]] = set()
         # a quantizer's experts (set_method): each expert projection's tensors by suffix until
         # loading ends, then per expert the gate and up weights (joined where they share a
-        # layout) and the down weight in the group-quantized layout
+        # layout) and the down weight as the method holds them (ExpertWeight)
         self.method: ExpertsMethod | None = None
         self._staged: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        self.gate_up: list[list[GroupQuantWeight]] = []
-        self.down: list[GroupQuantWeight] = []
+        self.gate_up: list[list[ExpertWeight]] = []
+        self.down: list[ExpertWeight] = []
 
     def set_method(self, method: ExpertsMethod) -> None:
         """Hold the experts quantized by ``method`` (before loading): the dense stacks go."""
@@ -197,12 +196,13 @@ class Experts(nn.Module):
         i, h = self.intermediate_size, self.hidden_size
         for e in range(self.num_experts):
 
-            def weight(proj: str, out_features: int, in_features: int, e: int = e) -> GroupQuantWeight:
+            def weight(proj: str, out_features: int, in_features: int, e: int = e) -> ExpertWeight:
                 tensors = self._staged.pop((e, proj))
                 return self.method.expert_weight(tensors, out_features, in_features, f"{path}.{e}.{proj}")
 
             gate, up = weight("gate_proj", i, h), weight("up_proj", i, h)
-            parts = [join([gate, up])] if joinable(gate, up) else [gate, up]
+            joined = gate.joined(up)
+            parts = [joined] if joined is not None else [gate, up]
             self.gate_up.append([part.attach(self, f"_{e}_gate_up_{n}") for n, part in enumerate(parts)])
             self.down.append(weight("down_proj", h, i).attach(self, f"_{e}_down"))
 
@@ -290,9 +290,9 @@ class Experts(nn.Module):
         return self.tp.all_reduce(out).to(x.dtype)
 
     def _quantized_expert(self, expert: int, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        parts = [ctx.ops.group_quant_linear(x, part) for part in self.gate_up[expert]]
+        parts = [part.linear(ctx.ops, x) for part in self.gate_up[expert]]
         gate_up = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return ctx.ops.group_quant_linear(self.activation(gate_up, ctx), self.down[expert])
+        return self.down[expert].linear(ctx.ops, self.activation(gate_up, ctx))
 
     def activation(self, gate_up: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         if self.custom_activation is not None:

@@ -43,7 +43,8 @@ weights multiply unquantized activations, and FP8 kernels quantize activations a
 model's linear layers (engine-cuda's ``fp8`` on a GPU), ``keep_quantized=True``: each
 quantized weight goes on as it is, under ``X.weight``, carrying its scale
 (:mod:`engine.layers.quantized_checkpoint`); a linear layer whose method loads that scale
-takes the pair, and every other destination (MoE experts, a layer the method declined)
+takes the pair, an experts method its experts' weights, and every other destination (MoE
+experts without an experts method, a layer the method declined)
 makes it dense with ``dense_tensor``, so a model's own loader need not know either way.
 """
 

@@ -114,15 +114,18 @@ def _prompts(seed: int) -> list[list[int]]:
 def check_experts_match_dequantized(
     checkpoints: MoECheckpoints, plugins: list[str], dtype: str, tolerance: float, held_fraction: float = 0.5
 ):
-    """The quantized checkpoint holds its experts in the group-quantized layout, under
-    ``held_fraction`` of their bf16 bytes, and its logits are within ``tolerance`` (relative to
-    the largest logit) of the dequantized model's."""
+    """The quantized checkpoint holds its experts as its method's weights (the group-quantized
+    layout, or FP8 bytes with their factors), under ``held_fraction`` of their bf16 bytes, and
+    its logits are within ``tolerance`` (relative to the largest logit) of the dequantized
+    model's."""
+    from engine.interfaces.fp8 import Fp8Weight
     from engine.interfaces.group_quant import GroupQuantWeight
 
     llm = _llm(checkpoints.quantized, plugins, dtype)
     experts = llm.engine.model.model.layers[0].mlp.experts
     assert not hasattr(experts, "w13") and not hasattr(experts, "w2"), "the experts keep a dense copy"
-    assert len(experts.down) == NUM_EXPERTS and all(isinstance(w, GroupQuantWeight) for w in experts.down)
+    assert len(experts.down) == NUM_EXPERTS
+    assert all(isinstance(w, (GroupQuantWeight, Fp8Weight)) for w in experts.down)
     held = sum(p.numel() * p.element_size() for p in experts.parameters())
     dense = NUM_EXPERTS * 3 * MOE_CONFIG["moe_intermediate_size"] * MOE_CONFIG["hidden_size"] * 2
     assert held < held_fraction * dense, f"quantized experts hold {held} bytes, the bf16 ones {dense}"
@@ -141,11 +144,13 @@ def check_quantizing_while_loading_matches(
     model's, for formats whose scales take it)."""
     on_the_fly = _llm(checkpoints.base, plugins, dtype, quantization=quantization, quantization_config=settings)
     prequantized = _llm(checkpoints.quantized, plugins, dtype)
+    from engine.interfaces.fp8 import FP8_HELD_TENSORS
     from engine.interfaces.group_quant import HELD_TENSORS
 
-    def held(llm) -> dict[str, torch.Tensor]:  # the group-quantized layout's tensors
+    def held(llm) -> dict[str, torch.Tensor]:  # the quantized weights' tensors
         params = llm.engine.model.named_parameters()
-        return {name: p for name, p in params if name.rpartition(".")[2].startswith(HELD_TENSORS)}
+        names = HELD_TENSORS + FP8_HELD_TENSORS
+        return {name: p for name, p in params if name.rpartition(".")[2].startswith(names)}
 
     a, b = held(on_the_fly), held(prequantized)
     assert sorted(a) == sorted(b) and any(".experts." in name for name in a)

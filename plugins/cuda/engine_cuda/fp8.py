@@ -23,8 +23,10 @@ How a layer multiplies, chosen once it has loaded, by where its weight lies:
   dequantized for the BLAS for more; the reference elsewhere: the dequantized product, the
   values the GPU paths are held to).
 
-Routed MoE experts of these checkpoints are not linear layers: the loader hands them dense
-(``engine.model_loader.dequant``).
+Routed MoE experts (:class:`Fp8ExpertsMethod`) are held the same way, each expert projection
+an :class:`engine.interfaces.fp8.Fp8Weight` computed by the platform's ``fp8_linear`` on every
+platform: the loader hands a prequantized one over as its e4m3 weight carrying its scale, and
+``--quantization fp8`` quantizes a dense one as it loads.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.interfaces.quantizer import LinearMethod, Quantizer
+from engine.interfaces.fp8 import Fp8Weight
+from engine.interfaces.quantizer import ExpertsMethod, LinearMethod, Quantizer
+from engine.layers.quantized_checkpoint import quantized_checkpoint
 from engine.model_loader.dequant import declines_other_formats, fp8_block_size
 
 logger = logging.getLogger("engine.cuda")
@@ -47,6 +51,7 @@ E4M3_MAX = 448.0
 DEFAULT_BLOCK = (128, 128)  # DeepSeek's, and what --quantization fp8 quantizes in
 FLOAT_FORMAT = "float-quantized"
 KERNELS = ("triton", "dense", "ops")
+SCALE_NAMES = ("weight_scale_inv", "weight_scale")  # a weight's scale: DeepSeek's, compressed-tensors'
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -240,6 +245,51 @@ class Fp8LinearMethod(LinearMethod):
         return layer.ops.fp8_linear(x, layer.weight, layer.weight_scale, self.scale_k(layer.weight.shape[1]), bias)
 
 
+class Fp8ExpertsMethod(ExpertsMethod):
+    """Routed experts in e4m3 with a factor per row and ``block[1]`` inputs (one per row with
+    ``block`` None), as the linear layers of the same checkpoint: ``prequantized``, each expert
+    projection's weight comes in e4m3 carrying its checkpoint scale; else it comes dense and is
+    quantized in ``block`` blocks (the whole projection for None) as it loads."""
+
+    def __init__(self, block: tuple[int, int] | None, *, prequantized: bool) -> None:
+        self.block = block
+        self.prequantized = prequantized
+
+    def expert_weight(self, tensors, out_features, in_features, what) -> Fp8Weight:
+        scale_names = set(tensors) & set(SCALE_NAMES)
+        if "weight" not in tensors or len(tensors) != 1 + len(scale_names) or len(scale_names) > 1:
+            raise ValueError(
+                f"{what}: FP8 experts take a weight and its scale ({' or '.join(SCALE_NAMES)}); the checkpoint "
+                f"gives {sorted(tensors)}."
+            )
+        weight = tensors["weight"]
+        if tuple(weight.shape) != (out_features, in_features):
+            raise ValueError(
+                f"{what}: the model expects ({out_features}, {in_features}), the checkpoint has {tuple(weight.shape)}."
+            )
+        block_k = in_features if self.block is None else min(self.block[1], in_features)
+        # the scale by its name, or carried by the weight (the loader keeps an FP8 weight as it is)
+        kept = quantized_checkpoint(weight)
+        scale = tensors[scale_names.pop()] if scale_names else kept.scale if kept is not None else None
+        if self.prequantized:
+            if weight.dtype != torch.float8_e4m3fn or scale is None:
+                raise ValueError(
+                    f"{what} is {weight.dtype}{'' if scale is not None else ' with no scale'}, not float8_e4m3fn with "
+                    "its scale: the checkpoint left these experts unquantized (list them in the quantization_config's "
+                    "modules_to_not_convert / ignore)."
+                )
+            return Fp8Weight(weight, per_row_scales(what, scale, out_features, in_features, self.block), block_k)
+        if scale is not None:
+            raise ValueError(f"{what}: a scale came with a dense weight that is quantized as it loads.")
+        block = self.block or (out_features, in_features)
+        q, scales = quantize_fp8_blocks(weight, block)
+        return Fp8Weight(q, per_row_scales(what, scales, out_features, in_features, block), block_k)
+
+    def describe(self) -> str | None:
+        blocks = "per channel" if self.block is None else f"{self.block[0]}x{self.block[1]} blocks"
+        return f"FP8 e4m3 experts ({blocks}), the platform's fp8_linear"
+
+
 @dataclass(frozen=True)
 class Skips:
     """Module names a checkpoint leaves unquantized: exact names or suffixes, ``re:`` regexes."""
@@ -300,6 +350,11 @@ class Fp8Quantizer(Quantizer):
             return None
         scale_name = "weight_scale" if self.block is None else "weight_scale_inv"
         return Fp8LinearMethod(self.block, scale_name, prequantized=self.prequantized)
+
+    def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
+        if self.skips(layer_name):
+            return None
+        return Fp8ExpertsMethod(self.block, prequantized=self.prequantized)
 
     def checkpoint_config(self) -> dict[str, Any]:
         """What :meth:`export_weight`'s checkpoints hold: e4m3 in blocks (``weight_scale_inv``), as
@@ -376,6 +431,11 @@ class CompressedTensorsFp8Quantizer(Quantizer):
         if self.skips(layer_name):
             return None
         return Fp8LinearMethod(self.block, "weight_scale", prequantized=True)
+
+    def get_experts_method(self, layer_name: str) -> ExpertsMethod | None:
+        if self.skips(layer_name):
+            return None
+        return Fp8ExpertsMethod(self.block, prequantized=True)
 
 
 def write_fp8_checkpoint(path, dense_path, block: tuple[int, int] = DEFAULT_BLOCK, suffixes=("proj.weight",)) -> None:

@@ -1,8 +1,8 @@
 """FP8 checkpoints as FP8 linear layers (engine_cuda.fp8): the layer's layout against the
 checkpoint's scales element by element, fused shards whose rows are not a multiple of the
 block, tensor-parallel cuts, the Triton GEMM path under the interpreter, and whole checkpoints
-(DeepSeek-V3 block-scaled, compressed-tensors per channel) loaded with the linear layers kept
-in FP8 and the experts dequantized, against transformers on the dense weights."""
+(DeepSeek-V3 block-scaled, compressed-tensors per channel) loaded with the linear layers and
+the routed experts kept in FP8, against transformers on the dense weights."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engine.distributed.parallel_state import TensorParallel
+from engine.interfaces.fp8 import Fp8Weight
 from engine.layers.linear import ColumnParallelLinear, MergedLinear, RowParallelLinear  # noqa: E402
+from engine.layers.moe import Experts
 from engine_cuda.fp8 import (  # noqa: E402
     CompressedTensorsFp8Quantizer,
     Fp8LinearMethod,
@@ -201,9 +203,9 @@ def quantize_deepseek_checkpoint(path, reference_path, block):
     return getattr(transformers, config["architectures"][0]).from_pretrained(reference_path, dtype=torch.float32).eval()
 
 
-def test_deepseek_fp8_checkpoint_keeps_fp8_linear_layers_and_dense_experts(tmp_path):
+def test_deepseek_fp8_checkpoint_keeps_fp8_linear_layers_and_fp8_experts(tmp_path):
     """The FP8 quantizer serving the CPU (its layers compute with engine-cpu's fp8_linear):
-    attention and shared-expert projections stay e4m3, routed experts are dequantized, and
+    attention and shared-expert projections stay e4m3, so do the routed experts, and
     the logits are transformers' on the dense weights; so are the greedy tokens, whose decode
     rows run the kernel that widens the e4m3 bytes in registers."""
     from engine import LLM
@@ -215,8 +217,10 @@ def test_deepseek_fp8_checkpoint_keeps_fp8_linear_layers_and_dense_experts(tmp_p
     llm = LLM(str(path), plugins=["cpu", "deepseek_v4", "cuda"], dtype="float32", kv_cache_memory=0.05, progress=False)
     setup = llm.engine.setup
     assert setup.quantizer.name == "fp8" and setup.dequantizer.keep_quantized
-    assert setup.dequantizer.kept > 0 and setup.dequantizer.dequantized > 0  # experts made dense
+    assert setup.dequantizer.kept > 0
     model = llm.engine.model
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    assert experts and all(isinstance(w, Fp8Weight) for m in experts for w in m.down)
     fp8_layers = [m for m in model.modules() if isinstance(m, MergedLinear) and isinstance(m.method, Fp8LinearMethod)]
     assert fp8_layers and all(m.weight.dtype == torch.float8_e4m3fn and m.fp8_kernel == "ops" for m in fp8_layers)
     rng = random.Random(0)
@@ -293,3 +297,4 @@ def test_compressed_tensors_fp8_llama_matches_transformers(tmp_path, kept):
         with torch.no_grad():
             reference = hf_model(torch.tensor([prompt])).logits[0]
         assert (logits - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item())
+

@@ -85,13 +85,14 @@ class CudaPlatform(TorchCudaPlatform):
 
     def layer_ops(self, dtype: str) -> LayerOps | None:
         """Group-quantized linear layers through the engine's Triton kernel
-        (``engine.kernels.group_quant``) where Triton is installed; None (the torch reference
-        ops) without it. Needs no device."""
+        (``engine.kernels.group_quant``) and FP8 products through engine-cuda's Triton GEMM
+        (``engine_cuda.layer_ops``) where Triton is installed; None (the torch reference ops)
+        without it. Needs no device."""
         if importlib.util.find_spec("triton") is None:
             return None
-        from engine.kernels.group_quant import TritonLayerOps
+        from engine_cuda.layer_ops import CudaLayerOps
 
-        return TritonLayerOps()
+        return CudaLayerOps()
 
     # device state, probed once per instance (availability: TorchCudaPlatform)
 

@@ -298,3 +298,32 @@ def test_compressed_tensors_fp8_llama_matches_transformers(tmp_path, kept):
             reference = hf_model(torch.tensor([prompt])).logits[0]
         assert (logits - reference).abs().max().item() <= 1e-4 * max(1.0, reference.abs().max().item())
 
+
+def test_the_platform_fp8_linear_runs_the_triton_gemm_for_16_bit_activations(monkeypatch):
+    """engine-cuda's layer ops (what FP8 routed experts compute with): bf16 activations through
+    the Triton GEMM, here under the interpreter, within LayerOps.fp8_linear's contract of the
+    dequantized product (the weight's tiles rounded to bf16: 2^-8 of |x| @ |W s|^T, and the
+    output's own bf16 rounding); float32 activations take the reference itself."""
+    pytest.importorskip("triton")
+    import engine_cuda.fp8_gemm as fp8_gemm
+    from engine.interfaces.ops import REFERENCE_OPS
+    from engine_cuda.fp8 import per_row_scales
+    from engine_cuda.layer_ops import CudaLayerOps
+
+    calls = []
+    kernel = fp8_gemm.fp8_block_linear
+    monkeypatch.setattr(fp8_gemm, "fp8_block_linear", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+    gen = torch.Generator().manual_seed(5)
+    q, block_scales = quantize_fp8_blocks(torch.randn(40, 64, generator=gen), (16, 32))
+    scales = per_row_scales("w", block_scales, 40, 64, (16, 32))
+    x, bias = torch.randn(5, 64, generator=gen), torch.randn(40, generator=gen)
+    ops = CudaLayerOps()
+    got = ops.fp8_linear(x.bfloat16(), q, scales, 32, bias.bfloat16())
+    assert len(calls) == 1 and calls[0]["quantize_activations"] is False
+    dense = q.double() * scales.double().repeat_interleave(32, dim=1)
+    xb = x.bfloat16().double()
+    exact = xb @ dense.T + bias.bfloat16().double()
+    bound = 2.0**-8 * (xb.abs() @ dense.abs().T) + 2.0**-8 * exact.abs() + 1e-6
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert torch.equal(ops.fp8_linear(x, q, scales, 32, bias), REFERENCE_OPS.fp8_linear(x, q, scales, 32, bias))
+    assert len(calls) == 1  # float32 activations: the reference

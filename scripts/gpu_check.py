@@ -168,6 +168,26 @@ def check_fp8_gemm(device) -> bool:
     return report("FP8 block GEMM W8A8 (64x4096x7168)", got, expected, ms, ref_ms)
 
 
+def check_fp8_layer_ops(device) -> bool:
+    """engine-cuda's layer ops' fp8_linear (what FP8 routed experts compute with): bf16
+    activations on the Triton GEMM against the dequantized product, at an expert's shape."""
+    from engine.interfaces.ops import REFERENCE_OPS
+    from engine_cuda.layer_ops import CudaLayerOps
+
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        print("FP8 layer ops: skipped (needs compute capability 8.9+)")
+        return True
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    m, n, k = 16, 2048, 7168  # a token batch through one DeepSeek-V3 routed expert's gate/up
+    weight = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn).to(device)
+    scales = (torch.rand(n, k // 128, generator=gen) / 64 + 1e-3).to(device)
+    x = torch.randn(m, k, generator=gen).to(device, torch.bfloat16)
+    ops = CudaLayerOps()
+    expected, ref_ms = timed(lambda: REFERENCE_OPS.fp8_linear(x, weight, scales, 128), repeat=10)
+    got, ms = timed(lambda: ops.fp8_linear(x, weight, scales, 128), repeat=10)
+    return report("FP8 layer ops bf16 (16x2048x7168)", got, expected, ms, ref_ms)
+
+
 GROUP_QUANT_LAYERS = {"gate_up": (2816, 512), "down": (512, 1408)}  # llama58m's MLP: (N, K)
 # (bits, group size, groups a super-block, symmetric): GPTQ/AWQ int4 (asymmetric), GGUF Q8_0
 # (a zero), Q4_K (two levels), Q6_K (6 bits, two levels, a zero) and MXFP4 (6-bit doubled e2m1
@@ -464,6 +484,7 @@ def main() -> int:
         check_mamba2,
         check_moe,
         check_fp8_gemm,
+        check_fp8_layer_ops,
         check_group_quant,
         check_attention_bandwidth,
     )

@@ -168,6 +168,9 @@ def test_decode_breakdown_counts_only_all_decode_steps_of_the_batch_size():
     assert b.overhead_seconds == pytest.approx(0.040) and b.overhead_share == pytest.approx(0.040 / 0.110)
     assert b.parts == pytest.approx({"logits": 0.010, "attention": 0.030, "schedule": 0.0})
     assert decode_breakdown(steps, 32, [FORWARD]) is None
+    # a run without the attention timer has no attention part (not a zero one)
+    untimed = decode_breakdown(steps[3:], 63, [FORWARD, LOGITS, "attention"])
+    assert untimed is not None and untimed.parts == pytest.approx({"logits": 0.0})
 
 
 def test_weight_bytes_skips_the_gathered_embedding_unless_tied():
@@ -261,6 +264,33 @@ def test_throughput_reports_engine_overhead_at_all_decoding_sequences(capsys, ti
     assert values["model_ms"] > values["logits_ms"] > 0
     assert values["overhead_ms"] == pytest.approx(values["step_ms"] - values["model_ms"])
     assert values["overhead_share"] == pytest.approx(values["overhead_ms"] / values["step_ms"])
+
+
+def test_only_runs_that_time_attention_carry_the_hooks(tiny_llama):
+    from engine.bench.engine_runner import ATTENTION, EngineRunner
+    from engine.layers.attention import Attention
+
+    runner = EngineRunner(tiny_llama, dtype="float32", plugins=["cpu", "llama"])
+    try:
+        layers = [m for m in runner.model.modules() if isinstance(m, Attention)]
+        hooks = []  # the forward pre-hooks each layer carries, seen while the model runs (the spy's own included)
+
+        def spy(module, args):
+            hooks.append([len(layer._forward_pre_hooks) for layer in layers])
+
+        handle = layers[0].register_forward_pre_hook(spy)
+        requests = throughput_workload(runner.vocab_size, scale=0.05).requests[:2]
+        plain = runner.run(requests, ALL_AT_ONCE)
+        assert hooks and all(seen == [1] + [0] * (len(layers) - 1) for seen in hooks)
+        assert all(ATTENTION not in step.timed for step in plain.steps)
+        hooks.clear()
+        timed = runner.run(requests, ALL_AT_ONCE, time_attention=True)
+        assert hooks and all(seen == [2] + [1] * (len(layers) - 1) for seen in hooks)
+        assert all(step.timed[ATTENTION] > 0 for step in timed.steps)
+        handle.remove()
+        assert not any(layer._forward_pre_hooks for layer in layers)  # the run removed its hooks
+    finally:
+        runner.close()
 
 
 def test_prefix_breaks_down_the_first_prefill(capsys, tiny_llama):

@@ -191,7 +191,7 @@ def run_throughput(options: BenchOptions) -> Report:
     engine = session.engine()
     w2 = session.median_run("w2", ENGINE, lambda: engine.run(workload.requests, ALL_AT_ONCE), engine.reset_prefix_cache)
     w2_model_seconds = sum(s.model_seconds for s in w2.steps)
-    decode_run = engine.run(decode.requests, ALL_AT_ONCE)
+    decode_run = engine.run(decode.requests, ALL_AT_ONCE, time_attention=True)
     labels = engine.timed_labels()
     breakdown = decode_breakdown(decode_run.steps, len(decode.requests), labels)
     engine.close()
@@ -274,7 +274,9 @@ def run_prefix(options: BenchOptions) -> Report:
     workload = prefix_workload(session.vocab_size, scale=options.scale)
 
     engine = session.engine()
-    run = session.median_run("w3", ENGINE, lambda: engine.run(workload.requests, SEQUENTIAL), engine.reset_prefix_cache)
+    run = session.median_run(
+        "w3", ENGINE, lambda: engine.run(workload.requests, SEQUENTIAL, time_attention=True), engine.reset_prefix_cache
+    )
     first_prefill = until_first_token(run.steps)
     snapshots = engine.state_snapshots()
     engine.close()

@@ -88,7 +88,8 @@ class EngineRunner:
         return ModuleTimer(layers, self.engine.platform.synchronize) if layers else None
 
     def timed_labels(self) -> list[str]:
-        """The labels every ``StepRecord.timed`` of this runner holds (kept after :meth:`close`)."""
+        """The labels a ``StepRecord.timed`` of this runner may hold (``ATTENTION`` only in runs
+        with ``time_attention``; kept after :meth:`close`)."""
         return list(self._labels)
 
     # facts
@@ -161,13 +162,20 @@ class EngineRunner:
         self.run([request], ALL_AT_ONCE)
 
     def run(
-        self, requests: Sequence[BenchRequest], submission: str, constraints: Sequence[Any] | None = None
+        self,
+        requests: Sequence[BenchRequest],
+        submission: str,
+        constraints: Sequence[Any] | None = None,
+        *,
+        time_attention: bool = False,
     ) -> EngineRun:
         """Run ``requests`` submitted ``ALL_AT_ONCE`` or ``SEQUENTIAL`` (each after the
         previous finished). Every request must produce exactly its ``output_len`` tokens;
         with ``constraints`` (a ``StructuredOutputsParams`` per request) at most that many,
         ending when its constraint has ended (its ``RequestTiming.output_len`` is then the
-        count it produced)."""
+        count it produced). ``time_attention``: each step's record also holds the time inside
+        the attention layers (``ATTENTION``), taken by forward hooks that the run carries (a
+        hooked module's call costs more, so runs whose walls are compared with peers go without)."""
         if submission not in (ALL_AT_ONCE, SEQUENTIAL):
             raise ValueError(f"Unknown submission {submission!r}; use {ALL_AT_ONCE!r} or {SEQUENTIAL!r}.")
         timings: list[RequestTiming] = []
@@ -175,25 +183,27 @@ class EngineRunner:
         runner = self.engine.runner
         unsynchronized = runner.synchronize
         runner.synchronize = self.engine.platform.synchronize  # each phase clock waits for the device
+        timer = self.attention if time_attention else None
         try:
-            with self.attention or contextlib.nullcontext():
+            with timer or contextlib.nullcontext():
                 start = time.perf_counter()
                 if submission == ALL_AT_ONCE:
-                    timings = self._drive(requests, steps, constraints)
+                    timings = self._drive(requests, steps, constraints, timer)
                 else:
                     for i, request in enumerate(requests):
-                        timings.extend(self._drive([request], steps, constraints and constraints[i : i + 1]))
+                        timings.extend(self._drive([request], steps, constraints and constraints[i : i + 1], timer))
                 wall = time.perf_counter() - start
         finally:
             runner.synchronize = unsynchronized
         return EngineRun(timings, wall, steps)
 
-    def _record(self, seconds: float, result: StepResult) -> StepRecord:
-        """The StepRecord of one step from its ``StepResult``."""
+    def _record(self, seconds: float, result: StepResult, timer: ModuleTimer | None) -> StepRecord:
+        """The StepRecord of one step from its ``StepResult`` (and the attention ``timer``, when
+        the run carries it)."""
         timings = result.timings
         timed = {label: getattr(timings, label) for label in PHASE_LABELS}
-        if self.attention is not None:
-            timed[ATTENTION] = self.attention.take()
+        if timer is not None:
+            timed[ATTENTION] = timer.take()
         all_decode = (
             bool(result.updated)
             and timings.forward_tokens == len(result.updated)
@@ -202,7 +212,11 @@ class EngineRunner:
         return StepRecord(seconds, timed, timings.forward_tokens, len(result.updated), all_decode)
 
     def _drive(
-        self, requests: Sequence[BenchRequest], steps: list[StepRecord], constraints: Sequence[Any] | None = None
+        self,
+        requests: Sequence[BenchRequest],
+        steps: list[StepRecord],
+        constraints: Sequence[Any] | None,
+        timer: ModuleTimer | None,
     ) -> list[RequestTiming]:
         from engine.sampling_params import SamplingParams
 
@@ -225,7 +239,7 @@ class EngineRunner:
                 start = time.perf_counter()
                 result = self.engine.step()
                 end = time.perf_counter()
-                steps.append(self._record(end - start, result))
+                steps.append(self._record(end - start, result, timer))
                 for request in result.updated:
                     i = index.get(request.request_id)
                     if i is not None and first[i] is None:
@@ -297,7 +311,13 @@ def decode_breakdown(steps: Sequence[StepRecord], num_seqs: int, labels: Sequenc
     chosen = [s for s in steps if s.is_decode_of(num_seqs)]
     if not chosen:
         return None
-    parts = {label: mean([s.timed.get(label, 0.0) for s in chosen]) for label in labels if label != FORWARD}
+    # ATTENTION only from runs that timed it (time_attention)
+    timed_attention = all(ATTENTION in s.timed for s in chosen)
+    parts = {
+        label: mean([s.timed.get(label, 0.0) for s in chosen])
+        for label in labels
+        if label != FORWARD and (label != ATTENTION or timed_attention)
+    }
     return DecodeBreakdown(
         num_seqs, len(chosen), mean([s.seconds for s in chosen]), mean([s.model_seconds for s in chosen]), parts
     )

@@ -20,8 +20,9 @@ namespace {
 using engine_cpu::load;
 using engine_cpu::rounded;
 
-// rows handled per task: keep small batches on one thread, where a fork costs more than the work
-inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
+// rows handled per task, 8192 elements: a few rows stay on one thread, where a fork costs more than
+// the work; 64 decode rows of a 512-wide model split (add_rms_norm 13.6 -> 8.7 us on an AMX Xeon)
+inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(row_elems, 1)); }
 
 template <typename T>
 void rms_norm_rows(T* out, const T* x, const T* w, int64_t rows, int64_t h, int64_t x_stride, int64_t out_stride,

@@ -32,7 +32,9 @@
 // activations' rounding: at most sum_k |s q_k| dx_k / 2 (the contract the tests check). A chunk's
 // 16 int32 lanes each cover one block (8 inputs a lane for 4 bits, 4 for 8), scaled in fp32 by
 // their block's s * dx. This is llama.cpp's scheme (Q8 activations); it reads the same bytes and
-// does a quarter of the instructions of the fp32 path.
+// does a quarter of the instructions of the fp32 path. One row of x against 4-bit groups of 32 (the
+// GGUF Q4_K and Q4_0 layers) takes windows of 16 groups, transposed so that a lane holds a group
+// (rows_windows below): the 32000 x 512 Q4_K head 16.8 -> 13.9 ns a row on one thread.
 //
 // More rows (prefill, large batches): with bf16 x, an AMX build and groups of whole 32-input steps,
 // the same sums on AMX tiles (the integers are exact in bf16, so each product is; see amx_prefill).
@@ -96,7 +98,7 @@ inline __mmask16 groups_mask(int64_t left) {
 
 // groups j .. j + 15 (j a multiple of 16, lanes past G zero) of a row's two-level codes: code times
 // its super-block's fp32 (the row's supers sp), one fp32 rounding as the reference
-inline __m512 level16(const int8_t* codes, const float* sp, int64_t j, int64_t G, int shift, __m512i spread) {
+__attribute__((always_inline)) inline __m512 level16(const int8_t* codes, const float* sp, int64_t j, int64_t G, int shift, __m512i spread) {
   const int64_t left = std::min<int64_t>(16, G - j);
   const __m512 code = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(groups_mask(left), codes + j)));
   const int64_t supers_here = ((j + left - 1) >> shift) - (j >> shift) + 1;
@@ -684,6 +686,150 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, const float* s, 
   }
 }
 
+// ---- 4-bit weights in groups of 32, one row of x: a window of 16 groups a vector ----
+//
+// row_vnni spends, per chunk and output row, a permute and two multiplies on scales, since a chunk's
+// lanes hold 4 groups (and the zmm instructions, not the bytes, bound a batch-1 step: one zmm op a
+// cycle here). Where the groups are 32 inputs (16 bytes of nibbles), the 4 chunks of a window of
+// 512 inputs are transposed in registers instead (8 dword permutes): lane L then holds group L's
+// bytes in each of 4 steps, a group's integer sums add up in one lane, and the window's 16 scales
+// meet them once:
+//   y += sum_L cvt(dot_L) * s_L * dx_L - sum_L m_L * sum(x_L)
+// x takes the same transpose of its chunks (once per call, in place). The even inputs' nibbles are
+// masked (byte & 0x0f), the odd ones' left in place (byte & 0xf0, 16 times their value: below 256),
+// each summed in its own int32 lane; the odd sum, exactly 16 times the true one, is shifted back
+// before they add. The chunks past the last whole window take row_vnni's steps.
+constexpr int64_t kWindowChunks = 4;  // chunks of 128 inputs a window of 16 groups of 32
+constexpr int kWindowRows = 4;        // output rows through a window together
+
+struct WindowTranspose {
+  __m512i first, second, even, odd;  // the permutes' indices (see transpose_window)
+};
+
+inline WindowTranspose window_transpose() {
+  alignas(64) int32_t first[16], second[16], even[16], odd[16];
+  for (int i = 0; i < 16; ++i) {
+    // stage 1: groups 0-7 of chunks (0, 1) (or 8-15 of (2, 3)): group i % 8, step i / 8 (first) or
+    // 2 + i / 8 (second); group g sits in chunk g / 4, dwords 4 (g % 4) .. + 3
+    const int g = i % 8;
+    first[i] = (g / 4) * 16 + 4 * (g % 4) + i / 8;
+    second[i] = first[i] + 2;
+    // stage 2: lane L's group from the first pair (L < 8) or the second, at the step's half
+    even[i] = i < 8 ? i : i + 8;
+    odd[i] = i < 8 ? i + 8 : i + 16;
+  }
+  return {_mm512_load_si512(first), _mm512_load_si512(second), _mm512_load_si512(even), _mm512_load_si512(odd)};
+}
+
+// z[c]: chunk c's 16 dwords (dword t: inputs 128 c + 8 t .. + 7, group 4 c + t / 4) -> y[s]: dword L
+// is group L's dword s (its inputs 32 L + 8 s .. + 7)
+__attribute__((always_inline)) inline void transpose_window(const __m512i* z, __m512i* y, const WindowTranspose& t) {
+  const __m512i a01 = _mm512_permutex2var_epi32(z[0], t.first, z[1]);
+  const __m512i b01 = _mm512_permutex2var_epi32(z[0], t.second, z[1]);
+  const __m512i a23 = _mm512_permutex2var_epi32(z[2], t.first, z[3]);
+  const __m512i b23 = _mm512_permutex2var_epi32(z[2], t.second, z[3]);
+  y[0] = _mm512_permutex2var_epi32(a01, t.even, a23);
+  y[1] = _mm512_permutex2var_epi32(a01, t.odd, a23);
+  y[2] = _mm512_permutex2var_epi32(b01, t.even, b23);
+  y[3] = _mm512_permutex2var_epi32(b01, t.odd, b23);
+}
+
+// x quantized (quantize_input's chunks: 64 bytes of even inputs, then 64 of odd ones) -> each whole
+// window's even and odd halves transposed as the weights' chunks, in place; the chunks past the
+// last whole window stay as they are
+void transpose_input_windows(int8_t* xq, int64_t T_, int64_t K) {
+  const WindowTranspose t = window_transpose();
+  const int64_t windows = K / (kWindowChunks * 128);
+  for (int64_t r = 0; r < T_; ++r)
+    for (int64_t win = 0; win < windows; ++win) {
+      int8_t* base = xq + r * K + win * kWindowChunks * 128;
+      for (int64_t half = 0; half < 2; ++half) {
+        __m512i z[4], y[4];
+        for (int c = 0; c < 4; ++c) z[c] = _mm512_loadu_si512(base + c * 128 + half * 64);
+        transpose_window(z, y, t);
+        for (int step = 0; step < 4; ++step) _mm512_storeu_si512(base + step * 128 + half * 64, y[step]);
+      }
+    }
+}
+
+// output rows n .. n + P - 1 against one row of x (4 bits, groups of 32; x as transpose_input_windows
+// leaves it, group_dx [G_pad] the scale of each group's x): each row's sums in 16 fp32 lanes, acc[p].
+// The P rows go through each window together: independent chains for the core to overlap.
+template <bool TWO, int P>
+__attribute__((always_inline)) inline void rows_windows(const Weight& w, const QuantInput& in, const float* group_dx,
+                                                        const WindowTranspose& t, int64_t n, __m512* acc) {
+  const int64_t chunks = in.K / 128, windows = chunks / kWindowChunks;
+  const __m512i low = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8(static_cast<char>(0xf0));
+  const __m512i spread = super_spread(w.shift);
+  const __m512 zero = _mm512_set1_ps(static_cast<float>(w.zero));
+  const int64_t supers = TWO ? w.G >> w.shift : 0;
+  for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
+  // the 16 groups from `window` of row n + p: their scales (sv) and the offsets' term
+  auto scales = [&](int64_t window, int p) {
+    const int64_t row = n + p;
+    const __mmask16 mask = groups_mask(w.G - window);
+    __m512 sv, mv;
+    if constexpr (TWO) {
+      sv = level16(static_cast<const int8_t*>(w.scales) + row * w.G, w.super_scales + row * supers, window, w.G,
+                   w.shift, spread);
+      mv = w.zero >= 0 ? _mm512_mul_ps(sv, zero)
+                       : level16(static_cast<const int8_t*>(w.offsets) + row * w.G, w.super_offsets + row * supers,
+                                 window, w.G, w.shift, spread);
+    } else {
+      sv = _mm512_maskz_loadu_ps(mask, static_cast<const float*>(w.scales) + row * w.G + window);
+      mv = w.zero >= 0 ? _mm512_mul_ps(sv, zero)
+                       : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(w.offsets) + row * w.G + window);
+    }
+    acc[p] = _mm512_fnmadd_ps(mv, _mm512_loadu_ps(in.sums + window), acc[p]);
+    return sv;
+  };
+  for (int64_t win = 0; win < windows; ++win) {
+    const int64_t window = win * 16;
+    const int8_t* xr = in.xq + win * kWindowChunks * 128;
+    const __m512 dxv = _mm512_loadu_ps(group_dx + window);
+    __m512i even[P], odd[P];
+    for (int p = 0; p < P; ++p) {
+      const uint8_t* q = w.row(n + p) + win * kWindowChunks * 64;
+      __m512i z[4], y[4];
+      for (int c = 0; c < 4; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * w.row_bytes() + c * 64), _MM_HINT_T0);
+        z[c] = _mm512_loadu_si512(q + c * 64);
+      }
+      transpose_window(z, y, t);
+      even[p] = odd[p] = _mm512_setzero_si512();
+      for (int step = 0; step < 4; ++step) {
+        even[p] = _mm512_dpbusd_epi32(even[p], _mm512_and_si512(y[step], low), _mm512_loadu_si512(xr + step * 128));
+        odd[p] = _mm512_dpbusd_epi32(odd[p], _mm512_and_si512(y[step], high), _mm512_loadu_si512(xr + step * 128 + 64));
+      }
+    }
+    for (int p = 0; p < P; ++p) {
+      const __m512 sv = scales(window, p);
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[p], _mm512_srai_epi32(odd[p], 4)));
+      acc[p] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, dxv), acc[p]);
+    }
+  }
+  if (windows * kWindowChunks < chunks) {  // the chunks past the last whole window: row_vnni's steps
+    const int64_t window = windows * 16;
+    const __m512i lanes = _mm512_loadu_si512(in.lane_block);
+    __m512 sv[P];
+    for (int p = 0; p < P; ++p) sv[p] = scales(window, p);
+    for (int64_t c = windows * kWindowChunks; c < chunks; ++c) {
+      const __m512i pick = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(in.chunk_group[c] - window)));
+      const int8_t* xr = in.xq + c * 128;
+      const __m512 dv = _mm512_loadu_ps(in.dx + c * 16);
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* q = w.row(n + p) + c * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * w.row_bytes()), _MM_HINT_T0);
+        const __m512i b = _mm512_loadu_si512(q);
+        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(b, low), _mm512_loadu_si512(xr));
+        d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_loadu_si512(xr + 64));
+        const __m512 ws = _mm512_mul_ps(_mm512_permutexvar_ps(pick, sv[p]), dv);
+        acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), ws, acc[p]);
+      }
+    }
+  }
+}
+
 template <typename T>
 void decode_int8(const Weight& w, const T* x, int64_t T_, const float* bias, T* out) {
   const int64_t chunk = vnni_chunk(w.bits), block = std::min(w.g, chunk);
@@ -697,6 +843,34 @@ void decode_int8(const Weight& w, const T* x, int64_t T_, const float* bias, T* 
   quantize_input(x, T_, w.K, w.g, w.bits, G_pad, xq.data(), dx.data(), sums.data());
   const QuantInput in{xq.data(), dx.data(), sums.data(), w.K, G_pad, lane_block, chunk_group.data()};
   const bool two = w.S > 0;  // the kernel reads two-level codes itself
+  if (T_ == 1 && w.bits == 4 && w.g == 32) {  // one row of x, groups of 32: windows of 16 groups
+    transpose_input_windows(xq.data(), 1, w.K);
+    std::vector<float> group_dx(G_pad, 0.f);  // each group's x scale: its chunk's lanes, 4 a group
+    for (int64_t j = 0; j < w.G; ++j) group_dx[j] = dx[(j / 4) * 16 + (j % 4) * 4];
+    constexpr int64_t kOutputs = 8;
+    at::parallel_for(0, (w.N + kOutputs - 1) / kOutputs, kDecodeGrainRows / kOutputs, [&](int64_t b0, int64_t b1) {
+      const WindowTranspose t = window_transpose();
+      alignas(16) float y[kOutputs];
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n0 = b * kOutputs, outputs = std::min(kOutputs, w.N - n0);
+        __m512 acc[kOutputs];
+        int64_t o = 0;
+        for (; o + kWindowRows <= outputs; o += kWindowRows)
+          two ? rows_windows<true, kWindowRows>(w, in, group_dx.data(), t, n0 + o, acc + o)
+              : rows_windows<false, kWindowRows>(w, in, group_dx.data(), t, n0 + o, acc + o);
+        for (; o < outputs; ++o)
+          two ? rows_windows<true, 1>(w, in, group_dx.data(), t, n0 + o, acc + o)
+              : rows_windows<false, 1>(w, in, group_dx.data(), t, n0 + o, acc + o);
+        if (outputs == kOutputs) {  // four rows' sums share a reduction
+          for (int64_t o = 0; o < kOutputs; o += 4) _mm_store_ps(y + o, reduce4(acc[o], acc[o + 1], acc[o + 2], acc[o + 3]));
+        } else {
+          for (int64_t o = 0; o < outputs; ++o) y[o] = _mm512_reduce_add_ps(acc[o]);
+        }
+        for (int64_t o = 0; o < outputs; ++o) store_row(out, n0 + o, y[o], bias);
+      }
+    });
+    return;
+  }
   // one row of x: 8 output rows a pass (more independent sums in flight; each 4 rows' reductions
   // share their shuffles): the 32000 x 512 Q6_K head 350 -> 320 us
   constexpr int64_t kOutputs = 8;

@@ -139,27 +139,27 @@ def test_int8_activations_stay_within_their_contract(int8_ops, ops, bits, two_le
     assert ((out.double() - exact).abs() / size).median().item() < 2e-3
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("inputs", [512, 896, 1408])  # whole windows of 16 groups, then 3 chunks past them
 @pytest.mark.parametrize(("two_level", "symmetric"), [(False, False), (True, False), (False, True)])
-def test_one_row_of_4_bits_in_groups_of_32_in_windows(int8_ops, inputs, two_level, symmetric):
-    """A decode row against 4-bit groups of 32 takes windows of 512 inputs transposed in
-    registers (and the chunks past the last whole window one at a time): the same contract,
-    and the same quantized products as a batch of two rows, which the per-chunk path sums."""
+def test_decode_rows_of_4_bits_in_groups_of_32_take_windows(int8_ops, inputs, two_level, symmetric, rows):
+    """Decode rows against 4-bit groups of 32 take windows of 512 inputs transposed in
+    registers (and the chunks past the last whole window one at a time): the int8 contract,
+    and each row as it comes out alone, but next to a bf16 tie."""
     if not int8_ops.kernels.group_quant_int8_supported(4, inputs, 32):
         pytest.skip(f"the {int8_ops.kernels.variant} build has no int8 activations")
-    gen = torch.Generator().manual_seed(inputs + 2 * two_level + symmetric)
+    gen = torch.Generator().manual_seed(inputs * rows + 2 * two_level + symmetric)
     w = random_group_quant(N, inputs, 4, 32, gen, two_level=two_level, symmetric=symmetric)
-    x = (torch.randn(2, inputs, generator=gen) * torch.rand(2, inputs, generator=gen) * 3).bfloat16()
+    x = (torch.randn(rows, inputs, generator=gen) * torch.rand(rows, inputs, generator=gen) * 3).bfloat16()
     bias = torch.randn(N, generator=gen)
-    one = int8_ops.group_quant_linear(x[:1], w, bias)
-    exact, size = group_quant_exact(x[:1], w, bias)
-    bound = FP32_EPSILONS * torch.finfo(torch.float32).eps * size + group_quant_int8_allowance(x[:1], w, 32)
+    out = int8_ops.group_quant_linear(x, w, bias)
+    exact, size = group_quant_exact(x, w, bias)
+    bound = FP32_EPSILONS * torch.finfo(torch.float32).eps * size + group_quant_int8_allowance(x, w, 32)
     bound = bound * (1 + 2**-8) + 2**-8 * exact.abs()
-    assert ((one.double() - exact).abs() / bound).max().item() <= 1.0
-    # the same int8 products, summed in another order: equal but next to a bf16 tie
-    both = int8_ops.group_quant_linear(x, w, bias)
-    assert (one != both[:1]).float().mean().item() < 0.05
-    assert ((one.double() - both[:1].double()).abs() <= 2**-7 * exact.abs() + 1e-6 * size).all()
+    assert ((out.double() - exact).abs() / bound).max().item() <= 1.0
+    alone = torch.cat([int8_ops.group_quant_linear(x[i : i + 1], w, bias) for i in range(rows)])
+    assert (out != alone).float().mean().item() < 0.05
+    assert ((out.double() - alone.double()).abs() <= 2**-7 * exact.abs() + 1e-6 * size).all()
 
 
 def test_int8_activations_are_a_switch(monkeypatch):

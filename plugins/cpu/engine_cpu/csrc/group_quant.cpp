@@ -32,9 +32,10 @@
 // activations' rounding: at most sum_k |s q_k| dx_k / 2 (the contract the tests check). A chunk's
 // 16 int32 lanes each cover one block (8 inputs a lane for 4 bits, 4 for 8), scaled in fp32 by
 // their block's s * dx. This is llama.cpp's scheme (Q8 activations); it reads the same bytes and
-// does a quarter of the instructions of the fp32 path. One row of x against 4-bit groups of 32 (the
-// GGUF Q4_K and Q4_0 layers) takes windows of 16 groups, transposed so that a lane holds a group
-// (rows_windows below): the 32000 x 512 Q4_K head 16.8 -> 13.9 ns a row on one thread.
+// does a quarter of the instructions of the fp32 path. Decode rows against 4-bit groups of 32 (the
+// GGUF Q4_K and Q4_0 layers) take windows of 16 groups, transposed so that a lane holds a group
+// (rows_windows below): the 32000 x 512 Q4_K head 16.8 -> 13.9 ns a row on one thread at one row
+// of x; at 2, 4 and 8 rows 570 -> 378, 876 -> 599 and 1535 -> 1174 us on two.
 //
 // More rows (prefill, large batches): with bf16 x, an AMX build and groups of whole 32-input steps,
 // the same sums on AMX tiles (the integers are exact in bf16, so each product is; see amx_prefill).
@@ -686,7 +687,7 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, const float* s, 
   }
 }
 
-// ---- 4-bit weights in groups of 32, one row of x: a window of 16 groups a vector ----
+// ---- 4-bit weights in groups of 32, decode rows of x: a window of 16 groups a vector ----
 //
 // row_vnni spends, per chunk and output row, a permute and two multiplies on scales, since a chunk's
 // lanes hold 4 groups (and the zmm instructions, not the bytes, bound a batch-1 step: one zmm op a
@@ -752,19 +753,21 @@ void transpose_input_windows(int8_t* xq, int64_t T_, int64_t K) {
     }
 }
 
-// output rows n .. n + P - 1 against one row of x (4 bits, groups of 32; x as transpose_input_windows
-// leaves it, group_dx [G_pad] the scale of each group's x): each row's sums in 16 fp32 lanes, acc[p].
-// The P rows go through each window together: independent chains for the core to overlap.
-template <bool TWO, int P>
+// output rows n .. n + P - 1 against rows t0 .. t0 + R - 1 of x (4 bits, groups of 32; x as
+// transpose_input_windows leaves it, group_dx [T, G_pad] the scale of each group of each row of x):
+// the sums of output row n + p and row t0 + r of x in 16 fp32 lanes, acc[p * R + r]. The P output
+// rows go through each window together (independent chains for the core to overlap), and each
+// weight row's transpose and nibbles serve the R rows of x.
+template <bool TWO, int P, int R>
 __attribute__((always_inline)) inline void rows_windows(const Weight& w, const QuantInput& in, const float* group_dx,
-                                                        const WindowTranspose& t, int64_t n, __m512* acc) {
-  const int64_t chunks = in.K / 128, windows = chunks / kWindowChunks;
+                                                        const WindowTranspose& t, int64_t n, int64_t t0, __m512* acc) {
+  const int64_t K = in.K, chunks = K / 128, windows = chunks / kWindowChunks;
   const __m512i low = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8(static_cast<char>(0xf0));
   const __m512i spread = super_spread(w.shift);
   const __m512 zero = _mm512_set1_ps(static_cast<float>(w.zero));
   const int64_t supers = TWO ? w.G >> w.shift : 0;
-  for (int p = 0; p < P; ++p) acc[p] = _mm512_setzero_ps();
-  // the 16 groups from `window` of row n + p: their scales (sv) and the offsets' term
+  for (int i = 0; i < P * R; ++i) acc[i] = _mm512_setzero_ps();
+  // the 16 groups from `window` of row n + p: their scales (sv), and the offsets' term taken
   auto scales = [&](int64_t window, int p) {
     const int64_t row = n + p;
     const __mmask16 mask = groups_mask(w.G - window);
@@ -780,14 +783,14 @@ __attribute__((always_inline)) inline void rows_windows(const Weight& w, const Q
       mv = w.zero >= 0 ? _mm512_mul_ps(sv, zero)
                        : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(w.offsets) + row * w.G + window);
     }
-    acc[p] = _mm512_fnmadd_ps(mv, _mm512_loadu_ps(in.sums + window), acc[p]);
+    for (int r = 0; r < R; ++r)
+      acc[p * R + r] = _mm512_fnmadd_ps(mv, _mm512_loadu_ps(in.sums + (t0 + r) * in.G_pad + window), acc[p * R + r]);
     return sv;
   };
   for (int64_t win = 0; win < windows; ++win) {
     const int64_t window = win * 16;
-    const int8_t* xr = in.xq + win * kWindowChunks * 128;
-    const __m512 dxv = _mm512_loadu_ps(group_dx + window);
-    __m512i even[P], odd[P];
+    const int8_t* xr = in.xq + t0 * K + win * kWindowChunks * 128;
+    __m512i even[P][R], odd[P][R];
     for (int p = 0; p < P; ++p) {
       const uint8_t* q = w.row(n + p) + win * kWindowChunks * 64;
       __m512i z[4], y[4];
@@ -796,16 +799,22 @@ __attribute__((always_inline)) inline void rows_windows(const Weight& w, const Q
         z[c] = _mm512_loadu_si512(q + c * 64);
       }
       transpose_window(z, y, t);
-      even[p] = odd[p] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) even[p][r] = odd[p][r] = _mm512_setzero_si512();
       for (int step = 0; step < 4; ++step) {
-        even[p] = _mm512_dpbusd_epi32(even[p], _mm512_and_si512(y[step], low), _mm512_loadu_si512(xr + step * 128));
-        odd[p] = _mm512_dpbusd_epi32(odd[p], _mm512_and_si512(y[step], high), _mm512_loadu_si512(xr + step * 128 + 64));
+        const __m512i lo = _mm512_and_si512(y[step], low), hi = _mm512_and_si512(y[step], high);
+        for (int r = 0; r < R; ++r) {
+          even[p][r] = _mm512_dpbusd_epi32(even[p][r], lo, _mm512_loadu_si512(xr + r * K + step * 128));
+          odd[p][r] = _mm512_dpbusd_epi32(odd[p][r], hi, _mm512_loadu_si512(xr + r * K + step * 128 + 64));
+        }
       }
     }
     for (int p = 0; p < P; ++p) {
       const __m512 sv = scales(window, p);
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[p], _mm512_srai_epi32(odd[p], 4)));
-      acc[p] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, dxv), acc[p]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[p][r], _mm512_srai_epi32(odd[p][r], 4)));
+        const __m512 dxv = _mm512_loadu_ps(group_dx + (t0 + r) * in.G_pad + window);
+        acc[p * R + r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sv, dxv), acc[p * R + r]);
+      }
     }
   }
   if (windows * kWindowChunks < chunks) {  // the chunks past the last whole window: row_vnni's steps
@@ -815,19 +824,90 @@ __attribute__((always_inline)) inline void rows_windows(const Weight& w, const Q
     for (int p = 0; p < P; ++p) sv[p] = scales(window, p);
     for (int64_t c = windows * kWindowChunks; c < chunks; ++c) {
       const __m512i pick = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(in.chunk_group[c] - window)));
-      const int8_t* xr = in.xq + c * 128;
-      const __m512 dv = _mm512_loadu_ps(in.dx + c * 16);
+      const int8_t* xr = in.xq + t0 * K + c * 128;
       for (int p = 0; p < P; ++p) {
         const uint8_t* q = w.row(n + p) + c * 64;
         _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * w.row_bytes()), _MM_HINT_T0);
         const __m512i b = _mm512_loadu_si512(q);
-        __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(b, low), _mm512_loadu_si512(xr));
-        d = _mm512_dpbusd_epi32(d, _mm512_and_si512(_mm512_srli_epi16(b, 4), low), _mm512_loadu_si512(xr + 64));
-        const __m512 ws = _mm512_mul_ps(_mm512_permutexvar_ps(pick, sv[p]), dv);
-        acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), ws, acc[p]);
+        const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
+        const __m512 ws = _mm512_permutexvar_ps(pick, sv[p]);
+        for (int r = 0; r < R; ++r) {
+          __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr + r * K));
+          d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xr + r * K + 64));
+          const __m512 dv = _mm512_loadu_ps(in.dx + ((t0 + r) * chunks + c) * 16);
+          acc[p * R + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, dv), acc[p * R + r]);
+        }
       }
     }
   }
+}
+
+// out = x W^T + bias for up to kDecodeRows rows of x against 4-bit groups of 32 (the windows above):
+// one row of x takes 8 output rows a pass, four at a time through the windows; more rows of x take
+// one output row at a time against up to 4 rows of x. Four sums share each reduction.
+template <typename T>
+void decode_windows(const Weight& w, QuantInput in, int8_t* xq, const float* dx, int64_t T_, const float* bias,
+                    T* out) {
+  transpose_input_windows(xq, T_, w.K);
+  const int64_t chunks = w.K / 128;
+  std::vector<float> group_dx(T_ * in.G_pad, 0.f);  // each group's x scale: its chunk's lanes, 4 a group
+  for (int64_t r = 0; r < T_; ++r)
+    for (int64_t j = 0; j < w.G; ++j) group_dx[r * in.G_pad + j] = dx[(r * chunks + j / 4) * 16 + (j % 4) * 4];
+  const bool two = w.S > 0;
+  constexpr int64_t kOutputs = 8;
+  at::parallel_for(0, (w.N + kOutputs - 1) / kOutputs, kDecodeGrainRows / kOutputs, [&](int64_t b0, int64_t b1) {
+    const WindowTranspose t = window_transpose();
+    alignas(16) float y[kOutputs];
+    __m512 acc[kOutputs];
+    // P output rows from n against R rows of x from t0 -> acc
+    auto run = [&](auto p_c, auto r_c, int64_t n, int64_t t0) {
+      constexpr int PP = decltype(p_c)::value, RR = decltype(r_c)::value;
+      two ? rows_windows<true, PP, RR>(w, in, group_dx.data(), t, n, t0, acc)
+          : rows_windows<false, PP, RR>(w, in, group_dx.data(), t, n, t0, acc);
+    };
+    // the sums of acc[0 .. count) -> y, four to a reduction
+    auto reduce = [&](int64_t count) {
+      int64_t i = 0;
+      for (; i + 4 <= count; i += 4) _mm_store_ps(y + i, reduce4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+      for (; i < count; ++i) y[i] = _mm512_reduce_add_ps(acc[i]);
+    };
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * kOutputs, outputs = std::min(kOutputs, w.N - n0);
+      if (T_ == 1) {
+        int64_t o = 0;
+        for (; o + kWindowRows <= outputs; o += kWindowRows) {
+          run(std::integral_constant<int, kWindowRows>{}, std::integral_constant<int, 1>{}, n0 + o, 0);
+          reduce(kWindowRows);
+          for (int64_t i = 0; i < kWindowRows; ++i) store_row(out, n0 + o + i, y[i], bias);
+        }
+        for (; o < outputs; ++o) {
+          run(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, n0 + o, 0);
+          reduce(1);
+          store_row(out, n0 + o, y[0], bias);
+        }
+        continue;
+      }
+      // two output rows at a time against up to 2 rows of x, one against 3 or 4
+      for (int64_t t0 = 0; t0 < T_; t0 += kVnniRows) {
+        const int64_t R = std::min(kVnniRows, T_ - t0);
+        for (int64_t n = n0; n < n0 + outputs;) {
+          const int64_t P = R <= 2 && n + 2 <= n0 + outputs ? 2 : 1;
+          switch (P * 8 + R) {
+            case 17: run(std::integral_constant<int, 2>{}, std::integral_constant<int, 1>{}, n, t0); break;
+            case 18: run(std::integral_constant<int, 2>{}, std::integral_constant<int, 2>{}, n, t0); break;
+            case 9: run(std::integral_constant<int, 1>{}, std::integral_constant<int, 1>{}, n, t0); break;
+            case 10: run(std::integral_constant<int, 1>{}, std::integral_constant<int, 2>{}, n, t0); break;
+            case 11: run(std::integral_constant<int, 1>{}, std::integral_constant<int, 3>{}, n, t0); break;
+            default: run(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{}, n, t0); break;
+          }
+          reduce(P * R);
+          for (int64_t p = 0; p < P; ++p)
+            for (int64_t r = 0; r < R; ++r) store_row(out + (t0 + r) * w.N, n + p, y[p * R + r], bias);
+          n += P;
+        }
+      }
+    }
+  });
 }
 
 template <typename T>
@@ -843,32 +923,8 @@ void decode_int8(const Weight& w, const T* x, int64_t T_, const float* bias, T* 
   quantize_input(x, T_, w.K, w.g, w.bits, G_pad, xq.data(), dx.data(), sums.data());
   const QuantInput in{xq.data(), dx.data(), sums.data(), w.K, G_pad, lane_block, chunk_group.data()};
   const bool two = w.S > 0;  // the kernel reads two-level codes itself
-  if (T_ == 1 && w.bits == 4 && w.g == 32) {  // one row of x, groups of 32: windows of 16 groups
-    transpose_input_windows(xq.data(), 1, w.K);
-    std::vector<float> group_dx(G_pad, 0.f);  // each group's x scale: its chunk's lanes, 4 a group
-    for (int64_t j = 0; j < w.G; ++j) group_dx[j] = dx[(j / 4) * 16 + (j % 4) * 4];
-    constexpr int64_t kOutputs = 8;
-    at::parallel_for(0, (w.N + kOutputs - 1) / kOutputs, kDecodeGrainRows / kOutputs, [&](int64_t b0, int64_t b1) {
-      const WindowTranspose t = window_transpose();
-      alignas(16) float y[kOutputs];
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n0 = b * kOutputs, outputs = std::min(kOutputs, w.N - n0);
-        __m512 acc[kOutputs];
-        int64_t o = 0;
-        for (; o + kWindowRows <= outputs; o += kWindowRows)
-          two ? rows_windows<true, kWindowRows>(w, in, group_dx.data(), t, n0 + o, acc + o)
-              : rows_windows<false, kWindowRows>(w, in, group_dx.data(), t, n0 + o, acc + o);
-        for (; o < outputs; ++o)
-          two ? rows_windows<true, 1>(w, in, group_dx.data(), t, n0 + o, acc + o)
-              : rows_windows<false, 1>(w, in, group_dx.data(), t, n0 + o, acc + o);
-        if (outputs == kOutputs) {  // four rows' sums share a reduction
-          for (int64_t o = 0; o < kOutputs; o += 4) _mm_store_ps(y + o, reduce4(acc[o], acc[o + 1], acc[o + 2], acc[o + 3]));
-        } else {
-          for (int64_t o = 0; o < outputs; ++o) y[o] = _mm512_reduce_add_ps(acc[o]);
-        }
-        for (int64_t o = 0; o < outputs; ++o) store_row(out, n0 + o, y[o], bias);
-      }
-    });
+  if (w.bits == 4 && w.g == 32) {  // groups of 32: windows of 16 groups
+    decode_windows(w, in, xq.data(), dx.data(), T_, bias, out);
     return;
   }
   // one row of x: 8 output rows a pass (more independent sums in flight; each 4 rows' reductions

@@ -592,15 +592,39 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// y[o * R + r] for O output rows from n (O 1 or 8) and R rows of x from t0. The chunks run in
+// the 16 groups from `window` (a multiple of 16; lanes past G zero) of output row `row`: their scales
+// sv and offsets mv, each as the reference's fp32 value (TWO: the two-level codes times their
+// super-block's float; otherwise the row's fp32 scales and offsets; a zero: zero times the scales)
+template <bool TWO>
+__attribute__((always_inline)) inline void window_scales(const Weight& w, int64_t row, int64_t window, __m512i spread,
+                                                         __m512& sv, __m512& mv) {
+  if constexpr (TWO) {
+    const int64_t supers = w.G >> w.shift;
+    sv = level16(static_cast<const int8_t*>(w.scales) + row * w.G, w.super_scales + row * supers, window, w.G,
+                 w.shift, spread);
+    if (w.zero < 0) {
+      mv = level16(static_cast<const int8_t*>(w.offsets) + row * w.G, w.super_offsets + row * supers, window, w.G,
+                   w.shift, spread);
+      return;
+    }
+  } else {
+    const __mmask16 mask = groups_mask(w.G - window);
+    sv = _mm512_maskz_loadu_ps(mask, static_cast<const float*>(w.scales) + row * w.G + window);
+    if (w.zero < 0) {
+      mv = _mm512_maskz_loadu_ps(mask, static_cast<const float*>(w.offsets) + row * w.G + window);
+      return;
+    }
+  }
+  mv = _mm512_mul_ps(sv, _mm512_set1_ps(static_cast<float>(w.zero)));
+}
+
+// y[o * R + r] for O output rows from n (O 1, 2 or 8) and R rows of x from t0. The chunks run in
 // windows of 16 groups (a chunk never straddles one: it holds 1, 2, 4, 8 or 16 whole groups or lies
-// within one): on entering a window each row's 16 scales are made once in a register (TWO: from its
-// two-level codes, as the reference's fp32 products; otherwise loaded from s [O][G]), and the
-// window's offset term is taken (m [O][G], the two-level offset codes, or zero times the scales);
-// each chunk then picks its lanes' scales with one permute.
+// within one): on entering a window each row's 16 scales are made once in a register and the
+// window's offset term is taken (window_scales); each chunk then picks its lanes' scales with one
+// permute.
 template <int O, int R, int BITS, bool TWO>
-void row_vnni(const Weight& w, const QuantInput& in, int64_t n, const float* s, const float* m, int64_t t0,
-              float* y) {
+void row_vnni(const Weight& w, const QuantInput& in, int64_t n, int64_t t0, float* y) {
   constexpr int64_t chunk = BITS != 8 ? 128 : 64;
   const int64_t chunks = in.K / chunk;
   const __m512i lanes = _mm512_loadu_si512(in.lane_block);
@@ -609,9 +633,6 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, const float* s, 
   const __m512i even_up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
   const __m512i odd_down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
   const __m512i spread = super_spread(w.shift);
-  const bool zero = w.zero >= 0;
-  const __m512 zero_v = _mm512_set1_ps(static_cast<float>(w.zero));
-  const int64_t supers = TWO ? w.G >> w.shift : 0;
   __m512 acc[O][R];
   for (int o = 0; o < O; ++o)
     for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
@@ -621,22 +642,11 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, const float* s, 
     const int64_t j0 = in.chunk_group[c];  // the group of the chunk's first input
     if ((j0 & ~int64_t{15}) != window) {
       window = j0 & ~int64_t{15};
-      const __mmask16 mask = groups_mask(w.G - window);
       __m512 xs[R];
       for (int r = 0; r < R; ++r) xs[r] = _mm512_loadu_ps(in.sums + (t0 + r) * in.G_pad + window);
       for (int o = 0; o < O; ++o) {
-        const int64_t row = n + o;
         __m512 mv;
-        if constexpr (TWO) {
-          sv[o] = level16(static_cast<const int8_t*>(w.scales) + row * w.G, w.super_scales + row * supers, window,
-                          w.G, w.shift, spread);
-          mv = zero ? _mm512_mul_ps(sv[o], zero_v)
-                    : level16(static_cast<const int8_t*>(w.offsets) + row * w.G, w.super_offsets + row * supers,
-                              window, w.G, w.shift, spread);
-        } else {
-          sv[o] = _mm512_maskz_loadu_ps(mask, s + o * w.G + window);
-          mv = zero ? _mm512_mul_ps(sv[o], zero_v) : _mm512_maskz_loadu_ps(mask, m + o * w.G + window);
-        }
+        window_scales<TWO>(w, n + o, window, spread, sv[o], mv);
         // minus sum_j m_j sum(x_j) over the window's groups (the sums are zero past G)
         for (int r = 0; r < R; ++r) acc[o][r] = _mm512_fnmadd_ps(mv, xs[r], acc[o][r]);
       }
@@ -764,25 +774,11 @@ __attribute__((always_inline)) inline void rows_windows(const Weight& w, const Q
   const int64_t K = in.K, chunks = K / 128, windows = chunks / kWindowChunks;
   const __m512i low = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8(static_cast<char>(0xf0));
   const __m512i spread = super_spread(w.shift);
-  const __m512 zero = _mm512_set1_ps(static_cast<float>(w.zero));
-  const int64_t supers = TWO ? w.G >> w.shift : 0;
   for (int i = 0; i < P * R; ++i) acc[i] = _mm512_setzero_ps();
   // the 16 groups from `window` of row n + p: their scales (sv), and the offsets' term taken
   auto scales = [&](int64_t window, int p) {
-    const int64_t row = n + p;
-    const __mmask16 mask = groups_mask(w.G - window);
     __m512 sv, mv;
-    if constexpr (TWO) {
-      sv = level16(static_cast<const int8_t*>(w.scales) + row * w.G, w.super_scales + row * supers, window, w.G,
-                   w.shift, spread);
-      mv = w.zero >= 0 ? _mm512_mul_ps(sv, zero)
-                       : level16(static_cast<const int8_t*>(w.offsets) + row * w.G, w.super_offsets + row * supers,
-                                 window, w.G, w.shift, spread);
-    } else {
-      sv = _mm512_maskz_loadu_ps(mask, static_cast<const float*>(w.scales) + row * w.G + window);
-      mv = w.zero >= 0 ? _mm512_mul_ps(sv, zero)
-                       : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(w.offsets) + row * w.G + window);
-    }
+    window_scales<TWO>(w, n + p, window, spread, sv, mv);
     for (int r = 0; r < R; ++r)
       acc[p * R + r] = _mm512_fnmadd_ps(mv, _mm512_loadu_ps(in.sums + (t0 + r) * in.G_pad + window), acc[p * R + r]);
     return sv;
@@ -844,7 +840,8 @@ __attribute__((always_inline)) inline void rows_windows(const Weight& w, const Q
 
 // out = x W^T + bias for up to kDecodeRows rows of x against 4-bit groups of 32 (the windows above):
 // one row of x takes 8 output rows a pass, four at a time through the windows; more rows of x take
-// one output row at a time against up to 4 rows of x. Four sums share each reduction.
+// two output rows at a time against up to 2 rows of x, one against 3 or 4. Four sums share each
+// reduction.
 template <typename T>
 void decode_windows(const Weight& w, QuantInput in, int8_t* xq, const float* dx, int64_t T_, const float* bias,
                     T* out) {
@@ -932,18 +929,13 @@ void decode_int8(const Weight& w, const T* x, int64_t T_, const float* bias, T* 
   constexpr int64_t kOutputs = 8;
   at::parallel_for(0, (w.N + kOutputs - 1) / kOutputs, kDecodeGrainRows / kOutputs, [&](int64_t b0, int64_t b1) {
     float y[kOutputs * kVnniRows];
-    const float *s = nullptr, *m = nullptr;
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kOutputs, outputs = std::min(kOutputs, w.N - n0);
       const bool whole = T_ == 1 && outputs == kOutputs;
-      if (!two) {  // the rows' scales and offsets, one after another in the weight (a zero: no offsets)
-        s = static_cast<const float*>(w.scales) + n0 * w.G;
-        m = w.zero >= 0 ? nullptr : static_cast<const float*>(w.offsets) + n0 * w.G;
-      }
       with_bits(w.bits, [&](auto bits_c) {
         constexpr int B = decltype(bits_c)::value;
         if (whole) {
-          two ? row_vnni<8, 1, B, true>(w, in, n0, s, m, 0, y) : row_vnni<8, 1, B, false>(w, in, n0, s, m, 0, y);
+          two ? row_vnni<8, 1, B, true>(w, in, n0, 0, y) : row_vnni<8, 1, B, false>(w, in, n0, 0, y);
           for (int64_t o = 0; o < kOutputs; ++o) store_row(out, n0 + o, y[o], bias);
           return;
         }
@@ -954,12 +946,9 @@ void decode_int8(const Weight& w, const T* x, int64_t T_, const float* bias, T* 
           const int64_t R = std::min(kVnniRows, T_ - t0);
           for (int64_t o = 0; o < outputs;) {
             const int64_t O = o + 2 <= outputs ? 2 : 1;
-            const float* so = s == nullptr ? nullptr : s + o * w.G;
-            const float* mo = m == nullptr ? nullptr : m + o * w.G;
             auto run = [&](auto outs, auto rows) {
               constexpr int OO = decltype(outs)::value, RR = decltype(rows)::value;
-              two ? row_vnni<OO, RR, B, true>(w, in, n0 + o, so, mo, t0, y)
-                  : row_vnni<OO, RR, B, false>(w, in, n0 + o, so, mo, t0, y);
+              two ? row_vnni<OO, RR, B, true>(w, in, n0 + o, t0, y) : row_vnni<OO, RR, B, false>(w, in, n0 + o, t0, y);
             };
             using one = std::integral_constant<int, 1>;
             using pair = std::integral_constant<int, 2>;

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from engine.bench.engine_runner import FORWARD, LOGITS, StepRecord, decode_break
 from engine.bench.metrics import (
     RequestTiming,
     bandwidth_gb_per_s,
+    decode_kv_read_bytes,
     decode_step_seconds,
     decode_tokens_per_s,
     overhead_share,
@@ -142,6 +144,16 @@ def test_rates_ratios_and_overhead():
     assert weight_read_seconds(84_000_000, 21.0) == pytest.approx(0.004)
 
 
+def test_decode_kv_read_counts_each_decode_forwards_context_per_layer():
+    # prompt 3, 3 outputs: the forwards of tokens 1 and 2 attend over 4 and 5 positions; a
+    # layer of 10 bytes a token reads 10 * (4 + 5), one of 4 bytes with a window of 4 reads 4 * (4 + 4)
+    assert decode_kv_read_bytes([(3, 3)], [(10, None), (4, 4)]) == 90 + 32
+    assert decode_kv_read_bytes([(5, 1)], [(10, None)]) == 0  # the only token comes from the prefill
+    assert decode_kv_read_bytes([(3, 3), (1, 2)], [(10, None)]) == 90 + 20
+    with pytest.raises(ValueError, match="needs a prompt"):
+        decode_kv_read_bytes([(0, 4)], [(10, None)])
+
+
 def test_prefix_figures():
     timings = [RequestTiming(0.0, ttft, 1.0, 1088, 64) for ttft in (1.0, 0.2, 0.4)]
     f = prefix_figures(timings)
@@ -257,6 +269,18 @@ def test_throughput_reports_engine_overhead_at_all_decoding_sequences(capsys, ti
     report = run_bench_json(capsys, "throughput", "--model", tiny_llama)
     w2 = {k: f["values"]["engine"] for k, f in report["sections"]["w2"]["figures"].items()}
     assert 0 < w2["prefill_steps_s"] <= w2["wall_s"]
+    # the KV the decode forwards read, from the checkpoint's config and the workload's lengths:
+    # K and V of every kv head in every layer, fp32, over prompt + j positions for token j >= 1
+    config = json.loads((Path(tiny_llama) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 4
+    workload = throughput_workload(config["vocab_size"], scale=0.05)
+    contexts = sum(r.prompt_len + j for r in workload.requests for j in range(1, r.output_len))
+    assert w2["kv_read_gb"] == pytest.approx(contexts * per_token / 1e9)
+    facts = report["sections"]["w2"]["facts"]
+    assert facts["kv_read_bytes"] == contexts * per_token
+    assert w2["decode_floor_s"] > facts["kv_read_bytes"] / (facts["read_gb_per_s"] * 1e9) > 0  # plus the weights
+    assert w2["decode_over_floor"] * w2["decode_floor_s"] < w2["wall_s"]
     section = report["sections"]["decode_overhead"]
     assert section["facts"]["num_seqs"] == 3 and section["facts"]["num_steps"] == 2  # 3 output tokens: 2 decode steps
     values = {k: f["values"]["engine"] for k, f in section["figures"].items()}

@@ -18,6 +18,7 @@ from engine.bench.engine_runner import (
 )
 from engine.bench.metrics import (
     RequestTiming,
+    decode_kv_read_bytes,
     decode_step_seconds,
     decode_tokens_per_s,
     prefix_figures,
@@ -187,10 +188,13 @@ def run_throughput(options: BenchOptions) -> Report:
     session = Session("throughput", options)
     workload = throughput_workload(session.vocab_size, scale=options.scale)
     decode = decode_workload(session.vocab_size, scale=options.scale)
+    bandwidth = measure_matvec_bandwidth(dtype=getattr(torch, options.dtype))
 
     engine = session.engine()
     w2 = session.median_run("w2", ENGINE, lambda: engine.run(workload.requests, ALL_AT_ONCE), engine.reset_prefix_cache)
     w2_model_seconds = sum(s.model_seconds for s in w2.steps)
+    kv_read = decode_kv_read_bytes([(r.prompt_len, r.output_len) for r in workload.requests], engine.kv_layers())
+    weights = engine.weight_bytes()
     decode_run = engine.run(decode.requests, ALL_AT_ONCE, time_attention=True)
     labels = engine.timed_labels()
     breakdown = decode_breakdown(decode_run.steps, len(decode.requests), labels)
@@ -260,6 +264,44 @@ def run_throughput(options: BenchOptions) -> Report:
         f"step() time of the {len(prefill_steps)} steps that computed prompt tokens (alone or with decodes); "
         f"the other {len(w2.steps) - len(prefill_steps)} steps only decoded.",
         ".2f",
+    )
+    # what the decode-only steps cannot go below on this machine: their memory traffic at the
+    # streaming-read bandwidth, the KV every decode forward attends over and the weights each step
+    decode_steps = [s for s in w2.steps if s.all_decode]
+    decode_seconds = sum(s.seconds for s in decode_steps)
+    floor = weight_read_seconds(kv_read + weights * len(decode_steps), bandwidth.read_gb_per_s)
+    section.add(
+        "kv_read_gb",
+        "KV read by decode attention",
+        "GB",
+        {ENGINE: kv_read / 1e9},
+        "for every output token after a request's first: its context (prompt + tokens so far) x the KV bytes "
+        "a token holds in all attention layers, as this engine caches it; no request shares a prefix, so any "
+        "engine keeping this KV dtype reads as much.",
+    )
+    section.add(
+        "decode_floor_s",
+        "memory floor of the decode-only steps",
+        "s",
+        {ENGINE: floor},
+        f"(KV read above + weight bytes x {len(decode_steps)} decode-only steps) / the memory read bandwidth "
+        "measured in this run (note below): the time these steps take if they did nothing but stream that "
+        "memory once.",
+        ".2f",
+    )
+    section.add(
+        "decode_over_floor",
+        "decode-only steps / their memory floor",
+        "x",
+        {ENGINE: ratio(decode_seconds, floor)},
+        f"step() time of the {len(decode_steps)} decode-only steps ({decode_seconds:.2f} s) / the floor above.",
+        ".2f",
+    )
+    section.facts = {"read_gb_per_s": bandwidth.read_gb_per_s, "kv_read_bytes": kv_read, "weight_bytes": weights}
+    section.notes.append(
+        f"Memory read bandwidth {bandwidth.read_gb_per_s:.1f} GB/s: a sum over {bandwidth.num_bytes / MB:.0f} MB "
+        f"read as fp32 words, median of {bandwidth.reps}. Weights read per step: {weights / MB:.1f} MB (every "
+        "parameter except the embedding table, which is only gathered)."
     )
     session.spec_note(section, engine)
     session.repeat_note(section)

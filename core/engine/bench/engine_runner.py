@@ -101,6 +101,18 @@ class EngineRunner:
     def weight_bytes(self) -> int:
         return weight_bytes(self.model)
 
+    def kv_layers(self) -> list[tuple[int, int | None]]:
+        """(bytes a token holds, sliding window or None) of each layer whose cache grows by
+        token: what a decode forward reads per token of context (recurrent layers hold a
+        state of fixed size instead and are left out)."""
+        cache = self.engine.kv_cache
+        layers = []
+        for tensor, backend in zip(cache.layer_caches, cache.layer_backends):
+            per_token = backend.spec.kv_bytes_per_token(tensor.element_size()) if backend is not None else 0
+            if per_token:
+                layers.append((per_token, backend.spec.sliding_window))
+        return layers
+
     def weight_memory(self) -> WeightMemory:
         """What the model's weights hold, as the engine logged it once they loaded."""
         return self.model.weight_memory

@@ -73,6 +73,22 @@ def bandwidth_gb_per_s(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9
 
 
+def decode_kv_read_bytes(lengths: Sequence[tuple[int, int]], layers: Sequence[tuple[int, int | None]]) -> int:
+    """Bytes of KV cache that the decode forwards of requests with (prompt, output) ``lengths``
+    read, none of it shared: output token j >= 1 of a request comes from a forward of token
+    j - 1 that attends over prompt + j positions, in each layer of ``layers`` ((bytes a token
+    holds there, sliding window or None)) the last ``window`` of them. Token 0 comes from the
+    prefill."""
+    total = 0
+    for prompt, output in lengths:
+        if prompt < 1:
+            raise ValueError(f"a request needs a prompt, got {prompt} tokens")
+        for per_token, window in layers:
+            for context in range(prompt + 1, prompt + output):
+                total += per_token * (context if window is None else min(context, window))
+    return total
+
+
 def weight_read_seconds(num_bytes: int, gb_per_s: float) -> float:
     """Time to read ``num_bytes`` once at ``gb_per_s``."""
     if gb_per_s <= 0:

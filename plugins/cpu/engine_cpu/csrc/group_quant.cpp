@@ -618,13 +618,14 @@ __attribute__((always_inline)) inline void window_scales(const Weight& w, int64_
   mv = _mm512_mul_ps(sv, _mm512_set1_ps(static_cast<float>(w.zero)));
 }
 
-// y[o * R + r] for O output rows from n (O 1, 2 or 8) and R rows of x from t0. The chunks run in
-// windows of 16 groups (a chunk never straddles one: it holds 1, 2, 4, 8 or 16 whole groups or lies
-// within one): on entering a window each row's 16 scales are made once in a register and the
-// window's offset term is taken (window_scales); each chunk then picks its lanes' scales with one
-// permute.
+// acc[o * R + r] += the sums of chunks [c_begin, c_end) for O output rows from n and R rows of x
+// from t0 (c_begin the first chunk of a window). The chunks run in windows of 16 groups (a chunk
+// never straddles one: it holds 1, 2, 4, 8 or 16 whole groups or lies within one): on entering a
+// window each row's 16 scales are made once in a register and the window's offset term is taken
+// (window_scales); each chunk then picks its lanes' scales with one permute.
 template <int O, int R, int BITS, bool TWO>
-void row_vnni(const Weight& w, const QuantInput& in, int64_t n, int64_t t0, float* y) {
+__attribute__((always_inline)) inline void chunks_vnni(const Weight& w, const QuantInput& in, int64_t n, int64_t t0,
+                                                       int64_t c_begin, int64_t c_end, __m512* acc) {
   constexpr int64_t chunk = BITS != 8 ? 128 : 64;
   const int64_t chunks = in.K / chunk;
   const __m512i lanes = _mm512_loadu_si512(in.lane_block);
@@ -633,12 +634,9 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, int64_t t0, floa
   const __m512i even_up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
   const __m512i odd_down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
   const __m512i spread = super_spread(w.shift);
-  __m512 acc[O][R];
-  for (int o = 0; o < O; ++o)
-    for (int r = 0; r < R; ++r) acc[o][r] = _mm512_setzero_ps();
   __m512 sv[O];  // the window's 16 scales of each output row
   int64_t window = -1;
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = c_begin; c < c_end; ++c) {
     const int64_t j0 = in.chunk_group[c];  // the group of the chunk's first input
     if ((j0 & ~int64_t{15}) != window) {
       window = j0 & ~int64_t{15};
@@ -648,7 +646,7 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, int64_t t0, floa
         __m512 mv;
         window_scales<TWO>(w, n + o, window, spread, sv[o], mv);
         // minus sum_j m_j sum(x_j) over the window's groups (the sums are zero past G)
-        for (int r = 0; r < R; ++r) acc[o][r] = _mm512_fnmadd_ps(mv, xs[r], acc[o][r]);
+        for (int r = 0; r < R; ++r) acc[o * R + r] = _mm512_fnmadd_ps(mv, xs[r], acc[o * R + r]);
       }
     }
     const __m512i pick = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(j0 - window)));
@@ -685,15 +683,23 @@ void row_vnni(const Weight& w, const QuantInput& in, int64_t n, int64_t t0, floa
       for (int r = 0; r < R; ++r) {
         __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[r][0]);
         if constexpr (BITS != 8) d = _mm512_dpbusd_epi32(d, hi, xv[r][1]);
-        acc[o][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, dv[r]), acc[o][r]);
+        acc[o * R + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, dv[r]), acc[o * R + r]);
       }
     }
   }
+}
+
+// y[o * R + r] for O output rows from n (O 1, 2 or 8) and R rows of x from t0: chunks_vnni over all
+// of a row's chunks
+template <int O, int R, int BITS, bool TWO>
+void row_vnni(const Weight& w, const QuantInput& in, int64_t n, int64_t t0, float* y) {
+  __m512 acc[O * R];
+  for (int i = 0; i < O * R; ++i) acc[i] = _mm512_setzero_ps();
+  chunks_vnni<O, R, BITS, TWO>(w, in, n, t0, 0, in.K / (BITS != 8 ? 128 : 64), acc);
   if constexpr (R == 1 && O % 4 == 0) {  // four rows' sums share a reduction
-    for (int o = 0; o < O; o += 4) _mm_storeu_ps(y + o, reduce4(acc[o][0], acc[o + 1][0], acc[o + 2][0], acc[o + 3][0]));
+    for (int o = 0; o < O; o += 4) _mm_storeu_ps(y + o, reduce4(acc[o], acc[o + 1], acc[o + 2], acc[o + 3]));
   } else {
-    for (int o = 0; o < O; ++o)
-      for (int r = 0; r < R; ++r) y[o * R + r] = _mm512_reduce_add_ps(acc[o][r]);
+    for (int i = 0; i < O * R; ++i) y[i] = _mm512_reduce_add_ps(acc[i]);
   }
 }
 
@@ -775,14 +781,6 @@ __attribute__((always_inline)) inline void rows_windows(const Weight& w, const Q
   const __m512i low = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8(static_cast<char>(0xf0));
   const __m512i spread = super_spread(w.shift);
   for (int i = 0; i < P * R; ++i) acc[i] = _mm512_setzero_ps();
-  // the 16 groups from `window` of row n + p: their scales (sv), and the offsets' term taken
-  auto scales = [&](int64_t window, int p) {
-    __m512 sv, mv;
-    window_scales<TWO>(w, n + p, window, spread, sv, mv);
-    for (int r = 0; r < R; ++r)
-      acc[p * R + r] = _mm512_fnmadd_ps(mv, _mm512_loadu_ps(in.sums + (t0 + r) * in.G_pad + window), acc[p * R + r]);
-    return sv;
-  };
   for (int64_t win = 0; win < windows; ++win) {
     const int64_t window = win * 16;
     const int8_t* xr = in.xq + t0 * K + win * kWindowChunks * 128;
@@ -805,7 +803,10 @@ __attribute__((always_inline)) inline void rows_windows(const Weight& w, const Q
       }
     }
     for (int p = 0; p < P; ++p) {
-      const __m512 sv = scales(window, p);
+      __m512 sv, mv;  // the window's scales and offsets of row n + p: the offsets' term first
+      window_scales<TWO>(w, n + p, window, spread, sv, mv);
+      for (int r = 0; r < R; ++r)
+        acc[p * R + r] = _mm512_fnmadd_ps(mv, _mm512_loadu_ps(in.sums + (t0 + r) * in.G_pad + window), acc[p * R + r]);
       for (int r = 0; r < R; ++r) {
         const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[p][r], _mm512_srai_epi32(odd[p][r], 4)));
         const __m512 dxv = _mm512_loadu_ps(group_dx + (t0 + r) * in.G_pad + window);
@@ -813,29 +814,8 @@ __attribute__((always_inline)) inline void rows_windows(const Weight& w, const Q
       }
     }
   }
-  if (windows * kWindowChunks < chunks) {  // the chunks past the last whole window: row_vnni's steps
-    const int64_t window = windows * 16;
-    const __m512i lanes = _mm512_loadu_si512(in.lane_block);
-    __m512 sv[P];
-    for (int p = 0; p < P; ++p) sv[p] = scales(window, p);
-    for (int64_t c = windows * kWindowChunks; c < chunks; ++c) {
-      const __m512i pick = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(in.chunk_group[c] - window)));
-      const int8_t* xr = in.xq + t0 * K + c * 128;
-      for (int p = 0; p < P; ++p) {
-        const uint8_t* q = w.row(n + p) + c * 64;
-        _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchRows * w.row_bytes()), _MM_HINT_T0);
-        const __m512i b = _mm512_loadu_si512(q);
-        const __m512i lo = _mm512_and_si512(b, low), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), low);
-        const __m512 ws = _mm512_permutexvar_ps(pick, sv[p]);
-        for (int r = 0; r < R; ++r) {
-          __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr + r * K));
-          d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xr + r * K + 64));
-          const __m512 dv = _mm512_loadu_ps(in.dx + ((t0 + r) * chunks + c) * 16);
-          acc[p * R + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, dv), acc[p * R + r]);
-        }
-      }
-    }
-  }
+  if (windows * kWindowChunks < chunks)  // the chunks past the last whole window: row_vnni's steps
+    chunks_vnni<P, R, 4, TWO>(w, in, n, t0, windows * kWindowChunks, chunks, acc);
 }
 
 // out = x W^T + bias for up to kDecodeRows rows of x against 4-bit groups of 32 (the windows above):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.runtime.graphs import graph_batch_sizes, padded_size
+from engine.runtime.graphs import StaleGraph, graph_batch_sizes, padded_size
 
 
 def test_batch_sizes_are_powers_of_two_to_eight_then_steps_of_eight_up_to_the_cap():
@@ -142,3 +142,42 @@ def test_an_attention_backend_that_cannot_be_captured_runs_decode_eagerly(
     assert any(
         "decode steps run eagerly: attention backend cpu_paged builds its step metadata" in m for m in caplog.messages
     )
+
+
+class FirstUseGraph(FakeGraph):
+    """Captured by the first decode step of its size; its replays go stale after ``lasting``."""
+
+    capture_on_first_use = True
+    lasting = 3
+
+    def replay(self):
+        if FirstUseGraph.lasting == 0:
+            raise StaleGraph("an op made a [3] tensor, [2] when captured")
+        FirstUseGraph.lasting -= 1
+        super().replay()
+
+
+def test_graphs_captured_on_first_use_then_stale_leave_the_tokens_as_eager(checkpoint, monkeypatch, caplog):
+    """No capture at start-up; the first decode step of each size captures (its own output
+    used); a replay that finds its graph stale runs that step eagerly, and every step after."""
+    import logging
+
+    from engine_cpu.platform import CpuPlatform
+
+    FakeGraph.captured, FirstUseGraph.lasting = [], 3
+    monkeypatch.setattr(CpuPlatform, "device_graphs", lambda self: FirstUseGraph)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    batch_prompts = prompts(3, seed=7)
+    expected = [
+        o.outputs[0].token_ids
+        for o in make_llm(checkpoint, enforce_eager=True).generate(batch_prompts, params, use_tqdm=False)
+    ]
+    with caplog.at_level(logging.INFO, logger="engine"):
+        llm = make_llm(checkpoint)
+        graphs = llm.engine.shard.runner.graphs
+        assert FakeGraph.captured == [] and graphs.graphs == {}
+        got = [o.outputs[0].token_ids for o in llm.generate(batch_prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert FakeGraph.captured == [4]  # the first decode step's, of 3 rows padded to 4
+    assert graphs.replays == 3 and graphs.disabled and graphs.graphs == {}
+    assert any("decode steps run eagerly: an op made a [3] tensor" in m for m in caplog.messages)

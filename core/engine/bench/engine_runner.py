@@ -187,7 +187,8 @@ class EngineRunner:
         ending when its constraint has ended (its ``RequestTiming.output_len`` is then the
         count it produced). ``time_attention``: each step's record also holds the time inside
         the attention layers (``ATTENTION``), taken by forward hooks that the run carries (a
-        hooked module's call costs more, so runs whose walls are compared with peers go without)."""
+        hooked module's call costs more, so runs whose walls are compared with peers go without);
+        its decode steps run eagerly, since a replayed decode graph calls no hooks."""
         if submission not in (ALL_AT_ONCE, SEQUENTIAL):
             raise ValueError(f"Unknown submission {submission!r}; use {ALL_AT_ONCE!r} or {SEQUENTIAL!r}.")
         timings: list[RequestTiming] = []
@@ -196,6 +197,9 @@ class EngineRunner:
         unsynchronized = runner.synchronize
         runner.synchronize = self.engine.platform.synchronize  # each phase clock waits for the device
         timer = self.attention if time_attention else None
+        graphs = runner.graphs if timer is not None else None
+        if graphs is not None:
+            graphs.paused = True
         try:
             with timer or contextlib.nullcontext():
                 start = time.perf_counter()
@@ -207,6 +211,8 @@ class EngineRunner:
                 wall = time.perf_counter() - start
         finally:
             runner.synchronize = unsynchronized
+            if graphs is not None:
+                graphs.paused = False
         return EngineRun(timings, wall, steps)
 
     def _record(self, seconds: float, result: StepResult, timer: ModuleTimer | None) -> StepRecord:

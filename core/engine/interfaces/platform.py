@@ -116,7 +116,9 @@ class Platform(ABC):
     def device_graphs(self):
         """A factory of device graphs (``engine.runtime.graphs.DeviceGraph``: ``capture(fn)``
         records ``fn``'s kernels and returns its output, ``replay()`` reruns them into it), with
-        which the engine captures its decode steps at start-up; None (the default) where the
+        which the engine captures its decode steps at start-up, or with ``capture_on_first_use``
+        set on the factory, by the first decode step of each batch size (``capture`` may then
+        raise ``engine.runtime.graphs.UncapturableStep``); None (the default) where the
         platform has none, and every step runs eagerly."""
         return None
 

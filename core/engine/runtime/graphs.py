@@ -14,6 +14,15 @@ The platform supplies the graphs (:meth:`Platform.device_graphs`); the attention
 ``build_metadata`` and ``forward`` run inside the capture, so for decode-only metadata they
 must not synchronise with the host (no ``.tolist()``/``.item()``), and the step's
 ``max_seq_len`` is captured as ``max_model_len``.
+
+A graph class with ``capture_on_first_use = True`` (the CPU's, whose capture is a recorded run
+of the forward, costing no more than running it) is not captured at start-up: the first
+decode step of each padded size captures it, the capture computing that step's hidden states.
+Its ``capture`` may raise :class:`UncapturableStep` (with the step's output, computed in full)
+when the forward did something a replay cannot repeat, such as reading a tensor's values on
+the host, and its ``replay`` :class:`StaleGraph` when it finds the forward's work changed
+since the capture (the step then runs eagerly); decode steps run eagerly from there on, and
+the log says why.
 """
 
 from __future__ import annotations
@@ -30,6 +39,20 @@ from engine.interfaces.attention import CommonAttentionMetadata
 logger = logging.getLogger("engine")
 
 DEFAULT_MAX_BATCH = 512
+
+
+class UncapturableStep(Exception):
+    """Raised by a graph's ``capture`` whose forward cannot be replayed (``reason``); ``output``
+    is what the forward returned, computed in full, for the step being captured."""
+
+    def __init__(self, reason: str, output: torch.Tensor) -> None:
+        super().__init__(reason)
+        self.reason, self.output = reason, output
+
+
+class StaleGraph(Exception):
+    """Raised by a graph's ``replay`` that found the forward no longer matches its capture (an
+    op's output took another shape); the step's forward is then run eagerly."""
 
 
 class DeviceGraph(Protocol):
@@ -96,6 +119,10 @@ class DecodeGraphs:
         self.graphs: dict[int, DeviceGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # decode steps served by a graph
+        # captured by the first decode step of each size rather than at start-up (UncapturableStep: off)
+        self.on_first_use = bool(getattr(make_graph, "capture_on_first_use", False))
+        self.disabled = False
+        self.paused = False  # steps run eagerly meanwhile (a run timing modules by their hooks)
 
     def _forward(self, size: int) -> torch.Tensor:
         common = CommonAttentionMetadata(
@@ -140,6 +167,9 @@ class DecodeGraphs:
         compile and allocate outside the capture)."""
         from tqdm.auto import tqdm
 
+        if self.on_first_use:
+            logger.info("decode graphs are captured by the first decode step of each batch size")
+            return
         for size in tqdm(list(reversed(self.sizes)), desc="Capturing decode graphs", disable=not progress):
             self._fill(None, size)
             self._forward(size)  # warm-up
@@ -150,20 +180,42 @@ class DecodeGraphs:
 
     def fits(self, arrays: dict) -> int | None:
         """The captured size that replays this step, or None when it must run eagerly."""
-        if arrays["max_query_len"] != 1 or arrays["state_slots"] is not None:
+        if self.paused or arrays["max_query_len"] != 1 or arrays["state_slots"] is not None:
             return None
         if arrays["block_tables"].shape[1] > self.max_blocks:
             return None
         if len(arrays["input_ids"]) != len(arrays["query_lens"]):  # a sequence without a token this step
             return None
         size = padded_size(len(arrays["input_ids"]), self.sizes)
-        return size if size in self.graphs else None
+        if size in self.graphs or (size is not None and self.on_first_use and not self.disabled):
+            return size
+        return None
 
     def run(self, arrays: dict, size: int) -> torch.Tensor:
         """The hidden states of a decode-only step from the graph of ``size`` (what
         :meth:`fits` answered for it): [num_seqs, hidden], a view of the graph's output that
         the next replay overwrites."""
         self._fill(arrays, size)
-        self.graphs[size].replay()
+        rows = len(arrays["input_ids"])
+        if size not in self.graphs:
+            graph = self.make_graph()
+            try:
+                output = graph.capture(lambda: self._forward(size))
+            except UncapturableStep as refused:
+                self._disable(f"the forward cannot be captured ({refused.reason})")
+                return refused.output[:rows]
+            self.graphs[size], self.outputs[size] = graph, output
+            return output[:rows]
+        try:
+            self.graphs[size].replay()
+        except StaleGraph as stale:
+            self._disable(str(stale))
+            return self._forward(size)[:rows]
         self.replays += 1
-        return self.outputs[size][: len(arrays["input_ids"])]
+        return self.outputs[size][:rows]
+
+    def _disable(self, reason: str) -> None:
+        self.disabled = True
+        self.graphs.clear()  # what they hold is freed
+        self.outputs.clear()
+        logger.info("decode steps run eagerly: %s", reason)

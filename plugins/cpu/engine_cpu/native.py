@@ -163,6 +163,14 @@ def load(variant: str | None = None) -> ModuleType | None:
     return _load(name)
 
 
+_LOADED: list[ModuleType] = []  # every variant loaded in this process
+
+
+def loaded_modules() -> list[ModuleType]:
+    """The kernel modules :func:`load` has returned so far (one per variant)."""
+    return list(_LOADED)
+
+
 @functools.lru_cache(maxsize=None)
 def _load(name: str) -> ModuleType | None:
     try:
@@ -171,6 +179,7 @@ def _load(name: str) -> ModuleType | None:
         logger.warning("engine-cpu kernels (%s) unavailable, using the torch paths: %s", name, exc)
         return None
     module.variant = name
+    _LOADED.append(module)
     return module
 
 

@@ -72,6 +72,15 @@ class CpuPlatform(Platform):
         kernels = native.load()
         return NativeLayerOps(kernels) if kernels is not None else None
 
+    def device_graphs(self):
+        """Recorded decode forwards (``engine_cpu.graphs``), captured by the first decode step of
+        each batch size; none without the native kernels (the torch attention path sizes its
+        decode work by the step's longest sequence, which a graph fixes at ``max_model_len``)."""
+        from engine_cpu import native
+        from engine_cpu.graphs import CpuGraph
+
+        return CpuGraph if native.load() is not None else None
+
     def allocate_kv_cache(self, shape, dtype):
         from engine_cpu.memory import huge_page_zeros
 

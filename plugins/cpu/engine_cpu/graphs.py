@@ -92,10 +92,6 @@ def _aliases_input(out: Any, args: tuple) -> bool:
     return all(t.untyped_storage().data_ptr() in storages for t in _tensors((out,)))
 
 
-def _has_tensor(args) -> bool:
-    return any(isinstance(a, torch.Tensor) for a in args)
-
-
 def _copy_into(recorded: Any, result: Any, call: Callable) -> None:
     """``result`` of a replayed ``call`` into the tensors its capture returned, which must have
     their shapes (a shape that changed means the forward's own work changed: StaleGraph)."""
@@ -158,10 +154,11 @@ class _Recorder(TorchDispatchMode):
     def native(self, kernel: Callable) -> Callable:
         def recorded(*args):
             out = kernel(*args)
-            if threading.get_ident() != self.thread or not _has_tensor(args):
+            if threading.get_ident() != self.thread or not _tensors(args):
                 return out  # another thread's call, or a query of sizes and support
-            if out is not None and not isinstance(out, torch.Tensor):
-                self.refuse(f"native {kernel.__name__} returns a value to the host")
+            returned = out if isinstance(out, (tuple, list)) else () if out is None else (out,)
+            if not all(isinstance(t, torch.Tensor) for t in returned):
+                self.refuse(f"native {_name(kernel)} returns a value to the host")
             self._keep(out)
             self.tape.append((kernel, args, {}, out))
             return out
@@ -209,19 +206,23 @@ class CpuGraph:
             and callable(getattr(module, name))
             and not isinstance(getattr(module, name), type)
         ]
-        readers = [(name, getattr(torch.Tensor, name)) for name in ("tolist", "numpy")]
+        # (name, the method, whether torch.Tensor defines it itself rather than inheriting it)
+        readers = [(name, getattr(torch.Tensor, name), name in vars(torch.Tensor)) for name in ("tolist", "numpy")]
         try:
             for module, name, kernel in originals:
                 setattr(module, name, recorder.native(kernel))
-            for name, method in readers:
+            for name, method, _ in readers:
                 setattr(torch.Tensor, name, recorder.host_read(method))
             with recorder:
                 output = fn()
         finally:
             for module, name, kernel in originals:
                 setattr(module, name, kernel)
-            for name, method in readers:
-                setattr(torch.Tensor, name, method)
+            for name, method, own in readers:
+                if own:
+                    setattr(torch.Tensor, name, method)
+                else:
+                    delattr(torch.Tensor, name)
         if recorder.refusal is not None:
             raise UncapturableStep(recorder.refusal, output)
         nbytes = sum(recorder.storages.values())

@@ -189,7 +189,8 @@ def build_kv_cache(
     """The paged KV cache of ``model``: one group per distinct layer spec with the attention
     backend selected for it (``backends``, from :func:`select_backends`, when already chosen),
     as many blocks as ``memory_bytes`` holds (no more than ``max_num_seqs`` sequences of
-    ``max_model_len`` can use), ``spare_blocks`` of them past the rest and given to no request.
+    ``max_model_len`` can use), ``spare_blocks`` of them past the rest and given to no request
+    (on top of the memory where it holds no more than one request of ``max_model_len``).
 
     Recurrent layers get a state slot per sequence first, then ``state_snapshots`` rows for
     prefix caching (None: as many as a quarter of the memory left holds, at most one per
@@ -255,17 +256,16 @@ def build_kv_cache(
             snapshot_interval,
         )
     blocks_per_seq = -(-max_model_len // block_size)
-    # the spare blocks come out of the same memory (and past the ones requests can use)
-    num_blocks = (
-        num_blocks_for(
-            specs,
-            block_size,
-            element_size,
-            memory_bytes,
-            max_blocks_useful=max_num_seqs * blocks_per_seq + spare_blocks,
-        )
-        - spare_blocks
+    # the spare blocks come out of the same memory, unless the cache then could not hold one
+    # request of max_model_len (a cache sized to exactly that gets them on top)
+    fit = num_blocks_for(
+        specs,
+        block_size,
+        element_size,
+        memory_bytes,
+        max_blocks_useful=max_num_seqs * blocks_per_seq + spare_blocks,
     )
+    num_blocks = fit - spare_blocks if fit - spare_blocks >= blocks_per_seq else min(fit, max_num_seqs * blocks_per_seq)
     if agree is not None:  # tensor-parallel ranks: the same block numbering everywhere
         num_blocks = agree(num_blocks)
     if num_blocks * block_size < max_model_len:

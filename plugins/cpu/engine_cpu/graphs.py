@@ -181,6 +181,8 @@ class CpuGraph:
     capture_on_first_use = True
     _held = 0  # bytes all graphs of the process keep
     _lock = threading.Lock()
+    # one capture at a time: each swaps the kernel modules' functions and two Tensor methods
+    _capturing = threading.Lock()
 
     def __init__(self) -> None:
         self.tape: list[tuple[Callable, tuple, dict, Any]] = []
@@ -193,6 +195,10 @@ class CpuGraph:
         return read_meminfo().total_bytes // MEMORY_FRACTION
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with CpuGraph._capturing:
+            return self._capture(fn)
+
+    def _capture(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         from engine_cpu import native
 
         tape: list = []

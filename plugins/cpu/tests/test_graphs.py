@@ -171,6 +171,39 @@ def test_another_threads_ops_during_a_capture_are_not_recorded(kernels):
     assert graph.tape[0][0] is torch.ops.aten.add.Tensor
 
 
+def test_captures_in_two_threads_each_record_their_own_forward(kernels):
+    """Engines capturing at once (one process, two threads) take turns: each tape holds its own
+    forward, and the kernel modules end with their own functions again."""
+    before = {name: getattr(kernels, name) for name in dir(kernels) if not name.startswith("_")}
+    graphs, outputs = {}, {}
+    weight = torch.ones(8)
+
+    def capture(key: int) -> None:
+        with torch.inference_mode():
+            x = torch.full((2, 8), float(key + 1))
+            out = torch.empty_like(x)
+
+            def fn():
+                kernels.rms_norm(out, x, weight, 1e-6)
+                return out * (key + 2)
+
+            graphs[key] = CpuGraph()
+            outputs[key] = (x, graphs[key].capture(fn))
+
+    threads = [threading.Thread(target=capture, args=(key,)) for key in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert {name: getattr(kernels, name) for name in before} == before
+    with torch.inference_mode():
+        for key, (x, out) in outputs.items():
+            assert len(graphs[key].tape) == 2
+            x.copy_(torch.randn(2, 8))
+            graphs[key].replay()
+            torch.testing.assert_close(out, reference_rms_norm(x, weight, 1e-6) * (key + 2), rtol=1e-5, atol=1e-5)
+
+
 @torch.inference_mode()
 def test_graphs_past_the_memory_budget_are_refused(monkeypatch):
     monkeypatch.setattr(CpuGraph, "memory_budget", classmethod(lambda cls: CpuGraph._held + 1024))

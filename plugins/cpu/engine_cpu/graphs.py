@@ -45,7 +45,6 @@ _VALUE_SHAPED = {
     "aten::_unique",
     "aten::_unique2",
     "aten::bincount",
-    "aten::repeat_interleave",
     "aten::histc",
 }
 # what a graph may keep: a sixteenth of the machine's memory
@@ -205,12 +204,10 @@ class CpuGraph:
         recorder = _Recorder(tape)
         modules = native.loaded_modules()
         originals = [
-            (module, name, getattr(module, name))
+            (module, name, function)
             for module in modules
-            for name in dir(module)
-            if not name.startswith("_")
-            and callable(getattr(module, name))
-            and not isinstance(getattr(module, name), type)
+            for name, function in vars(module).items()
+            if not name.startswith("_") and callable(function) and not isinstance(function, type)
         ]
         # (name, the method, whether torch.Tensor defines it itself rather than inheriting it)
         readers = [(name, getattr(torch.Tensor, name), name in vars(torch.Tensor)) for name in ("tolist", "numpy")]

@@ -7,9 +7,10 @@ dims side by side) and values as [block_size/2][D][2] (two keys' values of one
 dim side by side), so that both products of attention run as bf16 dot-product
 instructions without horizontal sums (``csrc/packed_attention.cpp``). Decode
 tokens and short prefill chunks go to ``paged_attention_packed``, one batched
-call per step with no loop over sequences; prefill chunks of at least
-``LONG_PREFILL_MIN_QUERY`` tokens to the tiled ``prefill_attention``, one call
-for all of them. :meth:`CpuPagedAttention.gather_kv` and :meth:`scatter_kv` read
+call per step with no loop over sequences (a step of decode tokens alone to
+``decode_attention_packed``, which writes their keys and values as it goes);
+prefill chunks of at least ``LONG_PREFILL_MIN_QUERY`` tokens to the tiled
+``prefill_attention``, one call for all of them. :meth:`CpuPagedAttention.gather_kv` and :meth:`scatter_kv` read
 and write any slots of either layout with plain torch indexing.
 
 Otherwise (other dtypes or sizes) the cache is [block, offset in block, kv head,
@@ -319,9 +320,27 @@ class CpuPagedAttention(AttentionBackend):
             k = k.contiguous()
         if not _rows_of_heads(v):
             v = v.contiguous()
-        self.kernels.cache_write_packed(kv_cache, common.slot_mapping, k, v)
         out = torch.empty(q.shape, dtype=q.dtype)
         window = spec.sliding_window or 0
+        if self._decode_only(q, metadata):
+            # each token's writes and attention in one pass: its newest keys are read as written
+            self.kernels.decode_attention_packed(
+                out,
+                q,
+                k,
+                v,
+                kv_cache,
+                common.slot_mapping,
+                common.block_tables,
+                common.query_start_loc,
+                common.context_lens,
+                metadata.token_seq,
+                spec.scale,
+                window,
+                sinks,
+            )
+            return out
+        self.kernels.cache_write_packed(kv_cache, common.slot_mapping, k, v)
         if metadata.kernel_tokens is not None:
             self.kernels.paged_attention_packed(
                 out,
@@ -350,6 +369,18 @@ class CpuPagedAttention(AttentionBackend):
                 sinks,
             )
         return out
+
+    @staticmethod
+    def _decode_only(q: torch.Tensor, metadata: CpuAttentionMetadata) -> bool:
+        """Whether every sequence of the step has one new token, all of them for the paged kernel."""
+        common = metadata.common
+        return (
+            common.max_query_len == 1
+            and q.shape[0] == common.query_start_loc.shape[0] - 1
+            and metadata.prefill_seqs is None
+            and metadata.kernel_tokens is not None
+            and metadata.kernel_tokens.numel() == 0
+        )
 
     def _forward_torch(
         self,

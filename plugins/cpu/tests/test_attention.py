@@ -553,3 +553,104 @@ def test_sinks_run_the_packed_kernels_and_only_them():
     assert packed.packed and packed.kernels is not None
     plain = CpuPagedAttention(spec, 16, torch.float32, torch.device("cpu"))
     assert plain.kernels is None and not plain.packed
+
+
+@pytest.mark.parametrize("window", [None, 21])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decode_steps_write_and_attend_in_one_kernel_as_in_two(window, sinks):
+    """A step of decode tokens alone (bf16, packed cache) goes to decode_attention_packed, which
+    writes each token's keys and values as it attends: the same outputs, bit for bit, and the
+    same cache as the separate write and paged kernel of mixed steps."""
+    from engine_cpu import native
+
+    spec = AttentionSpec(
+        kind=SLIDING_WINDOW if window else MHA,
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=64,
+        scale=0.125,
+        sliding_window=window,
+        sinks=sinks,
+    )
+    backend = make_backend(spec, 16, torch.bfloat16, "native")
+    if not backend.packed:
+        pytest.skip("packed layout unavailable on this CPU")
+    gen = torch.Generator().manual_seed(41)
+    num_seqs, num_blocks = 40, 220
+    context_lens = torch.randint(0, 80, (num_seqs,), generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * 5].view(num_seqs, 5)
+    slots = tables[torch.arange(num_seqs), context_lens // 16] * 16 + context_lens % 16
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.arange(num_seqs + 1),
+        query_lens=torch.ones(num_seqs, dtype=torch.int64),
+        context_lens=context_lens,
+        seq_lens=context_lens + 1,
+        block_tables=tables,
+        slot_mapping=slots,
+        max_query_len=1,
+        max_seq_len=int(context_lens.max()) + 1,
+        block_size=16,
+    )
+    qkv = torch.randn(num_seqs, 12 * 64, generator=gen).bfloat16()  # q, k, v as slices of one projection
+    q, k, v = (part.view(num_seqs, -1, 64) for part in qkv.split([512, 128, 128], dim=1))
+    sink_logits = torch.randn(8, generator=gen) if sinks else None
+    cache = torch.randn(backend.kv_cache_shape(num_blocks), generator=gen).bfloat16()
+    two_pass = cache.clone()
+    metadata = backend.build_metadata(common)
+    assert backend._decode_only(q, metadata)
+
+    calls = []
+    kernels = native.load()
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(kernels, name)
+
+    backend.kernels = Spy()
+    calls.clear()  # the setter asks about the layout
+    out = backend.forward(q, k, v, cache, metadata, sinks=sink_logits)
+    assert calls == ["decode_attention_packed"]
+    kernels.cache_write_packed(two_pass, slots, k, v)
+    expected = torch.empty_like(q)
+    no_sinks = torch.empty(0)
+    kernels.paged_attention_packed(
+        expected,
+        q,
+        two_pass,
+        tables,
+        common.query_start_loc,
+        context_lens,
+        metadata.token_seq,
+        torch.empty(0, dtype=torch.int64),
+        0.125,
+        window or 0,
+        sink_logits.float() if sinks else no_sinks,
+    )
+    assert torch.equal(cache, two_pass)
+    assert torch.equal(out, expected)
+
+
+def test_decode_attention_packed_refuses_what_is_not_a_decode_step():
+    from engine_cpu import native
+
+    kernels = native.load()
+    if kernels is None or not kernels.packed_kv_supported(16, 16):
+        pytest.skip("packed layout unavailable on this CPU")
+    cache = torch.zeros(2, 4, 1, 16 * 16, dtype=torch.bfloat16)
+    q, k = torch.ones(2, 1, 16, dtype=torch.bfloat16), torch.ones(2, 1, 16, dtype=torch.bfloat16)
+    tables, empty = torch.tensor([[0], [1]]), torch.empty(0)
+
+    def call(slots, query_start_loc, token_seq):
+        out = torch.empty_like(q)
+        kernels.decode_attention_packed(
+            out, q, k, k, cache, slots, tables, query_start_loc, torch.tensor([0, 0]), token_seq, 0.25, 0, empty
+        )
+
+    with pytest.raises(RuntimeError, match="sequence 0 has 2 new tokens"):
+        call(torch.tensor([0, 1]), torch.tensor([0, 2, 2]), torch.tensor([0, 0]))
+    with pytest.raises(RuntimeError, match="slot 64 out of range"):
+        call(torch.tensor([0, 64]), torch.tensor([0, 1, 2]), torch.tensor([0, 1]))
+    assert cache.count_nonzero() == 0  # nothing written by a refused call
+    call(torch.tensor([0, 16]), torch.tensor([0, 1, 2]), torch.tensor([0, 1]))
+    assert cache.count_nonzero() == 2 * 2 * 16

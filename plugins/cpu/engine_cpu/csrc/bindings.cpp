@@ -30,6 +30,10 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
                             torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
                             torch::Tensor tokens, double scale, int64_t window, torch::Tensor sinks);
 void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor k, torch::Tensor v);
+void decode_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                             torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                             torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
+                             double scale, int64_t window, torch::Tensor sinks);
 
 // prefill_attention.cpp
 void prefill_attention(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
@@ -143,6 +147,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the packed bf16 cache layout and its kernels run for this head and block size");
   m.def("cache_write_packed", &cache_write_packed, "write the new tokens' K and V into the packed cache");
   m.def("paged_attention_packed", &paged_attention_packed, "paged attention over the packed cache (decode, short chunks)");
+  m.def("decode_attention_packed", &decode_attention_packed,
+        "a decode step's cache writes and paged attention over the packed cache, in one pass");
   m.def("prefill_attention", &prefill_attention, "tiled causal attention for long prefill chunks over the packed cache");
   m.def("paged_attention", &paged_attention, "Paged attention over a block-table KV cache (CPU)");
   m.def("rms_norm", &rms_norm, "out = weight * rms-normalised x");

@@ -42,6 +42,48 @@ bool packed_kv_supported(int64_t head_size, int64_t block_size) {
 #endif
 }
 
+namespace {
+
+// Writes one token's K and V rows of kv heads [h0, h1) into its slot (block, off) of the packed
+// cache halves kc, vc (segments of seg elements): each key pair to its row of the segment, each
+// value into the even or odd half of its (even, odd) key pair, leaving the other half alone
+// (another thread may be writing the pair's other token).
+inline void write_token_heads(uint16_t* kc, uint16_t* vc, int64_t seg, int64_t block_size, int64_t num_kv_heads,
+                              int64_t head_size, int64_t block, int64_t off, int64_t h0, int64_t h1,
+                              const uint16_t* k_heads, const uint16_t* v_heads) {
+  for (int64_t h = h0; h < h1; ++h) {
+    const int64_t base = (block * num_kv_heads + h) * seg;
+    const uint16_t* krow = k_heads + h * head_size;
+    const uint16_t* vrow = v_heads + h * head_size;
+    uint32_t* kseg = reinterpret_cast<uint32_t*>(kc + base);  // [D/2][bs] pairs
+    uint16_t* vpairs = vc + base + (off / 2) * 2 * head_size;  // [D][2] of keys off & ~1, off | 1
+    int64_t p = 0, d = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if (head_size % 32 == 0) {
+      // 16 key pairs (dims 2p..2p+31) to rows p..p+15 of the segment, column off
+      const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(static_cast<int>(block_size)));
+      for (; p < head_size / 2; p += 16)
+        _mm512_i32scatter_epi32(kseg + p * block_size + off, rows, _mm512_loadu_si512(krow + 2 * p), 4);
+      const __mmask32 half = (off & 1) ? 0xAAAAAAAAu : 0x55555555u;
+      for (; d + 16 <= head_size; d += 16) {
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + d)));
+        if (off & 1) w = _mm512_slli_epi32(w, 16);
+        _mm512_mask_storeu_epi16(vpairs + 2 * d, half, w);
+      }
+    }
+#endif
+    for (; p < head_size / 2; ++p) {
+      uint32_t pair;
+      std::memcpy(&pair, krow + 2 * p, sizeof(pair));
+      kseg[p * block_size + off] = pair;
+    }
+    for (; d < head_size; ++d) vpairs[2 * d + (off & 1)] = vrow[d];
+  }
+}
+
+}  // namespace
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 namespace {
 
@@ -212,11 +254,20 @@ void decode_item(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k
 }  // namespace
 #endif
 
-// out, q: [T, H, D] bf16; kv_cache: [2, num_blocks, Hkv, block_size * D] packed; tokens: the token
-// rows to compute (int64), or empty for all T. Rows of out not computed are untouched.
-void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
-                            torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
-                            torch::Tensor tokens, double scale, int64_t window, torch::Tensor sinks) {
+namespace {
+
+// A decode step's new keys and values ([T, Hkv, D] bf16 rows, any stride between tokens) and
+// their cache slots, which decode_attention_packed writes as it attends.
+struct NewTokens {
+  const uint16_t* k;
+  const uint16_t* v;
+  int64_t k_row, v_row;
+  const int64_t* slots;
+};
+
+void attend_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                   torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
+                   torch::Tensor tokens, double scale, int64_t window, torch::Tensor sinks, const NewTokens* fresh) {
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_size = q.size(2);
   const int64_t num_kv_heads = kv_cache.size(2), block_size = kv_cache.size(3) / head_size;
   TORCH_CHECK(packed_kv_supported(head_size, block_size), "paged_attention_packed: unsupported head or block size");
@@ -230,6 +281,7 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   TORCH_CHECK(sinks.numel() == 0 || (sinks.scalar_type() == at::kFloat && sinks.is_contiguous() &&
                                      sinks.numel() == num_heads),
               "paged_attention_packed: sinks must be fp32 [num_heads] or empty");
+  (void)fresh;
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   const float* sink_ptr = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
   const int64_t* token_ptr = tokens.numel() > 0 ? tokens.data_ptr<int64_t>() : nullptr;
@@ -244,8 +296,8 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
   const int64_t items_per_row = (num_kv_heads + heads_per_item - 1) / heads_per_item;
   const int64_t num_items = num_rows * items_per_row;
   const int64_t max_blocks = block_tables.size(1);
-  const at::BFloat16* key_cache = kv_cache.data_ptr<at::BFloat16>();
-  const at::BFloat16* value_cache = key_cache + kv_cache.numel() / 2;
+  at::BFloat16* key_cache = kv_cache.data_ptr<at::BFloat16>();
+  at::BFloat16* value_cache = key_cache + kv_cache.numel() / 2;
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int64_t* ctx = context_lens.data_ptr<int64_t>();
   const int64_t* seq_of = token_seq.data_ptr<int64_t>();
@@ -275,6 +327,13 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
         const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
         const int64_t offset = (t * num_heads + g0 * group) * head_size;
         const int64_t q_offset = t * q_row + g0 * group * head_size;
+        if (fresh != nullptr) {  // the token's own keys and values first: the item reads them last
+          const int64_t slot = fresh->slots[t];
+          write_token_heads(reinterpret_cast<uint16_t*>(key_cache), reinterpret_cast<uint16_t*>(value_cache),
+                            block_size * head_size,
+                            block_size, num_kv_heads, head_size, slot / block_size, slot % block_size, g0, g1,
+                            fresh->k + t * fresh->k_row, fresh->v + t * fresh->v_row);
+        }
         auto run = [&](auto d) {
           decode_item<decltype(d)::value>(out_ptr + offset, q_ptr + q_offset, key_cache, value_cache,
                                           tables + b * max_blocks, pos, lo, g0, g1, group, num_kv_heads, block_size,
@@ -285,6 +344,53 @@ void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv
     }
   });
 #endif
+}
+
+}  // namespace
+
+// out, q: [T, H, D] bf16; kv_cache: [2, num_blocks, Hkv, block_size * D] packed; tokens: the token
+// rows to compute (int64), or empty for all T. Rows of out not computed are untouched.
+void paged_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, torch::Tensor block_tables,
+                            torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
+                            torch::Tensor tokens, double scale, int64_t window, torch::Tensor sinks) {
+  attend_packed(out, q, kv_cache, block_tables, query_start_loc, context_lens, token_seq, tokens, scale, window, sinks,
+                nullptr);
+}
+
+// A decode step (every sequence one new token): writes each token's k and v ([T, Hkv, D] bf16)
+// into its slot and attends, in one pass over the work items: the item of a token and its kv
+// heads writes them before it streams the token's blocks, whose last one it then reads from the
+// cache the writes just brought in, instead of a separate pass writing lines that miss.
+void decode_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                             torch::Tensor kv_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                             torch::Tensor query_start_loc, torch::Tensor context_lens, torch::Tensor token_seq,
+                             double scale, int64_t window, torch::Tensor sinks) {
+  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "decode_attention_packed: kv_cache [2, blocks, Hkv, bs * D] contiguous");
+  TORCH_CHECK(rows_of_heads(k) && rows_of_heads(v) && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "decode_attention_packed: k and v bf16 rows of contiguous heads");
+  const int64_t num_tokens = q.size(0), num_kv_heads = kv_cache.size(2), head_size = q.size(2);
+  TORCH_CHECK(k.size(0) == num_tokens && v.size(0) == num_tokens && k.size(1) == num_kv_heads &&
+                  v.size(1) == num_kv_heads && k.size(2) == head_size && v.size(2) == head_size,
+              "decode_attention_packed: k and v [T, Hkv, D] as q and the cache");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                  slot_mapping.numel() == num_tokens, "decode_attention_packed: an int64 slot a token");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.numel() == num_tokens + 1,
+              "decode_attention_packed: one token a sequence");
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  TORCH_CHECK(qsl[0] == 0, "decode_attention_packed: query_start_loc starts at 0");
+  for (int64_t b = 0; b < num_tokens; ++b)
+    TORCH_CHECK(qsl[b + 1] - qsl[b] == 1, "decode_attention_packed: sequence ", b, " has ", qsl[b + 1] - qsl[b],
+                " new tokens; a decode step has one a sequence");
+  TORCH_CHECK(head_size > 0 && kv_cache.size(3) % head_size == 0, "decode_attention_packed: cache and q shapes differ");
+  const int64_t block_size = kv_cache.size(3) / head_size, capacity = kv_cache.size(1) * block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "decode_attention_packed: slot ", slots[t], " out of range");
+  const NewTokens fresh{reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+                        reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), k.stride(0), v.stride(0), slots};
+  attend_packed(out, q, kv_cache, block_tables, query_start_loc, context_lens, token_seq,
+                slot_mapping.slice(0, 0, 0), scale, window, sinks, &fresh);  // no token list: every row
 }
 
 // Writes the new tokens' K and V ([T, Hkv, D] bf16) into their slots of the packed cache, with
@@ -313,39 +419,8 @@ void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torc
   const int64_t k_row = k.stride(0), v_row = v.stride(0);
   // the writes miss the cache (a decode token's segment rows are lines of their own): share them out
   at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t block = slots[t] / block_size, off = slots[t] % block_size;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t base = (block * num_kv_heads + h) * seg;
-        const uint16_t* krow = kp + t * k_row + h * head_size;
-        const uint16_t* vrow = vp + t * v_row + h * head_size;
-        uint32_t* kseg = reinterpret_cast<uint32_t*>(kc + base);  // [D/2][bs] pairs
-        uint16_t* vpairs = vc + base + (off / 2) * 2 * head_size;  // [D][2] of keys off & ~1, off | 1
-        int64_t p = 0, d = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-        if (head_size % 32 == 0) {
-          // 16 key pairs (dims 2p..2p+31) to rows p..p+15 of the segment, column off
-          const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                  _mm512_set1_epi32(static_cast<int>(block_size)));
-          for (; p < head_size / 2; p += 16)
-            _mm512_i32scatter_epi32(kseg + p * block_size + off, rows, _mm512_loadu_si512(krow + 2 * p), 4);
-          // 16 values into the even or odd halves of 16 (even, odd) pairs: a masked store, which
-          // leaves the other halves alone (another thread may be writing the pair's other token)
-          const __mmask32 half = (off & 1) ? 0xAAAAAAAAu : 0x55555555u;
-          for (; d + 16 <= head_size; d += 16) {
-            __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + d)));
-            if (off & 1) w = _mm512_slli_epi32(w, 16);
-            _mm512_mask_storeu_epi16(vpairs + 2 * d, half, w);
-          }
-        }
-#endif
-        for (; p < head_size / 2; ++p) {
-          uint32_t pair;
-          std::memcpy(&pair, krow + 2 * p, sizeof(pair));
-          kseg[p * block_size + off] = pair;
-        }
-        for (; d < head_size; ++d) vpairs[2 * d + (off & 1)] = vrow[d];
-      }
-    }
+    for (int64_t t = begin; t < end; ++t)
+      write_token_heads(kc, vc, seg, block_size, num_kv_heads, head_size, slots[t] / block_size, slots[t] % block_size,
+                        0, num_kv_heads, kp + t * k_row, vp + t * v_row);
   });
 }

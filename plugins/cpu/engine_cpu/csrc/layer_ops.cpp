@@ -81,55 +81,69 @@ void add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight,
 }
 
 namespace {
+// x * cos + rotate_half(x) * sin on the first rot dims of the heads of one token, rounded as the
+// three torch ops would: q's q_heads heads at q, k's k_heads at k (cos, sin: the token's rot
+// values, loaded once for all its heads)
 template <typename T>
-void rotate_rows(T* x, const T* cos, const T* sin, int64_t tokens, int64_t heads, int64_t head_size, int64_t rot,
-                 int64_t token_stride, int64_t head_stride) {
+inline void rotate_token(T* q, int64_t q_heads, int64_t q_head, T* k, int64_t k_heads, int64_t k_head, const T* c,
+                         const T* s, int64_t rot) {
   const int64_t half = rot / 2;
-  at::parallel_for(0, tokens, grain_rows(heads * head_size), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const T* c = cos + t * rot;
-      const T* s = sin + t * rot;
-      for (int64_t hd = 0; hd < heads; ++hd) {
-        T* v = x + t * token_stride + hd * head_stride;
-        int64_t i = 0;
+  int64_t i = 0;
 #if defined(__AVX512F__)
-        if constexpr (std::is_same_v<T, at::BFloat16>) {
-          for (; i + 16 <= half; i += 16) {
-            using namespace engine_cpu;
-            const __m512 x1 = load_bf16(v + i), x2 = load_bf16(v + i + half);
-            const __m512 c1 = load_bf16(c + i), c2 = load_bf16(c + i + half);
-            const __m512 s1 = load_bf16(s + i), s2 = load_bf16(s + i + half);
-            const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
-            const __m512 o1 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, c1)), round_bf16(_mm512_mul_ps(neg_x2, s1)));
-            const __m512 o2 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c2)), round_bf16(_mm512_mul_ps(x1, s2)));
-            store_bf16(v + i, o1);
-            store_bf16(v + i + half, o2);
-          }
-        }
-#endif
-        for (; i < half; ++i) {
-          const float x1 = load(v + i), x2 = load(v + i + half);
-          // x * cos + rotate_half(x) * sin, rounded as the three torch ops would
-          const float o1 = rounded<T>(x1 * load(c + i)) + rounded<T>(-x2 * load(s + i));
-          const float o2 = rounded<T>(x2 * load(c + i + half)) + rounded<T>(x1 * load(s + i + half));
-          v[i] = static_cast<T>(o1);
-          v[i + half] = static_cast<T>(o2);
-        }
-      }
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    using namespace engine_cpu;
+    for (; i + 16 <= half; i += 16) {
+      const __m512 c1 = load_bf16(c + i), c2 = load_bf16(c + i + half);
+      const __m512 s1 = load_bf16(s + i), s2 = load_bf16(s + i + half);
+      auto rotate = [&](T* v) {
+        const __m512 x1 = load_bf16(v + i), x2 = load_bf16(v + i + half);
+        const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+        const __m512 o1 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, c1)), round_bf16(_mm512_mul_ps(neg_x2, s1)));
+        const __m512 o2 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c2)), round_bf16(_mm512_mul_ps(x1, s2)));
+        store_bf16(v + i, o1);
+        store_bf16(v + i + half, o2);
+      };
+      for (int64_t h = 0; h < q_heads; ++h) rotate(q + h * q_head);
+      for (int64_t h = 0; h < k_heads; ++h) rotate(k + h * k_head);
     }
-  });
+  }
+#endif
+  auto rest = [&](T* v) {
+    for (int64_t j = i; j < half; ++j) {
+      const float x1 = load(v + j), x2 = load(v + j + half);
+      const float o1 = rounded<T>(x1 * load(c + j)) + rounded<T>(-x2 * load(s + j));
+      const float o2 = rounded<T>(x2 * load(c + j + half)) + rounded<T>(x1 * load(s + j + half));
+      v[j] = static_cast<T>(o1);
+      v[j + half] = static_cast<T>(o2);
+    }
+  };
+  if (i < half) {
+    for (int64_t h = 0; h < q_heads; ++h) rest(q + h * q_head);
+    for (int64_t h = 0; h < k_heads; ++h) rest(k + h * k_head);
+  }
 }
 }  // namespace
 
 // In place on q [T, H, D] and k [T, Hkv, D] (unit inner stride); cos, sin: [T, rotary_dim] contiguous.
+// One pass over the tokens, each token's q and k heads together (its cos and sin read once).
 void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous(), "layouts");
-  const int64_t rot = cos.size(1);
+  TORCH_CHECK(k.size(0) == q.size(0) && cos.size(0) == q.size(0) && sin.sizes() == cos.sizes(),
+              "rotary: q, k, cos and sin of the same tokens");
+  const int64_t tokens = q.size(0), rot = cos.size(1);
+  TORCH_CHECK(rot % 2 == 0 && rot <= q.size(2) && rot <= k.size(2), "rotary: an even rotary_dim within the heads");
   DISPATCH_F32_BF16(q.scalar_type(), "rotary", [&] {
-    for (auto* t : {&q, &k}) {
-      rotate_rows<scalar_t>(t->data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(), t->size(0),
-                            t->size(1), t->size(2), rot, t->stride(0), t->stride(1));
-    }
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    const int64_t q_heads = q.size(1), k_heads = k.size(1);
+    const int64_t q_token = q.stride(0), q_head = q.stride(1), k_token = k.stride(0), k_head = k.stride(1);
+    // the bounds by value: stores through the bf16 pointers cannot then alias them
+    at::parallel_for(0, tokens, grain_rows((q_heads + k_heads) * q.size(2)), [=](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        rotate_token(qp + t * q_token, q_heads, q_head, kp + t * k_token, k_heads, k_head, cp + t * rot, sp + t * rot, rot);
+    });
   });
 }
 

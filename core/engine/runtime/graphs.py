@@ -116,6 +116,19 @@ class DecodeGraphs:
         self.block_tables = zeros(largest, self.max_blocks)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int64, device=device)
         self.query_lens = torch.ones(largest, dtype=torch.int64, device=device)
+        # the host side of the static inputs each step refills: on the CPU the tensors themselves,
+        # elsewhere staging arrays copied over; what padding rows hold; how many columns of the
+        # block tables any step has written (the rest are still zero)
+        names = ("input_ids", "positions", "context_lens", "seq_lens", "slot_mapping", "block_tables")
+        on_host = device.type == "cpu"
+        self._host = {
+            name: getattr(self, name).numpy() if on_host else np.zeros(tuple(getattr(self, name).shape), np.int64)
+            for name in names
+        }
+        self._on_host = on_host
+        self._padding = {"input_ids": 0, "positions": 0, "context_lens": 0, "seq_lens": 1}
+        self._padding["slot_mapping"] = self.spare_block * block_size
+        self._written_width = 0
         self.graphs: dict[int, DeviceGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # decode steps served by a graph
@@ -142,24 +155,24 @@ class DecodeGraphs:
         """The static inputs of a ``size`` batch: the step's rows first (``arrays`` as the
         runner builds them; None: none), padding rows after them."""
         n = 0 if arrays is None else len(arrays["input_ids"])
-        host = {
-            "input_ids": np.zeros(size, dtype=np.int64),
-            "positions": np.zeros(size, dtype=np.int64),
-            "context_lens": np.zeros(size, dtype=np.int64),
-            "seq_lens": np.ones(size, dtype=np.int64),
-            "slot_mapping": np.full(size, self.spare_block * self.block_size, dtype=np.int64),
-        }
-        tables = np.zeros((size, self.max_blocks), dtype=np.int64)
-        tables[:, 0] = self.spare_block
-        if arrays is not None:
-            for name in host:
-                host[name][:n] = arrays[name]
+        host = self._host
+        for name, pad in self._padding.items():
+            values = host[name]
+            if n:
+                values[:n] = arrays[name]
+            values[n:size] = pad
+        tables, written = host["block_tables"], self._written_width
+        width = 0
+        if n:
             width = arrays["block_tables"].shape[1]
-            tables[:n] = 0
             tables[:n, :width] = arrays["block_tables"]
-        for name, values in host.items():
-            getattr(self, name)[:size].copy_(torch.from_numpy(values), non_blocking=False)
-        self.block_tables[:size].copy_(torch.from_numpy(tables))
+            tables[:n, width:written] = 0
+        tables[n:size, :written] = 0
+        tables[n:size, 0] = self.spare_block
+        self._written_width = max(written, width, 1)
+        if not self._on_host:
+            for name, values in host.items():
+                getattr(self, name)[:size].copy_(torch.from_numpy(values[:size]), non_blocking=False)
 
     @torch.inference_mode()
     def capture(self, progress: bool = True) -> None:

@@ -180,3 +180,49 @@ def test_module_class_attention_backend(checkpoint):
     with torch.no_grad():
         reference = hf_model(torch.tensor([p])).logits[0]
     assert (llm.prompt_logits([p])[0] - reference).abs().max().item() < 1e-4
+
+
+def test_prompt_steps_run_the_last_mlp_on_the_sampled_rows_alone(checkpoint):
+    """A step of prompt tokens hands the model the rows sampling reads (ForwardContext.output_rows):
+    the last decoder layer runs its MLP on those rows alone, while every layer's attention, and
+    so every token's keys and values, covers all tokens. The first tokens and the whole greedy
+    continuations equal those of the same engine computing every row, and the logits of
+    the first tokens those of the HF model. A request asking for prompt logprobs reads every
+    row: that step keeps them all."""
+    from engine.runtime.model_runner import ModelRunner
+
+    path, hf_model = checkpoint
+    # chunked prompts (middle chunks sample nothing), each run computing them afresh
+    llm = make_llm(path, max_num_batched_tokens=64, enable_prefix_caching=False)
+    ps = prompts(5, seed=7) + [list(range(3, 103))]
+    mlp = llm.engine.runner.model.model.layers[-1].mlp
+    seen: list[int] = []
+    original = mlp.forward
+
+    def counting(x, ctx):
+        seen.append(x.shape[0])
+        return original(x, ctx)
+
+    mlp.forward = counting  # the last layer's MLP alone
+    try:
+        pruned = llm.generate(ps, greedy(12), use_tqdm=False)
+        prompt_steps = [n for n in seen if n > 0]
+        assert prompt_steps and max(prompt_steps) < 64  # no prompt step ran it on all its rows
+        seen.clear()
+        full_rows = ModelRunner._output_rows
+        ModelRunner._output_rows = lambda self, batch, arrays: None
+        try:
+            full = llm.generate(ps, greedy(12), use_tqdm=False)
+        finally:
+            ModelRunner._output_rows = full_rows
+        assert max(seen) == 64  # every row of a 64-token step
+        assert [o.outputs[0].token_ids for o in pruned] == [o.outputs[0].token_ids for o in full]
+        seen.clear()
+        llm.generate(ps[:1], SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+        assert seen[0] == len(ps[0])  # prompt logprobs read every row of the prompt step
+    finally:
+        del mlp.forward
+    with torch.no_grad():
+        for prompt, output in zip(ps, pruned):
+            logits = hf_model(torch.tensor([prompt])).logits[0, -1]
+            assert output.outputs[0].token_ids[0] == int(logits.argmax())

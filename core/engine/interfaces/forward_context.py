@@ -24,6 +24,11 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]
     metadata: list[Any]
     ops: LayerOps = REFERENCE_OPS
+    # the rows of the step whose final hidden states are read after the forward (int64,
+    # ascending), when that is fewer than all of them: a step of prompt tokens where sampling
+    # alone reads them. A model may then return those rows alone, in that order (DecoderStack
+    # runs its last layer's MLP on them only); None: every row is read.
+    output_rows: torch.Tensor | None = None
 
     def attention(
         self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None

@@ -96,12 +96,17 @@ class PreNormDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         ctx: ForwardContext,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With ``rows`` (a last layer, ``ForwardContext.output_rows``) the attention runs for
+        every token, which writes their keys and values, and the MLP for those rows alone."""
         if residual is None:
             residual, h = h, self.input_layernorm.forward(h, ops=ctx.ops)
         else:
             h, residual = self.input_layernorm.forward(h, residual, ops=ctx.ops)
         h = self.self_attn.forward(h, ctx, cos_sin)
+        if rows is not None:
+            h, residual = h.index_select(0, rows), residual.index_select(0, rows)
         h, residual = self.post_attention_layernorm.forward(h, residual, ops=ctx.ops)
         return self.mlp.forward(h, ctx), residual
 
@@ -130,12 +135,18 @@ class DecoderStack(nn.Module):
         ctx: ForwardContext,
         cos_sin: Callable[[torch.dtype], tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        """input_ids [T] -> final hidden states [T, hidden]; ``cos_sin(dtype)`` gives the step's rope table."""
+        """input_ids [T] -> final hidden states [T, hidden], or of ``ctx.output_rows`` alone where
+        the last layer is a PreNormDecoderLayer (which then runs its MLP on those rows only);
+        ``cos_sin(dtype)`` gives the step's rope table."""
         h = self.embed_tokens.forward(input_ids)
         table = cos_sin(h.dtype)
         residual = None
-        for layer in self.layers:
-            h, residual = layer.forward(h, residual, ctx, table)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            if i == last and ctx.output_rows is not None and isinstance(layer, PreNormDecoderLayer):
+                h, residual = layer.forward(h, residual, ctx, table, ctx.output_rows)
+            else:
+                h, residual = layer.forward(h, residual, ctx, table)
         h, _ = self.norm.forward(h, residual, ops=ctx.ops)
         return h
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from engine.interfaces.attention import CommonAttentionMetadata
+from engine.interfaces.forward_context import ForwardContext
 from engine.interfaces.model import Model
 from engine.runtime.batch import PLACEHOLDER, ModelOutput, ScheduledBatch, StepTimings
 from engine.runtime.kv_cache import KVCache
@@ -219,9 +220,31 @@ class ModelRunner:
         states the step's ``("logits", rows)`` messages select from."""
         input_ids, positions, common = self.to_device(arrays)
         self.copy_states(arrays.get("state_restores", ()))
-        hidden = self.model(input_ids, positions, self.kv_cache.forward_context(common))
+        hidden = self.model(input_ids, positions, self._forward_context(common, arrays))
         self.copy_states(arrays.get("state_saves", ()))
         return hidden
+
+    def _forward_context(self, common: CommonAttentionMetadata, arrays: dict) -> ForwardContext:
+        ctx = self.kv_cache.forward_context(common)
+        rows = arrays.get("output_rows")
+        if rows is not None:
+            ctx.output_rows = torch.from_numpy(rows).to(self.device)
+        return ctx
+
+    def _output_rows(self, batch: ScheduledBatch, arrays: dict) -> np.ndarray | None:
+        """The rows whose final hidden states the step reads, for ``ForwardContext.output_rows``:
+        in a step of prompt tokens where sampling alone reads them (no drafts, prompt logits or
+        logprobs, nor hidden states kept for a proposer), each sampling request's last row, in
+        ``sample_indices`` order (a step that samples nothing, only middle chunks of prompts,
+        keeps its last row: no model sees an empty batch); None where that is every row or other
+        rows are read."""
+        if arrays["max_query_len"] == 1 or batch.drafts or self.keep_hidden_states:
+            return None
+        if any(r.want_prompt_logits or r.sampling_params.prompt_logprobs is not None for r in batch.requests):
+            return None
+        ends = arrays["query_start_loc"][1:]
+        rows = ends[batch.sample_indices] - 1 if batch.sample_indices else ends[-1:] - 1
+        return rows if len(rows) < len(arrays["input_ids"]) else None
 
     def execute(self, batch: ScheduledBatch) -> ModelOutput:
         """Run one step: the forward pass over the batch, then sampling (and verification of
@@ -242,12 +265,13 @@ class ModelRunner:
     def _execute(self, batch: ScheduledBatch, timings: StepTimings) -> tuple[list[Request], list[list[int]]]:
         start = self._clock()
         arrays = self.prepare_arrays(batch)
+        arrays["output_rows"] = self._output_rows(batch, arrays)
         if self.channel is not None:
             self.channel.send(("forward", arrays))
         graph_size = self.graphs.fits(arrays) if self.graphs is not None else None
         if graph_size is None:
             input_ids, positions, common = self.to_device(arrays)
-            ctx = self.kv_cache.forward_context(common)
+            ctx = self._forward_context(common, arrays)
         sampling = batch.sample_indices
         masks = self._start_masks(batch)
         states = self._snapshot_states(batch)
@@ -264,6 +288,11 @@ class ModelRunner:
         self._masks = masks.result() if masks is not None else None
 
         ends = arrays["query_start_loc"][1:].tolist()
+        if arrays["output_rows"] is not None and hidden.shape[0] != len(arrays["input_ids"]):
+            # the model kept the sampling requests' last rows alone, in sample_indices order
+            ends = [0] * len(batch.requests)
+            for row, i in enumerate(batch.sample_indices):
+                ends[i] = row + 1
         if any(r.want_prompt_logits for r in batch.requests):
             self._record_prompt_logits(batch, hidden, ends)
         if any(r.sampling_params.prompt_logprobs is not None for r in batch.requests):

@@ -120,12 +120,10 @@ class DecodeGraphs:
         # elsewhere staging arrays copied over; what padding rows hold; how many columns of the
         # block tables any step has written (the rest are still zero)
         names = ("input_ids", "positions", "context_lens", "seq_lens", "slot_mapping", "block_tables")
-        on_host = device.type == "cpu"
         self._host = {
-            name: getattr(self, name).numpy() if on_host else np.zeros(tuple(getattr(self, name).shape), np.int64)
+            name: getattr(self, name).numpy() if device.type == "cpu" else np.zeros(getattr(self, name).shape, np.int64)
             for name in names
         }
-        self._on_host = on_host
         self._padding = {"input_ids": 0, "positions": 0, "context_lens": 0, "seq_lens": 1}
         self._padding["slot_mapping"] = self.spare_block * block_size
         self._written_width = 0
@@ -170,7 +168,7 @@ class DecodeGraphs:
         tables[n:size, :written] = 0
         tables[n:size, 0] = self.spare_block
         self._written_width = max(written, width, 1)
-        if not self._on_host:
+        if self.device.type != "cpu":
             for name, values in host.items():
                 getattr(self, name)[:size].copy_(torch.from_numpy(values[:size]), non_blocking=False)
 

@@ -240,7 +240,7 @@ class ModelRunner:
         rows are read."""
         if arrays["max_query_len"] == 1 or batch.drafts or self.keep_hidden_states:
             return None
-        if any(r.want_prompt_logits or r.sampling_params.prompt_logprobs is not None for r in batch.requests):
+        if any(r.needs_prompt_logits for r in batch.requests):
             return None
         ends = arrays["query_start_loc"][1:]
         rows = ends[batch.sample_indices] - 1 if batch.sample_indices else ends[-1:] - 1

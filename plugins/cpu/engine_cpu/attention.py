@@ -10,8 +10,9 @@ tokens and short prefill chunks go to ``paged_attention_packed``, one batched
 call per step with no loop over sequences (a step of decode tokens alone to
 ``decode_attention_packed``, which writes their keys and values as it goes);
 prefill chunks of at least ``LONG_PREFILL_MIN_QUERY`` tokens to the tiled
-``prefill_attention``, one call for all of them. :meth:`CpuPagedAttention.gather_kv` and :meth:`scatter_kv` read
-and write any slots of either layout with plain torch indexing.
+``prefill_attention``, one call for all of them. :meth:`CpuPagedAttention.gather_kv`
+and :meth:`scatter_kv` read and write any slots of either layout with plain torch
+indexing.
 
 Otherwise (other dtypes or sizes) the cache is [block, offset in block, kv head,
 head dim]: decode tokens and short chunks go to the native ``paged_attention``
@@ -70,6 +71,8 @@ class CpuAttentionMetadata:
     # cache) or as chunks for torch's flash attention
     kernel_tokens: torch.Tensor | None = None
     prefill_seqs: torch.Tensor | None = None
+    # every sequence one new token, each row for the paged kernel: ``decode_attention_packed``
+    decode_only: bool = False
     prefill_chunks: list[PrefillChunk] | None = None
     # the torch path only:
     token_row: torch.Tensor | None = None  # [T] row of each token within its sequence's queries
@@ -166,8 +169,15 @@ class CpuPagedAttention(AttentionBackend):
         if self.kernels is not None:
             if self.batch_invariant:  # every row to the paged kernel: one token, one thread, keys in order
                 metadata.kernel_tokens, metadata.prefill_chunks = torch.empty(0, dtype=torch.int64), []
-                return metadata
-            return self._split_long_prefills(metadata)
+            else:
+                self._split_long_prefills(metadata)
+            # (one token a sequence: every row is the paged kernel's, none a long prefill's)
+            metadata.decode_only = (
+                self.packed
+                and common.is_decode_only
+                and common.slot_mapping.shape[0] == common.num_seqs  # no sequence without its token
+            )
+            return metadata
         metadata.token_row = common.token_row
         if self.batch_invariant:
             return metadata
@@ -322,7 +332,7 @@ class CpuPagedAttention(AttentionBackend):
             v = v.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
         window = spec.sliding_window or 0
-        if self._decode_only(q, metadata):
+        if metadata.decode_only:
             # each token's writes and attention in one pass: its newest keys are read as written
             self.kernels.decode_attention_packed(
                 out,
@@ -369,18 +379,6 @@ class CpuPagedAttention(AttentionBackend):
                 sinks,
             )
         return out
-
-    @staticmethod
-    def _decode_only(q: torch.Tensor, metadata: CpuAttentionMetadata) -> bool:
-        """Whether every sequence of the step has one new token, all of them for the paged kernel."""
-        common = metadata.common
-        return (
-            common.max_query_len == 1
-            and q.shape[0] == common.query_start_loc.shape[0] - 1
-            and metadata.prefill_seqs is None
-            and metadata.kernel_tokens is not None
-            and metadata.kernel_tokens.numel() == 0
-        )
 
     def _forward_torch(
         self,

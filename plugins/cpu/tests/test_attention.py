@@ -597,7 +597,7 @@ def test_decode_steps_write_and_attend_in_one_kernel_as_in_two(window, sinks):
     cache = torch.randn(backend.kv_cache_shape(num_blocks), generator=gen).bfloat16()
     two_pass = cache.clone()
     metadata = backend.build_metadata(common)
-    assert backend._decode_only(q, metadata)
+    assert metadata.decode_only
 
     calls = []
     kernels = native.load()

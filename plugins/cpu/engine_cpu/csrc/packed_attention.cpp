@@ -82,6 +82,12 @@ inline void write_token_heads(uint16_t* kc, uint16_t* vc, int64_t seg, int64_t b
   }
 }
 
+// every slot of a step's tokens inside a cache of `capacity` slots
+inline void check_slots(const char* kernel, const int64_t* slots, int64_t num_tokens, int64_t capacity) {
+  for (int64_t t = 0; t < num_tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, kernel, ": slot ", slots[t], " out of range");
+}
+
 }  // namespace
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -330,9 +336,8 @@ void attend_packed(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache, t
         if (fresh != nullptr) {  // the token's own keys and values first: the item reads them last
           const int64_t slot = fresh->slots[t];
           write_token_heads(reinterpret_cast<uint16_t*>(key_cache), reinterpret_cast<uint16_t*>(value_cache),
-                            block_size * head_size,
-                            block_size, num_kv_heads, head_size, slot / block_size, slot % block_size, g0, g1,
-                            fresh->k + t * fresh->k_row, fresh->v + t * fresh->v_row);
+                            block_size * head_size, block_size, num_kv_heads, head_size, slot / block_size,
+                            slot % block_size, g0, g1, fresh->k + t * fresh->k_row, fresh->v + t * fresh->v_row);
         }
         auto run = [&](auto d) {
           decode_item<decltype(d)::value>(out_ptr + offset, q_ptr + q_offset, key_cache, value_cache,
@@ -385,8 +390,7 @@ void decode_attention_packed(torch::Tensor out, torch::Tensor q, torch::Tensor k
   TORCH_CHECK(head_size > 0 && kv_cache.size(3) % head_size == 0, "decode_attention_packed: cache and q shapes differ");
   const int64_t block_size = kv_cache.size(3) / head_size, capacity = kv_cache.size(1) * block_size;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < num_tokens; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < capacity, "decode_attention_packed: slot ", slots[t], " out of range");
+  check_slots("decode_attention_packed", slots, num_tokens, capacity);
   const NewTokens fresh{reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
                         reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), k.stride(0), v.stride(0), slots};
   attend_packed(out, q, kv_cache, block_tables, query_start_loc, context_lens, token_seq,
@@ -408,9 +412,7 @@ void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torc
   const int64_t block_size = kv_cache.size(3) / head_size, num_blocks = kv_cache.size(1);
   TORCH_CHECK(block_size % 2 == 0, "cache_write_packed: even block size");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < num_tokens; ++t)
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_blocks * block_size, "cache_write_packed: slot ", slots[t],
-                " out of range");
+  check_slots("cache_write_packed", slots, num_tokens, num_blocks * block_size);
   const int64_t seg = block_size * head_size, half = kv_cache.numel() / 2;
   auto* kc = reinterpret_cast<uint16_t*>(kv_cache.data_ptr<at::BFloat16>());
   auto* vc = kc + half;

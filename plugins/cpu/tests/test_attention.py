@@ -431,6 +431,48 @@ def test_native_packed_cache_write_is_exact_when_threads_share_blocks():
         assert torch.equal(got_k, k) and torch.equal(got_v, v)
 
 
+@pytest.mark.parametrize(
+    ("head_size", "block_size", "row_pad"), [(64, 16, 0), (128, 32, 0), (32, 16, 0), (16, 16, 0), (64, 16, 1)]
+)
+def test_native_packed_cache_write_of_prompt_runs_matches_the_layout(head_size, block_size, row_pad):
+    """A prompt chunk's tokens fill 16-slot runs of their blocks, which the kernel writes whole;
+    the tokens around them (a chunk that starts or ends inside a run, a run cut by the batch's
+    end, slots out of order) one by one. Every slot holds its token's K and V by the layout
+    written out plainly in slot_views, and no other slot is touched. k and v are slices of one
+    fused projection (row_pad 1: an odd row stride, which takes the token-by-token path)."""
+    spec = AttentionSpec(kind=MHA, num_heads=4, num_kv_heads=2, head_size=head_size, scale=0.125)
+    backend = make_backend(spec, block_size, torch.bfloat16, "native")
+    if not backend.packed:
+        pytest.skip("packed layout unavailable on this CPU")
+    gen = torch.Generator().manual_seed(3)
+    num_blocks = 40
+    # runs of slots: a whole prompt from a block's start, chunks starting and ending inside runs,
+    # a decode token, a run written backwards, and a prompt that ends the batch inside a run
+    runs = [
+        (0, 70),
+        (5 * block_size + 7, 41),
+        (9 * block_size + 3, 1),
+        (12 * block_size, 16),
+        (15 * block_size + 16 % block_size, 50),
+        (25 * block_size, 37),
+    ]
+    slots = torch.cat(
+        [torch.arange(start, start + n) for start, n in runs[:3]]
+        + [torch.arange(runs[3][0], runs[3][0] + runs[3][1]).flip(0)]
+        + [torch.arange(start, start + n) for start, n in runs[4:]]
+    )
+    num_tokens, width = len(slots), 2 * 2 * head_size
+    fused = torch.randn(num_tokens, 4 * head_size + width + row_pad, generator=gen).bfloat16()
+    k = fused[:, 4 * head_size : 6 * head_size].view(num_tokens, 2, head_size)
+    v = fused[:, 6 * head_size : 8 * head_size].view(num_tokens, 2, head_size)
+    cache = torch.zeros(backend.kv_cache_shape(num_blocks), dtype=torch.bfloat16)
+    backend.kernels.cache_write_packed(cache, slots, k, v)
+    expected = torch.zeros_like(cache)
+    for t, slot in enumerate(slots.tolist()):
+        write_slot(backend, expected, slot, k[t], v[t])
+    assert torch.equal(cache, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_batch_invariant_mode_still_computes_attention(path, dtype):
     """--batch-invariant routes every row to one kernel: still attention, for long chunks,

@@ -82,6 +82,45 @@ inline void write_token_heads(uint16_t* kc, uint16_t* vc, int64_t seg, int64_t b
   }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// Writes the K and V rows of 16 tokens (rows k_row / v_row apart; head_size a multiple of 32,
+// k_row even) into slots off..off+15 of `block` (off a multiple of 16), every kv head: row p of
+// a key segment gets the 16 tokens' pair p (one gather), and each value pair of tokens its [D][2]
+// interleave; every store a full line of the run's own.
+inline void write_run_heads(uint16_t* kc, uint16_t* vc, int64_t seg, int64_t block_size, int64_t num_kv_heads,
+                            int64_t head_size, int64_t block, int64_t off, const uint16_t* k_rows,
+                            const uint16_t* v_rows, int64_t k_row, int64_t v_row) {
+  const __m512i token_rows = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(static_cast<int>(k_row / 2)));
+  // word 2i of a pair's 16 dims is dim i of the even token (a), word 2i + 1 the odd one's (b)
+  alignas(64) uint16_t interleave[32];
+  for (int i = 0; i < 16; ++i) {
+    interleave[2 * i] = static_cast<uint16_t>(i);
+    interleave[2 * i + 1] = static_cast<uint16_t>(32 + i);
+  }
+  const __m512i low_dims = _mm512_load_si512(interleave);
+  const __m512i high_dims = _mm512_add_epi16(low_dims, _mm512_set1_epi16(16));
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    const int64_t base = (block * num_kv_heads + h) * seg;
+    uint32_t* kseg = reinterpret_cast<uint32_t*>(kc + base) + off;  // pair p of the run: kseg + p * block_size
+    const int* keys = reinterpret_cast<const int*>(k_rows + h * head_size);
+    for (int64_t p = 0; p < head_size / 2; ++p)
+      _mm512_storeu_si512(kseg + p * block_size, _mm512_i32gather_epi32(token_rows, keys + p, 4));
+    uint16_t* vpairs = vc + base + off * head_size;  // 8 pairs of tokens, [D][2] each
+    for (int64_t j = 0; j < 8; ++j) {
+      const uint16_t* even = v_rows + 2 * j * v_row + h * head_size;
+      const uint16_t* odd = even + v_row;
+      uint16_t* dst = vpairs + 2 * j * head_size;
+      for (int64_t d = 0; d < head_size; d += 32) {
+        const __m512i a = _mm512_loadu_si512(even + d), b = _mm512_loadu_si512(odd + d);
+        _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(a, low_dims, b));
+        _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(a, high_dims, b));
+      }
+    }
+  }
+}
+#endif
+
 // every slot of a step's tokens inside a cache of `capacity` slots
 inline void check_slots(const char* kernel, const int64_t* slots, int64_t num_tokens, int64_t capacity) {
   for (int64_t t = 0; t < num_tokens; ++t)
@@ -419,10 +458,38 @@ void cache_write_packed(torch::Tensor kv_cache, torch::Tensor slot_mapping, torc
   const auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
   const int64_t k_row = k.stride(0), v_row = v.stride(0);
-  // the writes miss the cache (a decode token's segment rows are lines of their own): share them out
-  at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      write_token_heads(kc, vc, seg, block_size, num_kv_heads, head_size, slots[t] / block_size, slots[t] % block_size,
-                        0, num_kv_heads, kp + t * k_row, vp + t * v_row);
+  // A prompt's tokens fill whole 16-slot runs of its blocks (block sizes are multiples of 16):
+  // each such run is written as full lines, its keys transposed by gathers and its values
+  // interleaved in registers, instead of token by token (a token's key pairs go to 32 lines
+  // of their own): half the time for W2's prompts. Other tokens (a decode step's, a run cut
+  // by the chunk's ends) are written one at a time; both are shared out over the threads.
+  std::vector<int64_t> units;  // the first token of each unit (a run of 16, or one token), then T
+  units.reserve(num_tokens / 16 + 16);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const bool runs_ok = head_size % 32 == 0 && k_row % 2 == 0;
+#else
+  const bool runs_ok = false;
+#endif
+  for (int64_t t = 0; t < num_tokens;) {
+    units.push_back(t);
+    bool run = runs_ok && slots[t] % 16 == 0 && t + 16 <= num_tokens;
+    for (int64_t i = 1; run && i < 16; ++i) run = slots[t + i] == slots[t] + i;
+    t += run ? 16 : 1;
+  }
+  const int64_t num_units = static_cast<int64_t>(units.size());
+  units.push_back(num_tokens);
+  at::parallel_for(0, num_units, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t t0 = units[u];
+      if (units[u + 1] - t0 == 1) {
+        write_token_heads(kc, vc, seg, block_size, num_kv_heads, head_size, slots[t0] / block_size,
+                          slots[t0] % block_size, 0, num_kv_heads, kp + t0 * k_row, vp + t0 * v_row);
+        continue;
+      }
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+      write_run_heads(kc, vc, seg, block_size, num_kv_heads, head_size, slots[t0] / block_size, slots[t0] % block_size,
+                      kp + t0 * k_row, vp + t0 * v_row, k_row, v_row);
+#endif
+    }
   });
 }

@@ -85,6 +85,12 @@ class LinearMethod(ABC):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x: [T, input_size] -> [T, sum(output_sizes)] in x's dtype, bias included."""
 
+    def apply_silu_and_mul(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """For a gated MLP's gate/up layer (two output shards of one size I): ``silu(gate) * up``
+        ([T, I]) computed at once, equal to ``ops.silu_and_mul(apply(layer, x))``, or None (the
+        default) for the layer to run those two."""
+        return None
+
 
 class ExpertsMethod(ABC):
     """How a quantizer holds a mixture-of-experts layer's routed experts

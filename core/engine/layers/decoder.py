@@ -65,12 +65,12 @@ class GatedMLP(nn.Module):
         # a long prefill runs MLP_ROWS rows at a time, so that the gate/up output each down
         # projection reads is still in cache (every row's result is the same either way)
         if x.shape[0] <= MLP_ROWS:
-            return self.down_proj.forward(ctx.ops.silu_and_mul(self.gate_up_proj.forward(x)))
+            return self.down_proj.forward(self.gate_up_proj.forward_silu_and_mul(x, ctx.ops))
         out = torch.empty(x.shape[0], sum(self.down_proj.output_sizes), dtype=x.dtype, device=x.device)
         for start in range(0, x.shape[0], MLP_ROWS):
             rows = x[start : start + MLP_ROWS]
             out[start : start + MLP_ROWS] = self.down_proj.forward(
-                ctx.ops.silu_and_mul(self.gate_up_proj.forward(rows))
+                self.gate_up_proj.forward_silu_and_mul(rows, ctx.ops)
             )
         return out
 

@@ -166,6 +166,16 @@ class MergedLinear(nn.Module):
         y = self.method.apply(self, x)
         return self.tp.all_reduce(y) if self.reduce else y
 
+    def forward_silu_and_mul(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """``ops.silu_and_mul(forward(x))`` of a gate/up layer, by the method's fused kernel where
+        it has one for these rows (``LinearMethod.apply_silu_and_mul``)."""
+        fused_kernel = getattr(self.method, "apply_silu_and_mul", None)
+        if fused_kernel is not None and not self.reduce:
+            fused = fused_kernel(self, x)
+            if fused is not None:
+                return fused
+        return ops.silu_and_mul(self.forward(x))
+
 
 def Linear(input_size: int, output_size: int, bias: bool, dtype: torch.dtype) -> MergedLinear:
     """A plain linear layer, whole on every rank."""

@@ -99,6 +99,9 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
             layer.packed_kernels, layer.packed_beyond = _GEMV_ROWS, _NONE_BEYOND
             layer.gemv_out = weight.shape[0]
             layer.gemv_bias = layer.bias.data if layer.bias is not None else _EMPTY
+            # a gated MLP's gate/up whose halves start at a 16-column block: amx_gated_linear
+            sizes = list(layer.output_sizes)
+            layer.gated_half = sizes[0] if len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0] % 16 == 0 else 0
             if self.copy_budget_bytes is not None:
                 self.copy_budget_bytes -= layer.gemv_weight.numel() * layer.gemv_weight.element_size()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
@@ -169,6 +172,25 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         out = torch.empty(rows.shape[0], layer.gemv_out, dtype=rows.dtype)
         getattr(self.kernels, kernel)(out, rows, layer.gemv_weight, layer.gemv_bias)
         return out
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up in one pass (``amx_gated_linear``: no [rows, 2I] product in between,
+        bitwise what ``amx_linear`` then ``silu_and_mul`` give) where amx_linear is the kernel
+        chosen for these rows of a gate/up layer; None elsewhere."""
+        attrs = layer.__dict__
+        half = attrs.get("gated_half", 0)
+        if not half or attrs.get("gemv_weight") is None or x.dtype != torch.bfloat16:
+            return None
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        kernel = (
+            attrs["packed_kernels"][n] if n <= GEMV_MAX_ROWS else attrs["packed_beyond"][band_of(n) - _FIRST_BEYOND]
+        )
+        if kernel != "amx_linear" or rows.stride(-1) != 1:
+            return None
+        out = torch.empty(n, half, dtype=x.dtype)
+        self.kernels.amx_gated_linear(out, rows, attrs["gemv_weight"], attrs["gemv_bias"])
+        return out if rows is x else out.view(*x.shape[:-1], half)
 
     @staticmethod
     def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:

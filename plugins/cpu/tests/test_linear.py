@@ -96,7 +96,8 @@ amx_kernels = pytest.mark.usefixtures("amx_kernels")
 @amx_kernels
 @pytest.mark.parametrize("n, k", [(64, 48), (100, 512), (7, 8), (1000, 1408), (33, 96), (40, 1000)])
 # slices of 16 rows in pairs (a last slice of fewer), x in sweeps of 384 rows at K = 1000 and
-# 1024 at K <= 384; K in steps of 32
+# 1024 at K <= 384, and from 128 rows on panels of block pairs (two or more a thread at
+# n = 1000, K = 1408) run slice by slice; K in steps of 32
 # with a tail of k-pairs; column blocks in pairs (an odd last one)
 @pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 64, 383, 384, 400, 1100])
 @pytest.mark.parametrize("bias", [False, True])
@@ -124,6 +125,44 @@ def test_amx_linear_rows_do_not_depend_on_the_batch():
         part = torch.empty(stop - start, 80, dtype=torch.bfloat16)
         native.load().amx_linear(part, x[start:stop], weight, empty)
         assert torch.equal(part, whole[start:stop])
+
+
+@amx_kernels
+@pytest.mark.parametrize("half, k", [(1408, 512), (48, 1000), (16, 96)])
+@pytest.mark.parametrize("rows", [1, 17, 33, 64, 200, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_gated_linear_is_amx_linear_then_silu_and_mul(half, k, rows, bias):
+    """The fused gate/up kernel gives exactly what the two kernels give (each product rounded to
+    bf16, silu rounded, times up), and silu(gate) * up within bf16 rounding of the fp32 math."""
+    gen = torch.Generator().manual_seed(half + k + rows)
+    weight = torch.randn(2 * half, k, generator=gen).bfloat16()
+    b = torch.randn(2 * half, generator=gen).bfloat16() if bias else torch.empty(0, dtype=torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    packed = pack_gemv_weight(weight)
+    kernels = native.load()
+    both = torch.empty(rows, 2 * half, dtype=torch.bfloat16)
+    kernels.amx_linear(both, x, packed, b)
+    expected = torch.empty(rows, half, dtype=torch.bfloat16)
+    kernels.silu_and_mul(expected, both)
+    fused = torch.full((rows, half), float("nan"), dtype=torch.bfloat16)
+    kernels.amx_gated_linear(fused, x, packed, b)
+    assert torch.equal(fused, expected)
+    products = fp32_reference(x, weight, b if bias else None)
+    gate, up = products[:, :half], products[:, half:]
+    reference = F.silu(gate) * up
+    assert torch.allclose(fused.float(), reference, rtol=2**-6, atol=1e-2 * reference.abs().max().item())
+
+
+@amx_kernels
+def test_amx_gated_linear_refuses_halves_off_a_block_boundary():
+    packed = pack_gemv_weight(torch.randn(40, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="I % 16 == 0"):
+        native.load().amx_gated_linear(
+            torch.empty(3, 20, dtype=torch.bfloat16),
+            torch.randn(3, 64).bfloat16(),
+            packed,
+            torch.empty(0, dtype=torch.bfloat16),
+        )
 
 
 def test_builds_without_amx_say_so():

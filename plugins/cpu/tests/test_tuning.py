@@ -226,6 +226,50 @@ def test_bands_measured_for_amx_run_amx_linear(store, monkeypatch):
     assert calls == [("gemv", 2), ("amx_linear", 3), ("amx_linear", 40), ("amx_linear", 300)]
 
 
+def test_a_gate_up_layer_fuses_silu_where_amx_linear_runs(store, monkeypatch):
+    """A gated MLP's gate/up layer (two shards of one size) computes silu(gate) * up in one
+    kernel in the bands that run amx_linear, and through its chosen kernel then silu_and_mul in
+    the others; every band gives the same bits as its kernel followed by silu_and_mul."""
+    from engine_cpu import native
+    from engine_cpu.ops import NativeLayerOps
+
+    kernels = native.load()
+    if not onednn_available() or kernels is None or not kernels.amx_supported():
+        pytest.skip("no AMX tiles here")
+    gate_up = MergedLinear(64, [48, 48], False, torch.bfloat16)
+    gate_up.weight.data.normal_()
+    picked = ("gemv", "gemv", "amx", "amx", "onednn", "amx", "amx", "amx", "onednn")
+    monkeypatch.setattr(
+        tuning,
+        "measure",
+        lambda layers, candidates, dtype: {
+            (96, 64): tuning.Measured(picked, tuple(dict.fromkeys(candidates, 1.0) for _ in picked))
+        },
+    )
+    method = OneDNNLinearMethod(kernels)
+    apply_linear_method(torch.nn.ModuleList([gate_up]), method)
+    ops = NativeLayerOps(kernels)
+    calls = []
+
+    class Spy:
+        variant = kernels.variant
+
+        def __getattr__(self, name):
+            def run(*args):
+                calls.append((name, args[1].shape[0]))
+                return getattr(kernels, name)(*args)
+
+            return run
+
+    method.kernels = Spy()
+    for rows in (2, 3, 12, 40, 300, 600):
+        x = torch.randn(rows, 64).bfloat16()
+        fused = gate_up.forward_silu_and_mul(x, ops)
+        assert torch.equal(fused, ops.silu_and_mul(gate_up.forward(x)))
+    ran = [call for call in calls if call[0] == "amx_gated_linear"]
+    assert ran == [("amx_gated_linear", 3), ("amx_gated_linear", 40), ("amx_gated_linear", 300)]
+
+
 @pytest.mark.usefixtures("amx_kernels")
 def test_a_model_whose_layers_all_chose_amx_gives_the_fixed_rules_logits(store, monkeypatch, tmp_path):
     """A whole model with every linear layer and band measured for amx_linear (the choice on an

@@ -47,6 +47,7 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tenso
 // amx_linear.cpp
 bool amx_supported();
 void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
+void amx_gated_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
 
 // dot_linear.cpp
 void dot_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Tensor bias);
@@ -123,6 +124,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("batch_invariant") = false);
   m.def("amx_supported", &amx_supported, "whether amx_linear runs on this CPU, build and OS");
   m.def("amx_linear", &amx_linear, "out = x @ W^T + bias on AMX tiles, W packed by pack_gemv_weight (bf16)");
+  m.def("amx_gated_linear", &amx_gated_linear,
+        "out = silu(x @ Wg^T + bg) * (x @ Wu^T + bu) on AMX tiles, [Wg; Wu] packed by pack_gemv_weight (bf16)");
   m.def("dot_linear", &dot_linear, "out = x @ W^T + bias, each output summed in an order fixed by K (fp32 / bf16)");
   m.def("group_quant_linear", &group_quant_linear,
         "out = x @ W^T + bias, W group-quantized in 4, 6 or 8 bits with one- or two-level scales "

@@ -162,17 +162,8 @@ void silu_and_mul(torch::Tensor out, torch::Tensor x) {
         int64_t i = 0;
 #if defined(__AVX512F__)
         if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-          const __m512 one = _mm512_set1_ps(1.f);
-          for (; i + 16 <= d; i += 16) {
-            const __m512 gv = engine_cpu::load_bf16(g + i);
-            // gv / (1 + e^-gv), the reciprocal from its 14-bit estimate and one Newton step (a
-            // division's throughput is a sixteenth of a multiply's)
-            const __m512 den = _mm512_add_ps(one, engine_cpu::exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-            const __m512 est = _mm512_rcp14_ps(den);
-            const __m512 inv = _mm512_mul_ps(est, _mm512_fnmadd_ps(den, est, _mm512_set1_ps(2.f)));
-            const __m512 act = engine_cpu::round_bf16(_mm512_mul_ps(gv, inv));
-            engine_cpu::store_bf16(o + i, _mm512_mul_ps(act, engine_cpu::load_bf16(u + i)));
-          }
+          for (; i + 16 <= d; i += 16)
+            engine_cpu::store_bf16(o + i, engine_cpu::silu_mul(engine_cpu::load_bf16(g + i), engine_cpu::load_bf16(u + i)));
         }
 #endif
         for (; i < d; ++i) {

@@ -50,6 +50,19 @@ inline __m512 round_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
 }
 
+// silu(g) * u of bf16 values g and u (as fp32), as silu_and_mul and amx_gated_linear compute it:
+// g / (1 + e^-g) with the reciprocal from its 14-bit estimate and one Newton step (a division's
+// throughput is a sixteenth of a multiply's), rounded to bf16, times u; the caller rounds. The
+// products and sums use the rounding-mode forms, which -ffast-math cannot reorder or fuse, so
+// every kernel inlining this gets the same bits.
+inline __m512 silu_mul(__m512 g, __m512 u) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 den = _mm512_add_round_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)), kNearest);
+  const __m512 est = _mm512_rcp14_ps(den);
+  const __m512 inv = _mm512_mul_round_ps(est, _mm512_fnmadd_ps(den, est, _mm512_set1_ps(2.f)), kNearest);
+  return _mm512_mul_round_ps(round_bf16(_mm512_mul_round_ps(g, inv, kNearest)), u, kNearest);
+}
+
 // run(std::integral_constant<int, D>{}) for the head sizes of the packed cache (16..256)
 template <typename F>
 inline void with_head_size(int64_t head_size, F&& run) {

@@ -108,11 +108,28 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         layer.weight = nn.Parameter(packed, requires_grad=False)
 
     def candidates(self) -> dict[str, object]:
-        """The kernels timed for each shape and band: oneDNN, and those reading the packed copy."""
-        found = {"gemv": functools.partial(self._packed, "gemv"), "onednn": self._onednn}
+        """The kernels timed for each shape and band: oneDNN, and those reading the packed copy.
+        A gated MLP's gate/up layer times each with what follows it in the model: amx as
+        ``amx_gated_linear``, the others followed by ``silu_and_mul``."""
+        found = {"gemv": functools.partial(self._timed, "gemv"), "onednn": functools.partial(self._timed, None)}
         if self.kernels.amx_supported():
-            found["amx"] = functools.partial(self._packed, "amx_linear")
+            found["amx"] = functools.partial(self._timed, "amx_linear")
         return found
+
+    def _timed(self, kernel: str | None, layer: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        """What a candidate computes in the model: ``kernel`` (None: oneDNN), and for a gate/up
+        layer the activation too."""
+        half = layer.__dict__.get("gated_half", 0)
+        if half and kernel == "amx_linear":
+            out = torch.empty(rows.shape[0], half, dtype=rows.dtype)
+            self.kernels.amx_gated_linear(out, rows, layer.gemv_weight, layer.gemv_bias)
+            return out
+        product = self._onednn(layer, rows) if kernel is None else self._packed(kernel, layer, rows)
+        if not half:
+            return product
+        out = torch.empty(rows.shape[0], half, dtype=rows.dtype)
+        self.kernels.silu_and_mul(out, product)
+        return out
 
     def process_model_after_loading(self, layers: list[nn.Module]) -> None:
         from engine_cpu import tuning
@@ -124,7 +141,8 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
             with_copy,
             self.candidates(),
             torch.bfloat16,
-            f"{self.kernels.variant} {self.kernels.__file__}",
+            # the candidates' meaning is part of the key: gate/up layers are timed with their activation
+            f"{self.kernels.variant} {self.kernels.__file__} gate/up with silu",
         )
         self.choices = {shape: m.choice for shape, m in choices.items()}
         self.measured = True

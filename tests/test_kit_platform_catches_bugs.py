@@ -28,7 +28,7 @@ from engine_cpu.platform import CpuPlatform
 NAMES = (
     "good_cpu", "silent", "bad_dtype", "ghost_pref", "dirty_cache", "frozen_stats", "raising_probe", "foreign_pref",
     "wrong_kind_pref", "overfull_memory", "greedy_kv_default", "unseeded", "fixed_seed", "fp32_cache",
-    "transposed_cache", "biasless_linear", "last_max_argmax", "order_blind_group_quant",
+    "transposed_cache", "biasless_linear", "last_max_argmax", "order_blind_group_quant", "swapped_gate_up",
 )
 
 
@@ -182,6 +182,21 @@ class BiaslessLinear(Good):
         return BiaslessMethod()
 
 
+class SwappedGateUpMethod(UnquantizedLinearMethod):
+    def apply_silu_and_mul(self, layer, x):
+        gate, up = F.linear(x, layer.weight).chunk(2, dim=-1)
+        return F.silu(up) * gate  # the activation on the wrong half
+
+
+class SwappedGateUp(Good):
+    # a fused gate/up kernel that takes the halves the other way round
+
+    name = "swapped_gate_up"
+
+    def linear_method(self, dtype):
+        return SwappedGateUpMethod()
+
+
 class LastMaxOps(LayerOps):
     def argmax(self, logits):
         # the last of equal maxima, where torch.argmax gives the first
@@ -221,7 +236,7 @@ def register_platforms(register):
     for cls in (
         Good, SilentProbe, ClaimsHalfButBreaksIt, PrefersAGhost, DirtyCache, FrozenStats, RaisingProbe,
         PrefersAForeignBackend, PrefersTheWrongKind, OverfullMemory, GreedyKvDefault, Unseeded, FixedSeed,
-        Fp32Cache, TransposedCache, BiaslessLinear, LastMaxArgmax, OrderBlindGroupQuant,
+        Fp32Cache, TransposedCache, BiaslessLinear, LastMaxArgmax, OrderBlindGroupQuant, SwappedGateUp,
     ):
         register(cls)
 
@@ -251,6 +266,7 @@ VARIANTS = {
     "TestBiaslessLinear": "biasless_linear",
     "TestLastMaxArgmax": "last_max_argmax",
     "TestOrderBlindGroupQuant": "order_blind_group_quant",
+    "TestSwappedGateUp": "swapped_gate_up",
 }
 
 TESTS = "from engine.testing.kit import PlatformTests\n" + "".join(
@@ -267,6 +283,7 @@ DEVICE_CHECKS = (
     "test_seeding_makes_sampling_reproducible",
     "test_kv_cache_allocation",
     "test_linear_method_matches_f_linear",
+    "test_linear_method_gate_up_gives_silu_times_up",
     "test_layer_ops_match_the_reference",
 )
 CAUGHT_BY = {
@@ -288,8 +305,9 @@ CAUGHT_BY = {
     "TestBiaslessLinear": ("test_linear_method_matches_f_linear",),
     "TestLastMaxArgmax": ("test_layer_ops_match_the_reference",),
     "TestOrderBlindGroupQuant": ("test_layer_ops_match_the_reference",),
+    "TestSwappedGateUp": ("test_linear_method_gate_up_gives_silu_times_up",),
 }
-NUM_CHECKS = 10
+NUM_CHECKS = 11
 
 
 def test_every_broken_platform_is_caught_by_its_check_and_only_there(pytester, monkeypatch):

@@ -198,6 +198,50 @@ class PlatformTests(KitTests):
                         f"against F.linear"
                     )
 
+    def test_linear_method_gate_up_gives_silu_times_up(self) -> None:
+        """Where ``linear_method(dtype)`` gives a method: a gated MLP's gate/up layer (two shards
+        of 64, and of 40, from 256 inputs), switched to it after loading, gives silu(gate) * up
+        through ``forward_silu_and_mul`` (the method's ``apply_silu_and_mul`` where it has one)
+        within the dtype's rounding of the float32 product, for 1, 7 and 40 tokens."""
+        import torch
+        import torch.nn.functional as F
+
+        from engine.interfaces.ops import REFERENCE_OPS
+        from engine.layers.linear import MergedLinear, apply_linear_method
+
+        platform = self.available_platform()
+        methods = {name: platform.linear_method(name) for name in platform.supported_dtypes}
+        if not any(methods.values()):
+            capability_skip("linear_method")
+        generator = torch.Generator().manual_seed(1)
+        device = platform.device()
+        for name, method in methods.items():
+            if method is None:
+                continue
+            dtype = getattr(torch, name)
+            ops = platform.layer_ops(name) or REFERENCE_OPS
+            for half in (64, 40):
+                with torch.device(device):
+                    layer = MergedLinear(256, [half, half], False, dtype)
+                weight = torch.randn(2 * half, 256, generator=generator) * 256**-0.5
+                with torch.no_grad():
+                    layer.weight.copy_(weight)
+                weight = layer.weight.float().cpu()
+                apply_linear_method(layer, method)
+                for num_tokens in (1, 7, 40):
+                    x = torch.randn(num_tokens, 256, generator=generator).to(dtype)
+                    product = F.linear(x.float(), weight)
+                    expected = F.silu(product[:, :half]) * product[:, half:]
+                    got = layer.forward_silu_and_mul(x.to(device), ops)
+                    assert got.dtype == dtype and got.shape == expected.shape, (
+                        f"{name} gate/up gave {got.dtype} {tuple(got.shape)} for {tuple(expected.shape)}"
+                    )
+                    error = ((got.float().cpu() - expected).norm() / expected.norm()).item()
+                    assert error <= 2 * LINEAR_ERROR_BOUNDS.get(name, 2e-2), (
+                        f"{name} linear method ({type(method).__name__}), gate/up of 2 x {half}, {num_tokens} "
+                        f"tokens: relative error {error:.3g} against silu(gate) * up in float32"
+                    )
+
     def test_layer_ops_match_the_reference(self) -> None:
         """Where ``layer_ops(dtype)`` gives fused ops: RMSNorm (with and without the residual
         add), rotary (whole and partial rotary dims), SiLU-and-mul, the group-quantized linear

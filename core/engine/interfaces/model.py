@@ -72,6 +72,14 @@ class Model(torch.nn.Module, ABC):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [N, hidden_size] -> logits [N, vocab_size]."""
 
+    def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """hidden_states: [N, hidden_size] -> each row's greedy token ([N] int64), exactly
+        ``argmax(compute_logits(hidden_states))`` (the first of equal logits), where the model
+        can pick it without the logits (``engine.layers.linear.gather_argmax``); None (the
+        default) otherwise. The runner asks when every request of a step samples greedily and
+        nothing reads or changes the logits."""
+        return None
+
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Consume ``(checkpoint_name, tensor)`` pairs, remapping names as needed.

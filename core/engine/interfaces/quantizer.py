@@ -85,6 +85,11 @@ class LinearMethod(ABC):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x: [T, input_size] -> [T, sum(output_sizes)] in x's dtype, bias included."""
 
+    def apply_argmax(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """For an LM head: each row's index of its largest output ([T] int64; the first of equal
+        ones, as ``argmax(apply(layer, x))`` gives it) without the outputs, or None (the default)."""
+        return None
+
     def apply_silu_and_mul(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """For a gated MLP's gate/up layer (two output shards of one size I): ``silu(gate) * up``
         ([T, I]) computed at once, equal to ``ops.silu_and_mul(apply(layer, x))``, or None (the

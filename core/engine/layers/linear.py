@@ -273,6 +273,16 @@ def gather_logits(head: MergedLinear, hidden: torch.Tensor) -> torch.Tensor:
     return head.tp.all_gather(logits, dim=-1)[..., : head.full_output_sizes[0]]
 
 
+def gather_argmax(head: MergedLinear, hidden: torch.Tensor) -> torch.Tensor | None:
+    """``argmax(gather_logits(head, hidden))`` ([N] int64, the first of equal logits) by the
+    head's method (``LinearMethod.apply_argmax``) without the logits, where it has a way; None
+    where it has none or the vocabulary is split over ranks."""
+    picker = getattr(head.method, "apply_argmax", None)
+    if picker is None or head.out_slices is not None or head.reduce:
+        return None
+    return picker(head, hidden)
+
+
 def linear_layers(model: nn.Module) -> dict[str, MergedLinear]:
     """Every :class:`MergedLinear` of ``model`` by module path."""
     return {name: module for name, module in model.named_modules() if isinstance(module, MergedLinear)}

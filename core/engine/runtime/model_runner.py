@@ -16,7 +16,7 @@ from engine.interfaces.model import Model
 from engine.runtime.batch import PLACEHOLDER, ModelOutput, ScheduledBatch, StepTimings
 from engine.runtime.kv_cache import KVCache
 from engine.runtime.logprobs import record_prompt_logprobs
-from engine.runtime.reasoning import force_logits
+from engine.runtime.reasoning import force_logits, may_force
 from engine.runtime.request import Request
 from engine.runtime.sampler import Sampler
 from engine.runtime.structured_output import StepMasks, fill_step_masks, mask_logits
@@ -355,6 +355,10 @@ class ModelRunner:
         logits of their last row (masked where a request's output is constrained)."""
         requests = [batch.requests[i] for i in indices]
         rows = [ends[i] - 1 for i in indices]
+        picks = self._greedy_tokens(requests, hidden, rows)
+        if picks is not None:
+            self._keep_hidden(requests, hidden, rows)
+            return [[t] for t in picks.tolist()]
         logits = self.logits(hidden, rows)
         mask_logits(logits, self._masks, indices, [1] * len(indices), self.sampler.ops)
         force_logits(logits, requests)  # a spent thinking budget: the closing tokens
@@ -363,6 +367,22 @@ class ModelRunner:
             self._sample_logprobs = (requests, sampled.logprobs)
         self._keep_hidden(requests, hidden, rows)
         return [[t] for t in sampled.token_ids.tolist()]
+
+    def _greedy_tokens(self, requests: list[Request], hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """The model's greedy picks of ``hidden[rows]`` without logits
+        (``Model.compute_greedy_tokens``), when sampling would take the argmax of the logits as
+        the model gives them (plain greedy requests, no output constraint, no forced token) on a
+        single rank; None otherwise, or where the model has no such path."""
+        pick = getattr(self.model, "compute_greedy_tokens", None)
+        if pick is None or self.channel is not None or self._masks is not None:
+            return None
+        if not self.sampler.plain_greedy(requests) or any(may_force(r) for r in requests):
+            return None
+        start = self._clock()
+        picks = pick(select_rows(hidden, rows))
+        if picks is not None:
+            self._timings.logits += self._clock() - start
+        return picks
 
     def _verify(
         self, batch: ScheduledBatch, drafted: list[int], hidden: torch.Tensor, ends: list[int]

@@ -101,14 +101,21 @@ class Sampler:
         self.device = device
         self.ops = ops  # ops.argmax: greedy rows of a batch that needs nothing else
 
+    @staticmethod
+    def plain_greedy(requests: list[Request]) -> bool:
+        """Whether sampling for ``requests`` is the argmax of their logits as they are: all greedy,
+        no logprobs, no penalties, no ``min_tokens`` pending."""
+        return all(
+            r.sampling_params.greedy and r.sampling_params.logprobs is None and not r.sampling_params.has_penalties
+            for r in requests
+        ) and not any(_min_tokens_pending(r) for r in requests)
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits: [N, V] in the model's dtype, row i for requests[i] (not modified) -> the sampled
         tokens. A batch of greedy requests with no logprobs, penalties or pending ``min_tokens``
         takes ``ops.argmax`` on the logits as they are; anything else works on them in fp32."""
         params = [r.sampling_params for r in requests]
-        if all(p.greedy and p.logprobs is None and not p.has_penalties for p in params) and not any(
-            _min_tokens_pending(r) for r in requests
-        ):
+        if self.plain_greedy(requests):
             return SamplerOutput(self.ops.argmax(logits))
         logits = logits.float()
         # logprobs describe the model's own distribution: taken before any processing

@@ -201,14 +201,24 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
             return None
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
-        kernel = (
-            attrs["packed_kernels"][n] if n <= GEMV_MAX_ROWS else attrs["packed_beyond"][band_of(n) - _FIRST_BEYOND]
-        )
-        if kernel != "amx_linear" or rows.stride(-1) != 1:
+        if _packed_kernel(attrs, n) != "amx_linear" or rows.stride(-1) != 1:
             return None
         out = torch.empty(n, half, dtype=x.dtype)
         self.kernels.amx_gated_linear(out, rows, attrs["gemv_weight"], attrs["gemv_bias"])
         return out if rows is x else out.view(*x.shape[:-1], half)
+
+    def apply_argmax(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's greedy pick (``amx_linear_argmax``: the outputs are never stored, exactly
+        what ``amx_linear`` then ``argmax`` give) where amx_linear is the kernel chosen for these
+        rows; None elsewhere."""
+        attrs = layer.__dict__
+        if attrs.get("gemv_weight") is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1:
+            return None
+        if _packed_kernel(attrs, x.shape[0]) != "amx_linear":
+            return None
+        picks = torch.empty(x.shape[0], dtype=torch.int64)
+        self.kernels.amx_linear_argmax(picks, x, attrs["gemv_weight"], attrs["gemv_bias"], attrs["gemv_out"])
+        return picks
 
     @staticmethod
     def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -222,14 +232,22 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         if gemv_weight is not None and x.dtype == torch.bfloat16:
             rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
             n = rows.shape[0]
-            kernel = (
-                attrs["packed_kernels"][n] if n <= GEMV_MAX_ROWS else attrs["packed_beyond"][band_of(n) - _FIRST_BEYOND]
-            )
+            kernel = _packed_kernel(attrs, n)
             if kernel is not None and rows.stride(-1) == 1:
                 out = torch.empty(n, attrs["gemv_out"], dtype=x.dtype)
                 getattr(self.kernels, kernel)(out, rows, gemv_weight, attrs["gemv_bias"])
                 return out if rows is x else out.view(*x.shape[:-1], out.shape[-1])
         return self._onednn(layer, x)
+
+
+def _packed_kernel(attrs: dict, rows: int) -> str | None:
+    """The native kernel a layer with the packed copy (its instance ``attrs``) runs for ``rows``
+    rows (None: oneDNN)."""
+    return (
+        attrs["packed_kernels"][rows]
+        if rows <= GEMV_MAX_ROWS
+        else attrs["packed_beyond"][band_of(rows) - _FIRST_BEYOND]
+    )
 
 
 # the native function each measured name that reads the packed copy runs (oneDNN: none)

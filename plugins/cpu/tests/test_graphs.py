@@ -265,6 +265,35 @@ def test_the_engine_replays_decode_steps_with_the_eager_tokens(checkpoint, dtype
     assert graphs.replays == decode_steps - len(graphs.graphs)
 
 
+def test_greedy_steps_take_the_models_picks_and_others_the_logits(checkpoint, kernels, monkeypatch):
+    """Steps whose requests all sample greedily take Model.compute_greedy_tokens (the LM head's
+    argmax without logits where the platform's method has one) and give the tokens the logits
+    give; a step with a logprobs request samples from the logits."""
+    from engine_llama.model import LlamaForCausalLM
+
+    greedy = [(p, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)) for p in prompts(5, seed=8)]
+    with_logprobs = greedy[:2] + [
+        (greedy[2][0], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2))
+    ]
+    asked = []
+    original = LlamaForCausalLM.compute_greedy_tokens
+
+    def spy(self, hidden):
+        asked.append(hidden.shape[0])
+        return original(self, hidden)
+
+    llm = make_llm(checkpoint, "bfloat16")
+    monkeypatch.setattr(LlamaForCausalLM, "compute_greedy_tokens", lambda self, hidden: None)
+    expected = [o.outputs[0].token_ids for o in llm.generate(*zip(*greedy), use_tqdm=False)]
+    monkeypatch.setattr(LlamaForCausalLM, "compute_greedy_tokens", spy)
+    got = [o.outputs[0].token_ids for o in llm.generate(*zip(*greedy), use_tqdm=False)]
+    assert got == expected and asked
+    asked.clear()
+    outputs = llm.generate(*zip(*with_logprobs), use_tqdm=False)
+    assert asked == [] and outputs[2].outputs[0].logprobs
+    assert [o.outputs[0].token_ids for o in outputs] == expected[:3]
+
+
 def test_a_forward_that_cannot_be_captured_runs_eagerly_and_says_why(checkpoint, kernels, monkeypatch, caplog):
     from engine_llama.model import LlamaForCausalLM
 

@@ -165,6 +165,35 @@ def test_amx_gated_linear_refuses_halves_off_a_block_boundary():
         )
 
 
+@amx_kernels
+@pytest.mark.parametrize("n, k", [(32000, 512), (100, 96), (37, 1000)])
+@pytest.mark.parametrize("rows", [1, 5, 17, 33, 64, 130, 700])
+@pytest.mark.parametrize("bias", [False, True])
+def test_amx_linear_argmax_picks_what_argmax_of_amx_linear_picks(n, k, rows, bias):
+    """Greedy picks straight from the tiles equal the argmax kernel's over amx_linear's stored
+    outputs: columns 3 and n - 2 repeat column 1's weights (equal outputs: the first wins, across
+    blocks and threads), and the row with the largest x is also checked with a NaN column."""
+    gen = torch.Generator().manual_seed(n + k + rows)
+    weight = torch.randn(n, k, generator=gen).bfloat16()
+    weight[3] = weight[1]
+    weight[n - 2] = weight[1]
+    b = torch.randn(n, generator=gen).bfloat16() if bias else torch.empty(0, dtype=torch.bfloat16)
+    if bias:
+        b[3] = b[n - 2] = b[1]
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    kernels = native.load()
+    for w in (weight, torch.cat([weight[:-1], torch.full((1, k), float("nan"), dtype=torch.bfloat16)])):
+        packed = pack_gemv_weight(w)
+        outputs = torch.empty(rows, n, dtype=torch.bfloat16)
+        kernels.amx_linear(outputs, x, packed, b)
+        expected = torch.empty(rows, dtype=torch.int64)
+        kernels.argmax(expected, outputs)
+        assert torch.equal(expected, outputs.float().argmax(dim=-1)) or outputs.isnan().any()
+        picks = torch.full((rows,), -1, dtype=torch.int64)
+        kernels.amx_linear_argmax(picks, x, packed, b, n)
+        assert torch.equal(picks, expected)
+
+
 def test_builds_without_amx_say_so():
     for name in [v.name for v in native.runnable_variants() if "amx_tile" not in v.requires]:
         assert native.load(name) is None or not native.load(name).amx_supported()

@@ -309,3 +309,32 @@ def test_a_model_whose_layers_all_chose_amx_gives_the_fixed_rules_logits(store, 
     tokens = greedy_tokens(amx, batch, 16)
     for prompt, ours in zip(batch, tokens):
         assert diverges_only_at_a_near_tie(hf_model, prompt, ours, hf_argmax_tokens(hf_model, prompt, 16))
+
+
+def test_an_lm_head_picks_greedy_tokens_without_logits_where_amx_linear_runs(store, monkeypatch):
+    """gather_argmax runs amx_linear_argmax in the bands that run amx_linear and gives exactly
+    the argmax of the head's logits there; elsewhere it declines (None) and the logits decide."""
+    from engine.layers.linear import ParallelLMHead, gather_argmax, gather_logits
+    from engine_cpu import native
+
+    kernels = native.load()
+    if not onednn_available() or kernels is None or not kernels.amx_supported():
+        pytest.skip("no AMX tiles here")
+    head = ParallelLMHead(64, 300, torch.bfloat16)
+    head.weight.data.normal_()
+    picked = ("gemv", "gemv", "amx", "amx", "onednn", "amx", "amx", "amx", "onednn")
+    monkeypatch.setattr(
+        tuning,
+        "measure",
+        lambda layers, candidates, dtype: {
+            (300, 64): tuning.Measured(picked, tuple(dict.fromkeys(candidates, 1.0) for _ in picked))
+        },
+    )
+    apply_linear_method(torch.nn.ModuleList([head]), OneDNNLinearMethod(kernels))
+    for rows in (2, 3, 12, 40, 300, 600):
+        x = torch.randn(rows, 64).bfloat16()
+        picks = gather_argmax(head, x)
+        if rows in (3, 40, 300):
+            assert torch.equal(picks, gather_logits(head, x).float().argmax(dim=-1))
+        else:
+            assert picks is None

@@ -22,7 +22,14 @@ from engine.layers.decoder import (
     require_silu,
 )
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import ParallelLMHead, QKVParallelLinear, RowParallelLinear, gather_logits, linear_layers
+from engine.layers.linear import (
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    gather_argmax,
+    gather_logits,
+    linear_layers,
+)
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.model_config import HFConfig
 
@@ -199,6 +206,9 @@ class LlamaForCausalLM(Model):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head, hidden_states)
+
+    def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return gather_argmax(self.lm_head, hidden_states)
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as this model names them, those it does not use left out."""

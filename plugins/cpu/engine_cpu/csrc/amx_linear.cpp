@@ -24,7 +24,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <mutex>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "amx.h"
 #include "packed_weight.h"
@@ -117,6 +121,43 @@ void finish_gated(const float* gate_sums, const float* up_sums, int rows, const 
   }
 }
 
+// one row's greedy pick over the columns seen so far: the largest output (as rounded to bf16)
+// and its first column, and the first column holding a NaN (-1: none), as argmax counts them
+struct RowBest {
+  float value;
+  int64_t index, nan_index;
+};
+
+// a block's sums finished as finish_block finishes them (tail, bias, bf16 rounding), folded into
+// each row's RowBest instead of stored; columns arrive in increasing order, so a strictly
+// greater value replaces and equal ones keep the first
+void finish_argmax(const float* sums, int rows, const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w,
+                   int64_t tail_from, int64_t pairs, const at::BFloat16* bias, int64_t n0, int64_t N, RowBest* best) {
+  const __mmask16 mask = columns_mask(n0, N);
+  if (mask == 0) return;
+  const __m512 bias_v = bias_of(bias, n0, mask);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int m = 0; m < rows; ++m) {
+    __m512 acc = _mm512_add_ps(_mm512_loadu_ps(sums + m * kCols), bias_v);
+    for (int64_t p = tail_from; p < pairs; ++p) {
+      int32_t xpair;
+      std::memcpy(&xpair, x + m * x_stride + p * 2, sizeof(xpair));
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 2 * kCols);
+      acc = _mm512_dpbf16_ps(acc, wv, (__m512bh)_mm512_set1_epi32(xpair));
+    }
+    const __m512 v = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc)), 16));  // as stored
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & mask;
+    if (nan && best[m].nan_index < 0) best[m].nan_index = n0 + __builtin_ctz(nan);
+    const __m512 valid = _mm512_mask_blend_ps(mask & ~nan, neg_inf, v);
+    const float block_max = _mm512_reduce_max_ps(valid);
+    if (block_max > best[m].value) {
+      best[m].value = block_max;
+      best[m].index = n0 + __builtin_ctz(_mm512_cmp_ps_mask(valid, _mm512_set1_ps(block_max), _CMP_EQ_OQ) & mask);
+    }
+  }
+}
+
 // the 16 lines of B tile `elem` elements into block w's stream, past its end (block_elems) the
 // same place in the next pair's block, into L2
 inline void prefetch_tile(const at::BFloat16* w, int64_t elem, int64_t block_elems) {
@@ -173,7 +214,7 @@ inline void tile_pass(const at::BFloat16* x, int64_t x_stride, const at::BFloat1
 // silu(gate) * up, half columns.
 void amx_blocks(const at::BFloat16* x, int64_t x_stride, int64_t M, const at::BFloat16* packed,
                 const at::BFloat16* bias, at::BFloat16* out, int64_t out_stride, int64_t N, int64_t K, int64_t b0,
-                int64_t b1, bool cold, int64_t half = 0) {
+                int64_t b1, bool cold, int64_t half = 0, RowBest* best = nullptr) {
   const int64_t pairs = K / 2;
   const int64_t steps = pairs / kStepPairs;
   const int64_t tail_from = steps * kStepPairs;
@@ -210,6 +251,19 @@ void amx_blocks(const at::BFloat16* x, int64_t x_stride, int64_t M, const at::BF
         std::memset(sums, 0, sizeof(sums));
       }
       at::BFloat16* os = out + m0 * out_stride;
+      if (best != nullptr) {  // greedy picks: no outputs stored
+        finish_argmax(sums[0], rows0, xs, x_stride, w0, tail_from, pairs, bias, g * kCols, N, best + m0);
+        if (two_blocks)
+          finish_argmax(sums[1], rows0, xs, x_stride, w1, tail_from, pairs, bias, (g + 1) * kCols, N, best + m0);
+        if (rows1 > 0) {
+          const at::BFloat16* xs1 = xs + 16 * x_stride;
+          finish_argmax(sums[2], rows1, xs1, x_stride, w0, tail_from, pairs, bias, g * kCols, N, best + m0 + 16);
+          if (two_blocks)
+            finish_argmax(sums[3], rows1, xs1, x_stride, w1, tail_from, pairs, bias, (g + 1) * kCols, N,
+                          best + m0 + 16);
+        }
+        continue;
+      }
       if (half > 0) {
         finish_gated(sums[0], sums[1], rows0, xs, x_stride, w0, w1, tail_from, pairs, bias, g * kCols, half, os,
                      out_stride);
@@ -250,25 +304,58 @@ namespace {
 #if defined(ENGINE_CPU_AMX)
 // out = x @ W^T + bias (half == 0), or silu(gate) * up of a gated MLP's weight (half > 0): the
 // threads take contiguous ranges of block pairs (one weight stream each)
+// With picks (M entries): out is not written; each row's greedy pick over all N columns goes there.
 void run_amx(at::BFloat16* op, int64_t os, const at::BFloat16* xp, int64_t xs, int64_t M, int64_t K,
-             const at::BFloat16* wp, int64_t blocks, const at::BFloat16* bp, int64_t N, int64_t half) {
+             const at::BFloat16* wp, int64_t blocks, const at::BFloat16* bp, int64_t N, int64_t half,
+             int64_t* picks = nullptr) {
   const int64_t units = half > 0 ? half / kCols : (blocks + 1) / 2;  // gate blocks, or block pairs
   const int64_t per_unit = half > 0 ? 1 : 2;                          // blocks a unit starts apart
+  std::mutex found_lock;
+  std::vector<std::pair<int64_t, std::vector<RowBest>>> found;  // (first column, its range's picks)
   at::parallel_for(0, units, half > 0 ? 16 : 8, [&](int64_t u0, int64_t u1) {
     const int64_t b0 = per_unit * u0, b1 = half > 0 ? u1 : std::min(blocks, 2 * u1);
+    std::vector<RowBest> best_store;
+    RowBest* best = nullptr;
+    if (picks != nullptr) {
+      best_store.assign(M, RowBest{-std::numeric_limits<float>::infinity(), b0 * kCols, -1});
+      best = best_store.data();
+    }
+    struct Hand {  // this range's picks handed over however the range ends
+      std::vector<RowBest>& picks;
+      int64_t first;
+      std::mutex& lock;
+      std::vector<std::pair<int64_t, std::vector<RowBest>>>& found;
+      ~Hand() {
+        if (picks.empty()) return;
+        std::lock_guard<std::mutex> guard(lock);
+        found.emplace_back(first, std::move(picks));
+      }
+    } hand{best_store, b0 * kCols, found_lock, found};
     if (M >= kPanelRows) {
       const int64_t pair_bytes = 2 * K * kCols * static_cast<int64_t>(sizeof(at::BFloat16));
       const int64_t panel = per_unit * std::max<int64_t>(1, kPanelBytes / pair_bytes);  // in blocks
       for (int64_t q0 = b0; q0 < b1; q0 += panel)
         for (int64_t m0 = 0; m0 < M; m0 += 32)
           amx_blocks(xp + m0 * xs, xs, std::min<int64_t>(32, M - m0), wp, bp, op + m0 * os, os, N, K, q0,
-                     std::min(b1, q0 + panel), m0 == 0, half);
+                     std::min(b1, q0 + panel), m0 == 0, half, best ? best + m0 : nullptr);
       return;
     }
     const int64_t chunk = chunk_rows(K);
     for (int64_t m0 = 0; m0 < M; m0 += chunk)
-      amx_blocks(xp + m0 * xs, xs, std::min(chunk, M - m0), wp, bp, op + m0 * os, os, N, K, b0, b1, true, half);
+      amx_blocks(xp + m0 * xs, xs, std::min(chunk, M - m0), wp, bp, op + m0 * os, os, N, K, b0, b1, true, half,
+                 best ? best + m0 : nullptr);
   });
+  if (picks == nullptr) return;
+  // ranges in column order: a later range's pick replaces only with a strictly greater value
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (int64_t m = 0; m < M; ++m) {
+    RowBest row{-std::numeric_limits<float>::infinity(), 0, -1};
+    for (const auto& [first, range] : found) {
+      if (row.nan_index < 0 && range[m].nan_index >= 0) row.nan_index = range[m].nan_index;
+      if (range[m].value > row.value) row.value = range[m].value, row.index = range[m].index;
+    }
+    picks[m] = row.nan_index >= 0 ? row.nan_index : row.index;
+  }
 }
 #endif
 
@@ -307,5 +394,27 @@ void amx_gated_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, 
   run_amx(out.data_ptr<at::BFloat16>(), out.stride(0), x.data_ptr<at::BFloat16>(), x.stride(0), x.size(0), x.size(1),
           packed.data_ptr<at::BFloat16>(), packed.size(0), bias.numel() ? bias.data_ptr<at::BFloat16>() : nullptr,
           2 * half, half);
+#endif
+}
+
+// Greedy picks of rows of x through a weight packed by pack_gemv_weight ([ceil(N/16), K/2, 16, 2]
+// bf16, N outputs; bias [N] bf16 or empty): out[m] is argmax(amx_linear(x, W, bias)[m]) as the
+// argmax kernel gives it (the first of equal outputs as rounded to bf16, a NaN counting as the
+// largest), without the [M, N] outputs ever being stored.
+void amx_linear_argmax(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N) {
+  TORCH_CHECK(amx_supported(), "amx_linear_argmax: this CPU, build or OS does not allow AMX tiles");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.is_contiguous() && out.numel() == x.size(0),
+              "amx_linear_argmax: out is [M] int64");
+  TORCH_CHECK(N >= 1, "amx_linear_argmax: no outputs");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
+                  x.stride(1) == 1 && x.size(0) >= 1, "amx_linear_argmax: x bf16 [M, K] rows");
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 &&
+                  x.size(1) % 8 == 0 && packed.size(1) * 2 == x.size(1) && packed.size(0) * 16 >= N,
+              "amx_linear_argmax: weight not packed by pack_gemv_weight for x and N");
+  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() && bias.scalar_type() == at::kBFloat16),
+              "amx_linear_argmax: bias must be [N] bf16");
+#if defined(ENGINE_CPU_AMX)
+  run_amx(nullptr, 0, x.data_ptr<at::BFloat16>(), x.stride(0), x.size(0), x.size(1), packed.data_ptr<at::BFloat16>(),
+          packed.size(0), bias.numel() ? bias.data_ptr<at::BFloat16>() : nullptr, N, 0, out.data_ptr<int64_t>());
 #endif
 }

@@ -48,6 +48,7 @@ void gemv(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tenso
 bool amx_supported();
 void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
 void amx_gated_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
+void amx_linear_argmax(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N);
 
 // dot_linear.cpp
 void dot_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Tensor bias);
@@ -124,6 +125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("batch_invariant") = false);
   m.def("amx_supported", &amx_supported, "whether amx_linear runs on this CPU, build and OS");
   m.def("amx_linear", &amx_linear, "out = x @ W^T + bias on AMX tiles, W packed by pack_gemv_weight (bf16)");
+  m.def("amx_linear_argmax", &amx_linear_argmax,
+        "greedy picks: argmax of each row of x @ W^T + bias on AMX tiles, the outputs never stored");
   m.def("amx_gated_linear", &amx_gated_linear,
         "out = silu(x @ Wg^T + bg) * (x @ Wu^T + bu) on AMX tiles, [Wg; Wu] packed by pack_gemv_weight (bf16)");
   m.def("dot_linear", &dot_linear, "out = x @ W^T + bias, each output summed in an order fixed by K (fp32 / bf16)");

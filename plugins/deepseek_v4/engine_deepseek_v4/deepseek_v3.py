@@ -31,7 +31,7 @@ from engine.interfaces.attention import INDEXER, MLA, SPARSE_MLA, AttentionSpec
 from engine.interfaces.forward_context import ForwardContext
 from engine.interfaces.model import Model, ModelInit
 from engine.layers.decoder import DecoderStack, GatedMLP, PreNormDecoderLayer, require_silu
-from engine.layers.linear import Linear, ParallelLMHead, gather_logits
+from engine.layers.linear import Linear, ParallelLMHead, gather_argmax, gather_logits
 from engine.layers.mla import MLADims, MLAttention
 from engine.layers.moe import MoE, MoEDims, load_named_tensors
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
@@ -219,6 +219,9 @@ class DeepseekV3ForCausalLM(Model):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head, hidden_states)
+
+    def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return gather_argmax(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skipped_mtp = 0

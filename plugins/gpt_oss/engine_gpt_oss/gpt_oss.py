@@ -47,6 +47,7 @@ from engine.layers.linear import (
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
+    gather_argmax,
     gather_logits,
     linear_layers,
     shard_parameter,
@@ -356,6 +357,9 @@ class GptOssForCausalLM(Model):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head, hidden_states)
+
+    def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return gather_argmax(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params, linears = dict(self.named_parameters()), linear_layers(self)

@@ -46,6 +46,7 @@ from engine.layers.linear import (
     Linear,
     ParallelLMHead,
     RowParallelLinear,
+    gather_argmax,
     gather_logits,
     shard_parameter,
 )
@@ -261,6 +262,9 @@ class KimiLinearForCausalLM(Model):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head, hidden_states)
+
+    def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return gather_argmax(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed():

@@ -54,6 +54,7 @@ from engine.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabEmbedding,
+    gather_argmax,
     gather_logits,
     linear_layers,
     shard_parameter,
@@ -468,6 +469,9 @@ class NemotronHForCausalLM(Model):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head, hidden_states)
+
+    def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return gather_argmax(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         d = self.dims

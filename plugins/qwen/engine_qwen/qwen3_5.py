@@ -61,6 +61,7 @@ from engine.layers.linear import (
     ParallelLMHead,
     RowParallelLinear,
     VocabEmbedding,
+    gather_argmax,
     gather_logits,
     shard_parameter,
 )
@@ -375,6 +376,9 @@ class Qwen3_5ForCausalLM(Model):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return gather_logits(self.lm_head, hidden_states)
+
+    def compute_greedy_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return gather_argmax(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def renamed():

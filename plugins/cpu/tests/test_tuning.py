@@ -36,6 +36,40 @@ def spin(seconds: float) -> None:
         pass
 
 
+def pick_bands(monkeypatch, shape: tuple[int, int], picked: tuple[str, ...]) -> None:
+    """The measurement of layers of ``shape`` gives ``picked`` (a kernel name per band)."""
+    monkeypatch.setattr(
+        tuning,
+        "measure",
+        lambda layers, candidates, dtype: {
+            shape: tuning.Measured(picked, tuple(dict.fromkeys(candidates, 1.0) for _ in picked))
+        },
+    )
+
+
+def spy_on_kernels(method: OneDNNLinearMethod) -> list[tuple[str, int]]:
+    """(native kernel, rows of its x) of every call the method makes from now on."""
+    calls = []
+    kernels = method.kernels
+
+    class Spy:
+        variant = kernels.variant
+
+        def __getattr__(self, name):
+            def run(*args):
+                calls.append((name, args[1].shape[0]))
+                return getattr(kernels, name)(*args)
+
+            return run
+
+    method.kernels = Spy()
+    return calls
+
+
+# measured choices with AMX: gemv, amx, oneDNN, amx, oneDNN by band
+AMX_PICKS = ("gemv", "gemv", "amx", "amx", "onednn", "amx", "amx", "amx", "onednn")
+
+
 def test_band_of_puts_each_row_count_in_its_band():
     assert [tuning.band_of(r) for r in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 512, 513, 2048, 16384)] == [
         0,
@@ -192,32 +226,12 @@ def test_bands_measured_for_amx_run_amx_linear(store, monkeypatch):
         pytest.skip("no oneDNN bf16 path on this CPU")
     layer_ = layer(96, 64)
     weight = layer_.weight.data.clone()
-    picked = ("gemv", "gemv", "amx", "amx", "onednn", "amx", "amx", "amx", "onednn")
-    monkeypatch.setattr(
-        tuning,
-        "measure",
-        lambda layers, candidates, dtype: {
-            (96, 64): tuning.Measured(picked, tuple(dict.fromkeys(candidates, 1.0) for _ in picked))
-        },
-    )
+    pick_bands(monkeypatch, (96, 64), AMX_PICKS)
     method = OneDNNLinearMethod(native.load())
     assert set(method.candidates()) == {"gemv", "onednn", "amx"}
     apply_linear_method(torch.nn.ModuleList([layer_]), method)
     assert method.describe() == "96x64: gemv 1-2, amx 3-8, onednn 9-16, amx 17-512, onednn 513+"
-    calls = []
-    kernels = method.kernels
-
-    class Spy:
-        variant = kernels.variant
-
-        def __getattr__(self, name):
-            def run(*args):
-                calls.append((name, args[1].shape[0]))
-                return getattr(kernels, name)(*args)
-
-            return run
-
-    method.kernels = Spy()
+    calls = spy_on_kernels(method)
     for rows in (2, 3, 12, 40, 300, 600):
         x = torch.randn(rows, 64).bfloat16()
         expected = F.linear(x.float(), weight.float())
@@ -238,30 +252,11 @@ def test_a_gate_up_layer_fuses_silu_where_amx_linear_runs(store, monkeypatch):
         pytest.skip("no AMX tiles here")
     gate_up = MergedLinear(64, [48, 48], False, torch.bfloat16)
     gate_up.weight.data.normal_()
-    picked = ("gemv", "gemv", "amx", "amx", "onednn", "amx", "amx", "amx", "onednn")
-    monkeypatch.setattr(
-        tuning,
-        "measure",
-        lambda layers, candidates, dtype: {
-            (96, 64): tuning.Measured(picked, tuple(dict.fromkeys(candidates, 1.0) for _ in picked))
-        },
-    )
+    pick_bands(monkeypatch, (96, 64), AMX_PICKS)
     method = OneDNNLinearMethod(kernels)
     apply_linear_method(torch.nn.ModuleList([gate_up]), method)
     ops = NativeLayerOps(kernels)
-    calls = []
-
-    class Spy:
-        variant = kernels.variant
-
-        def __getattr__(self, name):
-            def run(*args):
-                calls.append((name, args[1].shape[0]))
-                return getattr(kernels, name)(*args)
-
-            return run
-
-    method.kernels = Spy()
+    calls = spy_on_kernels(method)
     for rows in (2, 3, 12, 40, 300, 600):
         x = torch.randn(rows, 64).bfloat16()
         fused = gate_up.forward_silu_and_mul(x, ops)
@@ -322,15 +317,10 @@ def test_an_lm_head_picks_greedy_tokens_without_logits_where_amx_linear_runs(sto
         pytest.skip("no AMX tiles here")
     head = ParallelLMHead(64, 300, torch.bfloat16)
     head.weight.data.normal_()
-    picked = ("gemv", "gemv", "amx", "amx", "onednn", "amx", "amx", "amx", "onednn")
-    monkeypatch.setattr(
-        tuning,
-        "measure",
-        lambda layers, candidates, dtype: {
-            (300, 64): tuning.Measured(picked, tuple(dict.fromkeys(candidates, 1.0) for _ in picked))
-        },
-    )
-    apply_linear_method(torch.nn.ModuleList([head]), OneDNNLinearMethod(kernels))
+    pick_bands(monkeypatch, (300, 64), AMX_PICKS)
+    method = OneDNNLinearMethod(kernels)
+    apply_linear_method(torch.nn.ModuleList([head]), method)
+    calls = spy_on_kernels(method)
     for rows in (2, 3, 12, 40, 300, 600):
         x = torch.randn(rows, 64).bfloat16()
         picks = gather_argmax(head, x)
@@ -338,3 +328,5 @@ def test_an_lm_head_picks_greedy_tokens_without_logits_where_amx_linear_runs(sto
             assert torch.equal(picks, gather_logits(head, x).float().argmax(dim=-1))
         else:
             assert picks is None
+    ran = [call for call in calls if call[0] == "amx_linear_argmax"]
+    assert ran == [("amx_linear_argmax", 3), ("amx_linear_argmax", 40), ("amx_linear_argmax", 300)]

@@ -77,6 +77,25 @@ void configure(int rows0, int rows1) {
 using engine_cpu::bias_of;
 using engine_cpu::columns_mask;
 
+// one row's 16 sums of a block (fp32) plus the bias and the k-pairs from `tail_from` to `pairs`
+// (of x_row and the block w) on AVX512-BF16: what every finish rounds
+inline __m512 finished_sums(const float* sums_row, __m512 bias_v, const at::BFloat16* x_row, const at::BFloat16* w,
+                            int64_t tail_from, int64_t pairs) {
+  __m512 acc = _mm512_add_ps(_mm512_loadu_ps(sums_row), bias_v);
+  for (int64_t p = tail_from; p < pairs; ++p) {
+    int32_t xpair;
+    std::memcpy(&xpair, x_row + p * 2, sizeof(xpair));
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 2 * kCols);
+    acc = _mm512_dpbf16_ps(acc, wv, (__m512bh)_mm512_set1_epi32(xpair));
+  }
+  return acc;
+}
+
+// 16 fp32 values as rounded to bf16 (nearest even) and read back
+inline __m512 bf16_rounded(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
 // sums [rows][16] (fp32, row stride 16) of one block, plus the k-pairs from `tail_from` to `pairs`
 // on AVX512-BF16 and the bias, rounded to bf16 (nearest even) into out's block columns
 void finish_block(const float* sums, int rows, const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w,
@@ -86,13 +105,7 @@ void finish_block(const float* sums, int rows, const at::BFloat16* x, int64_t x_
   if (mask == 0) return;
   const __m512 bias_v = bias_of(bias, n0, mask);
   for (int m = 0; m < rows; ++m) {
-    __m512 acc = _mm512_add_ps(_mm512_loadu_ps(sums + m * kCols), bias_v);
-    for (int64_t p = tail_from; p < pairs; ++p) {
-      int32_t xpair;
-      std::memcpy(&xpair, x + m * x_stride + p * 2, sizeof(xpair));
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 2 * kCols);
-      acc = _mm512_dpbf16_ps(acc, wv, (__m512bh)_mm512_set1_epi32(xpair));
-    }
+    const __m512 acc = finished_sums(sums + m * kCols, bias_v, x + m * x_stride, w, tail_from, pairs);
     _mm256_mask_storeu_epi16(out + m * out_stride + n0, mask, (__m256i)_mm512_cvtneps_pbh(acc));
   }
 }
@@ -103,21 +116,11 @@ void finish_gated(const float* gate_sums, const float* up_sums, int rows, const 
                   const at::BFloat16* wg, const at::BFloat16* wu, int64_t tail_from, int64_t pairs,
                   const at::BFloat16* bias, int64_t n0, int64_t half, at::BFloat16* out, int64_t out_stride) {
   const __m512 bias_g = bias_of(bias, n0, 0xffff), bias_u = bias_of(bias, half + n0, 0xffff);
-  auto rounded = [](__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-  };
   for (int m = 0; m < rows; ++m) {
-    __m512 g = _mm512_add_ps(_mm512_loadu_ps(gate_sums + m * kCols), bias_g);
-    __m512 u = _mm512_add_ps(_mm512_loadu_ps(up_sums + m * kCols), bias_u);
-    for (int64_t p = tail_from; p < pairs; ++p) {
-      int32_t xpair;
-      std::memcpy(&xpair, x + m * x_stride + p * 2, sizeof(xpair));
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xpair);
-      g = _mm512_dpbf16_ps(g, (__m512bh)_mm512_loadu_si512(wg + p * 2 * kCols), xv);
-      u = _mm512_dpbf16_ps(u, (__m512bh)_mm512_loadu_si512(wu + p * 2 * kCols), xv);
-    }
+    const __m512 g = finished_sums(gate_sums + m * kCols, bias_g, x + m * x_stride, wg, tail_from, pairs);
+    const __m512 u = finished_sums(up_sums + m * kCols, bias_u, x + m * x_stride, wu, tail_from, pairs);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * out_stride + n0),
-                        (__m256i)_mm512_cvtneps_pbh(engine_cpu::silu_mul(rounded(g), rounded(u))));
+                        (__m256i)_mm512_cvtneps_pbh(engine_cpu::silu_mul(bf16_rounded(g), bf16_rounded(u))));
   }
 }
 
@@ -138,15 +141,7 @@ void finish_argmax(const float* sums, int rows, const at::BFloat16* x, int64_t x
   const __m512 bias_v = bias_of(bias, n0, mask);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int m = 0; m < rows; ++m) {
-    __m512 acc = _mm512_add_ps(_mm512_loadu_ps(sums + m * kCols), bias_v);
-    for (int64_t p = tail_from; p < pairs; ++p) {
-      int32_t xpair;
-      std::memcpy(&xpair, x + m * x_stride + p * 2, sizeof(xpair));
-      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 2 * kCols);
-      acc = _mm512_dpbf16_ps(acc, wv, (__m512bh)_mm512_set1_epi32(xpair));
-    }
-    const __m512 v = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(acc)), 16));  // as stored
+    const __m512 v = bf16_rounded(finished_sums(sums + m * kCols, bias_v, x + m * x_stride, w, tail_from, pairs));
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) & mask;
     if (nan && best[m].nan_index < 0) best[m].nan_index = n0 + __builtin_ctz(nan);
     const __m512 valid = _mm512_mask_blend_ps(mask & ~nan, neg_inf, v);

@@ -378,6 +378,15 @@ def group_quant_exact(
     return exact, size
 
 
+def group_quant_sum_allowance(x: torch.Tensor, w: GroupQuantWeight) -> torch.Tensor:
+    """How far two float32 evaluations of ``x @ W^T`` that add the K products in different orders
+    (or fuse them differently) may differ: each is within ``K * 2^-24 * (|x| @ |s q|^T)`` of the
+    exact sum, so twice that, float64."""
+    xs = w.order_inputs(x.cpu()).double().abs()
+    scaled = w.group_scales().cpu().double().repeat_interleave(w.group_size, dim=1) * w.values().cpu().double()
+    return 2 * xs.shape[1] * 2.0**-24 * (xs @ scaled.abs().t())
+
+
 def group_quant_int8_allowance(x: torch.Tensor, w: GroupQuantWeight, block: int) -> torch.Tensor:
     """How far rounding x to int8 in blocks of ``block`` inputs (after ``input_order``; scale
     max|x| / 127 a block) may move ``x @ W^T``: ``(dx / 2) @ |s q|^T``, float64, with half a

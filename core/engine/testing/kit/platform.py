@@ -261,18 +261,20 @@ class PlatformTests(KitTests):
         and 128, one- and two-level scales, an input order, a bias), one and several rows. With 16-bit x the kernel may round x to
         int8 in blocks of up to 128 inputs of a group (``LayerOps.group_quant_linear``): the
         difference it may add, ``(dx / 2) @ |s q|^T`` with ``dx`` each block's max|x| / 127, is
-        allowed on top of the dtype's tolerance."""
+        allowed on top of the dtype's tolerance. In float32, the sums' own rounding in another
+        order than the reference's (``2 K 2^-24 |x| @ |s q|^T``), which an output near zero
+        shows beyond the dtype's tolerance, is allowed on top of it."""
         import torch
 
         from engine.interfaces.group_quant import quantize_groups
         from engine.interfaces.ops import REFERENCE_OPS
-        from engine.testing.oracles import group_quant_int8_allowance
+        from engine.testing.oracles import group_quant_int8_allowance, group_quant_sum_allowance
 
         def within(got: torch.Tensor, expected: torch.Tensor, x: torch.Tensor, weight: Any, what: str) -> None:
             if x.dtype == torch.float32:
-                close(got, expected, what)
-                return
-            allowed = group_quant_int8_allowance(x.float(), weight, min(weight.group_size, 128)).float()
+                allowed = group_quant_sum_allowance(x.float(), weight).float()
+            else:
+                allowed = group_quant_int8_allowance(x.float(), weight, min(weight.group_size, 128)).float()
             close(got, expected + (got.float().cpu() - expected.float().cpu()).clamp(-allowed, allowed), what)
 
         generator = torch.Generator().manual_seed(1)

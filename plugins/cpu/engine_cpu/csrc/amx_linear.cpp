@@ -315,17 +315,6 @@ void run_amx(at::BFloat16* op, int64_t os, const at::BFloat16* xp, int64_t xs, i
       best_store.assign(M, RowBest{-std::numeric_limits<float>::infinity(), b0 * kCols, -1});
       best = best_store.data();
     }
-    struct Hand {  // this range's picks handed over however the range ends
-      std::vector<RowBest>& picks;
-      int64_t first;
-      std::mutex& lock;
-      std::vector<std::pair<int64_t, std::vector<RowBest>>>& found;
-      ~Hand() {
-        if (picks.empty()) return;
-        std::lock_guard<std::mutex> guard(lock);
-        found.emplace_back(first, std::move(picks));
-      }
-    } hand{best_store, b0 * kCols, found_lock, found};
     if (M >= kPanelRows) {
       const int64_t pair_bytes = 2 * K * kCols * static_cast<int64_t>(sizeof(at::BFloat16));
       const int64_t panel = per_unit * std::max<int64_t>(1, kPanelBytes / pair_bytes);  // in blocks
@@ -333,12 +322,16 @@ void run_amx(at::BFloat16* op, int64_t os, const at::BFloat16* xp, int64_t xs, i
         for (int64_t m0 = 0; m0 < M; m0 += 32)
           amx_blocks(xp + m0 * xs, xs, std::min<int64_t>(32, M - m0), wp, bp, op + m0 * os, os, N, K, q0,
                      std::min(b1, q0 + panel), m0 == 0, half, best ? best + m0 : nullptr);
-      return;
+    } else {
+      const int64_t chunk = chunk_rows(K);
+      for (int64_t m0 = 0; m0 < M; m0 += chunk)
+        amx_blocks(xp + m0 * xs, xs, std::min(chunk, M - m0), wp, bp, op + m0 * os, os, N, K, b0, b1, true, half,
+                   best ? best + m0 : nullptr);
     }
-    const int64_t chunk = chunk_rows(K);
-    for (int64_t m0 = 0; m0 < M; m0 += chunk)
-      amx_blocks(xp + m0 * xs, xs, std::min(chunk, M - m0), wp, bp, op + m0 * os, os, N, K, b0, b1, true, half,
-                 best ? best + m0 : nullptr);
+    if (best != nullptr) {
+      std::lock_guard<std::mutex> guard(found_lock);
+      found.emplace_back(b0 * kCols, std::move(best_store));
+    }
   });
   if (picks == nullptr) return;
   // ranges in column order: a later range's pick replaces only with a strictly greater value
@@ -377,14 +370,9 @@ void amx_gated_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, 
   const int64_t half = out.size(1);
   TORCH_CHECK(out.dim() == 2 && half % 16 == 0 && packed.dim() == 4 && packed.size(0) * 16 == 2 * half,
               "amx_gated_linear: out [M, I] with I % 16 == 0 for a packed [2I, K] weight");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16, "amx_gated_linear: bf16 tensors only");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.stride(1) == 1 && out.size(0) == x.size(0) && x.size(0) >= 1,
-              "amx_gated_linear: x [M, K] and out [M, I] rows");
-  TORCH_CHECK(packed.is_contiguous() && packed.size(2) == 16 && packed.size(3) == 2 && x.size(1) % 8 == 0 &&
-                  packed.size(1) * 2 == x.size(1), "amx_gated_linear: weight not packed by pack_gemv_weight for x");
-  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == 2 * half && bias.is_contiguous() &&
-                                    bias.scalar_type() == at::kBFloat16), "amx_gated_linear: bias must be [2I] bf16");
+  engine_cpu::check_packed_input("amx_gated_linear", x, packed, bias, 2 * half);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.stride(1) == 1 && out.size(0) == x.size(0),
+              "amx_gated_linear: out [M, I] bf16 rows");
 #if defined(ENGINE_CPU_AMX)
   run_amx(out.data_ptr<at::BFloat16>(), out.stride(0), x.data_ptr<at::BFloat16>(), x.stride(0), x.size(0), x.size(1),
           packed.data_ptr<at::BFloat16>(), packed.size(0), bias.numel() ? bias.data_ptr<at::BFloat16>() : nullptr,
@@ -401,13 +389,7 @@ void amx_linear_argmax(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
   TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.is_contiguous() && out.numel() == x.size(0),
               "amx_linear_argmax: out is [M] int64");
   TORCH_CHECK(N >= 1, "amx_linear_argmax: no outputs");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 && x.dim() == 2 &&
-                  x.stride(1) == 1 && x.size(0) >= 1, "amx_linear_argmax: x bf16 [M, K] rows");
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 &&
-                  x.size(1) % 8 == 0 && packed.size(1) * 2 == x.size(1) && packed.size(0) * 16 >= N,
-              "amx_linear_argmax: weight not packed by pack_gemv_weight for x and N");
-  TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() && bias.scalar_type() == at::kBFloat16),
-              "amx_linear_argmax: bias must be [N] bf16");
+  engine_cpu::check_packed_input("amx_linear_argmax", x, packed, bias, N);
 #if defined(ENGINE_CPU_AMX)
   run_amx(nullptr, 0, x.data_ptr<at::BFloat16>(), x.stride(0), x.size(0), x.size(1), packed.data_ptr<at::BFloat16>(),
           packed.size(0), bias.numel() ? bias.data_ptr<at::BFloat16>() : nullptr, N, 0, out.data_ptr<int64_t>());

@@ -1,7 +1,7 @@
 // What the AMX kernels share: the tile configuration (palette 1) and loading one.
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
 #define ENGINE_CPU_AMX 1
 #include <immintrin.h>
 
@@ -31,6 +31,9 @@ inline void configure_tiles(std::initializer_list<TileShape> shapes) {
     config.rows[s.tile] = static_cast<uint8_t>(s.rows);
     config.colsb[s.tile] = static_cast<uint16_t>(s.bytes);
   }
+  // GCC does not count ldtilecfg as reading the configuration: without this its dead-store
+  // elimination can drop the shapes written above (seen with configure() out of line)
+  __asm__ __volatile__("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 

@@ -90,6 +90,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         self.kernels = kernels
         self.copy_budget_bytes = copy_budget_bytes  # None: no limit
         self.choices: dict[tuple[int, int], tuple[str, ...]] = {}
+        self.greedy_choices: dict[tuple[int, int], tuple[str, ...]] = {}  # heads' pick kernels
         self.measured = False
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -161,23 +162,10 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
     def describe(self) -> str | None:
         if not self.choices:
             return None
-        from engine_cpu import tuning
-
-        parts = []
-        for (n, k), choice in sorted(self.choices.items()):
-            runs, lo = [], 1  # [first rows, last rows (None: every count above), kernel]
-            for b, name in enumerate(choice):
-                hi = tuning.ROW_BANDS[b] if b < len(choice) - 1 else None
-                if runs and runs[-1][2] == name:
-                    runs[-1][1] = hi
-                else:
-                    runs.append([lo, hi, name])
-                lo = (hi or 0) + 1
-            bands = ", ".join(
-                f"{name} {a}+" if b is None else f"{name} {a}" if a == b else f"{name} {a}-{b}" for a, b, name in runs
-            )
-            parts.append(f"{n}x{k}: {bands}")
-        return "; ".join(parts)
+        text = _describe_bands(self.choices)
+        if self.greedy_choices:
+            text += f"; greedy picks {_describe_bands(self.greedy_choices)}"
+        return text
 
     def _gemv_copy_fits(self, weight: torch.Tensor) -> bool:
         if self.kernels is None or weight.dtype != torch.bfloat16 or weight.shape[1] % 8 != 0:
@@ -208,17 +196,62 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         return out if rows is x else out.view(*x.shape[:-1], half)
 
     def apply_argmax(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """Each row's greedy pick (``amx_linear_argmax``: the outputs are never stored, exactly
-        what ``amx_linear`` then ``argmax`` give) where amx_linear is the kernel chosen for these
-        rows; None elsewhere."""
+        """Each row's greedy pick where amx_linear is the kernel chosen for these rows (None
+        elsewhere), exactly what ``amx_linear`` then ``argmax`` give, the outputs never stored:
+        ``amx_linear_argmax``, or ``amx_linear_argmax_screened`` (most columns ruled out on an
+        int8 copy of the weight first) in the row bands where timing it at the first pick
+        (:meth:`_greedy_screen`) found it faster."""
         attrs = layer.__dict__
         if attrs.get("gemv_weight") is None or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(-1) != 1:
             return None
-        if _packed_kernel(attrs, x.shape[0]) != "amx_linear":
+        n = x.shape[0]
+        if _packed_kernel(attrs, n) != "amx_linear":
             return None
+        screen = attrs["greedy_screen"] if "greedy_screen" in attrs else self._greedy_screen(layer)
+        if screen is None or screen[1][band_of(n)] != "screened":
+            return self._picks(layer, x)
+        return self._picks(layer, x, screen[0])
+
+    def _picks(self, layer: nn.Module, x: torch.Tensor, screen: tuple | None = None) -> torch.Tensor:
+        """x's greedy picks by ``amx_linear_argmax``, or with the head's int8 ``screen`` by
+        ``amx_linear_argmax_screened``."""
+        attrs = layer.__dict__
         picks = torch.empty(x.shape[0], dtype=torch.int64)
-        self.kernels.amx_linear_argmax(picks, x, attrs["gemv_weight"], attrs["gemv_bias"], attrs["gemv_out"])
+        weight, bias, n = attrs["gemv_weight"], attrs["gemv_bias"], attrs["gemv_out"]
+        if screen is None:
+            self.kernels.amx_linear_argmax(picks, x, weight, bias, n)
+        else:
+            self.kernels.amx_linear_argmax_screened(picks, x, weight, bias, n, *screen)
         return picks
+
+    def _greedy_screen(self, layer: nn.Module) -> tuple[tuple, tuple[str, ...]] | None:
+        """At a head's first greedy pick: its int8 copy for ``amx_linear_argmax_screened``
+        (:func:`pack_screen_weight`) and, per row band, which of the two pick kernels ran faster
+        (:mod:`engine_cpu.tuning`, stored like the linear kernels' choices); None (and the copy
+        given back) where the screened kernel cannot run or never wins."""
+        from engine_cpu import tuning
+
+        screen = None
+        size = layer.gemv_weight.numel() * 3 // 2  # int8 and bf16 copies: 3 bytes a weight
+        fits = self.copy_budget_bytes is None or size <= self.copy_budget_bytes
+        if fits and tuning.mode() != "off":
+            tensors = pack_screen_weight(layer.gemv_weight, layer.gemv_out, layer.gemv_bias)
+            if tensors is not None:
+                candidates = {
+                    "amx": self._picks,
+                    "screened": lambda lay, rows: self._picks(lay, rows, tensors),
+                }
+                measured = tuning.choose(
+                    [layer], candidates, torch.bfloat16, f"{self.kernels.variant} {self.kernels.__file__} greedy picks"
+                )[tuning.shape_of(layer)]
+                if "screened" in measured.choice:
+                    screen = (tensors, measured.choice)
+                    if self.copy_budget_bytes is not None:
+                        self.copy_budget_bytes -= size
+                    self.greedy_choices[tuning.shape_of(layer)] = measured.choice
+                    logger.info("greedy picks by shape and rows: %s", _describe_bands(self.greedy_choices))
+        layer.greedy_screen = screen
+        return screen
 
     @staticmethod
     def _onednn(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -238,6 +271,58 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
                 getattr(self.kernels, kernel)(out, rows, gemv_weight, attrs["gemv_bias"])
                 return out if rows is x else out.view(*x.shape[:-1], out.shape[-1])
         return self._onednn(layer, x)
+
+
+def _describe_bands(choices: dict[tuple[int, int], tuple[str, ...]]) -> str:
+    """Each shape's kernel per run of row bands, e.g. ``32000x512: amx 1-16, onednn 17+``."""
+    from engine_cpu import tuning
+
+    parts = []
+    for (n, k), choice in sorted(choices.items()):
+        runs, lo = [], 1  # [first rows, last rows (None: every count above), kernel]
+        for b, name in enumerate(choice):
+            hi = tuning.ROW_BANDS[b] if b < len(choice) - 1 else None
+            if runs and runs[-1][2] == name:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi, name])
+            lo = (hi or 0) + 1
+        bands = ", ".join(
+            f"{name} {a}+" if b is None else f"{name} {a}" if a == b else f"{name} {a}-{b}" for a, b, name in runs
+        )
+        parts.append(f"{n}x{k}: {bands}")
+    return "; ".join(parts)
+
+
+def pack_screen_weight(packed: torch.Tensor, n: int, bias: torch.Tensor) -> tuple | None:
+    """What ``amx_linear_argmax_screened`` reads besides a weight packed by :func:`pack_gemv_weight`
+    (n outputs): the weight rounded to int8 per output column (scale max|w| / 127) in the
+    [ceil(n/16), K/4, 16, 4] layout of an int8 AMX tile, the scales, the sums of |q| per column,
+    the largest scale, and the weight row-major again. None where the kernel cannot screen it
+    (K not a multiple of 64, a weight or bias that is not finite, a bias too large for the bound)."""
+    from engine_cpu.memory import huge_page_zeros
+
+    blocks, half_k = packed.shape[:2]
+    k = 2 * half_k
+    if k % 64 or (bias.numel() and not (torch.isfinite(bias).all() and bias.float().abs().max() < 1e30)):
+        return None
+    rowmajor = packed.permute(0, 2, 1, 3).reshape(blocks * 16, k)[:n].contiguous()
+    qweight = huge_page_zeros((blocks, k // 4, 16, 4), torch.int8)  # streamed whole at every pick
+    scale, q1 = torch.zeros(blocks * 16), torch.zeros(blocks * 16)
+    rounded = qweight.view(blocks, k // 4, 16, 4).permute(0, 2, 1, 3)  # [blocks, 16, K/4, 4]
+    for b0 in range(0, blocks, 256):  # a few MB of fp32 at a time
+        b1 = min(blocks, b0 + 256)
+        w = rowmajor[b0 * 16 : b1 * 16].float()
+        if not torch.isfinite(w).all():
+            return None
+        s = w.abs().amax(dim=1) / 127
+        q = (w / s.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).round_().clamp_(-127, 127)
+        target = torch.zeros((b1 - b0) * 16, k, dtype=torch.int8)
+        target[: w.shape[0]] = q.to(torch.int8)
+        rounded[b0:b1].copy_(target.view(b1 - b0, 16, k // 4, 4))
+        scale[b0 * 16 : b0 * 16 + w.shape[0]] = s
+        q1[b0 * 16 : b0 * 16 + w.shape[0]] = q.abs().sum(dim=1)
+    return qweight, scale, q1, float(scale.max()), rowmajor
 
 
 def _packed_kernel(attrs: dict, rows: int) -> str | None:

@@ -91,8 +91,8 @@ VARIANTS = (
     Variant("avx512bf16", ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"), _V4 | {"avx512_bf16", "avx512_vnni"}),
     Variant(
         "amx",
-        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"),
-        _V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"},
+        ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+        _V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"},
     ),
 )
 VARIANTS_BY_NAME = {v.name: v for v in VARIANTS}

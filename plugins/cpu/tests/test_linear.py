@@ -9,7 +9,13 @@ from torch import nn
 
 from engine.layers.linear import MergedLinear, UnquantizedLinearMethod, VocabEmbedding, apply_linear_method
 from engine_cpu import native
-from engine_cpu.linear import GEMV_MAX_ROWS, OneDNNLinearMethod, onednn_available, pack_gemv_weight
+from engine_cpu.linear import (
+    GEMV_MAX_ROWS,
+    OneDNNLinearMethod,
+    onednn_available,
+    pack_gemv_weight,
+    pack_screen_weight,
+)
 from engine_cpu.platform import CpuPlatform
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="torch has no oneDNN bf16 linear on this CPU")
@@ -192,6 +198,120 @@ def test_amx_linear_argmax_picks_what_argmax_of_amx_linear_picks(n, k, rows, bia
         picks = torch.full((rows,), -1, dtype=torch.int64)
         kernels.amx_linear_argmax(picks, x, packed, b, n)
         assert torch.equal(picks, expected)
+
+
+def plain_screen_weight(weight: torch.Tensor):
+    """pack_screen_weight's outputs written out plainly: each output column rounded to int8 by
+    its own scale (max |w| / 127), laid out as int8 AMX B tiles (16 columns by 4 k a row)."""
+    n, k = weight.shape
+    blocks = -(-n // 16)
+    qweight = torch.zeros(blocks, k // 4, 16, 4, dtype=torch.int8)
+    scale, q1 = torch.zeros(blocks * 16), torch.zeros(blocks * 16)
+    for col in range(n):
+        w = weight[col].float()
+        s = w.abs().max() / 127
+        q = torch.zeros(k) if s == 0 else torch.round(w / s).clamp(-127, 127)
+        scale[col], q1[col] = s, q.abs().sum()
+        qweight[col // 16, :, col % 16, :] = q.to(torch.int8).view(k // 4, 4)
+    return qweight, scale, q1
+
+
+def test_pack_screen_weight_rounds_each_column_to_int8_in_tile_layout():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(37, 128, generator=gen).bfloat16()
+    weight[5] = 0  # a zero column: scale 0, q 0
+    empty = torch.empty(0, dtype=torch.bfloat16)
+    qweight, scale, q1, max_scale, rowmajor = pack_screen_weight(pack_gemv_weight(weight), 37, empty)
+    plain_q, plain_scale, plain_q1 = plain_screen_weight(weight)
+    assert torch.equal(rowmajor, weight)
+    assert torch.equal(scale, plain_scale) and torch.equal(q1, plain_q1) and max_scale == plain_scale.max().item()
+    assert torch.equal(qweight, plain_q)
+    # what the kernel cannot screen
+    assert pack_screen_weight(pack_gemv_weight(weight[:, :96]), 37, empty) is None  # K % 64
+    broken = weight.clone()
+    broken[3, 7] = float("inf")
+    assert pack_screen_weight(pack_gemv_weight(broken), 37, empty) is None
+    assert pack_screen_weight(pack_gemv_weight(weight), 37, torch.full((37,), float("nan")).bfloat16()) is None
+
+
+@amx_kernels
+@pytest.mark.parametrize("n, k", [(32000, 512), (1007, 128), (100, 64)])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 65, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_screened_argmax_picks_what_amx_linear_argmax_picks(n, k, rows, bias):
+    """Screened on int8 copies, the picks are still exactly those of argmax over amx_linear's
+    outputs. The weight has near ties the int8 copies cannot tell apart: a column pulled toward
+    each row's own direction (so that rows want different columns), a copy of it one bf16 step
+    off in one element, and exact copies far apart (equal outputs: the first wins, across
+    groups, slices and threads). A zero row, a row with an infinity and a row so large that the
+    bound could overflow run unscreened, and the count says so; the others are screened down to
+    a small part of the columns."""
+    gen = torch.Generator().manual_seed(n + k + rows)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    weight = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    for r in range(rows):  # a strong column for each row, its copies near it in value
+        col = (r * 7919) % (n - 4)
+        weight[col] = (x[r].float() / x[r].float().norm()).bfloat16()
+        weight[col + 1] = weight[col]
+        weight[col + 1, r % k] = torch.nextafter(weight[col, r % k].float(), torch.tensor(2.0)).bfloat16()
+    weight[n - 1] = weight[(3 * 7919) % (n - 4)]  # the exact copy of row 3's column, last
+    b = torch.randn(n, generator=gen).bfloat16() * 0.1 if bias else torch.empty(0, dtype=torch.bfloat16)
+    if bias:
+        b[n - 1] = b[(3 * 7919) % (n - 4)]
+    special = []
+    if rows >= 5:
+        x[1] = 0
+        x[2, 5] = float("inf")
+        x[4] = (x[4].float() * 1e36).bfloat16()
+        special = [1, 2, 4]
+    kernels = native.load()
+    packed = pack_gemv_weight(weight)
+    outputs = torch.empty(rows, n, dtype=torch.bfloat16)
+    kernels.amx_linear(outputs, x, packed, b)
+    expected = torch.empty(rows, dtype=torch.int64)
+    kernels.argmax(expected, outputs)
+    plain = torch.empty(rows, dtype=torch.int64)
+    kernels.amx_linear_argmax(plain, x, packed, b, n)
+    assert torch.equal(plain, expected)
+    screen = pack_screen_weight(packed, n, b)
+    picks = torch.full((rows,), -1, dtype=torch.int64)
+    columns, unscreened = kernels.amx_linear_argmax_screened(picks, x, packed, b, n, *screen)
+    assert torch.equal(picks, expected)
+    assert unscreened == len(special)
+    if n > 1000:
+        assert columns <= (rows - len(special)) * n // 20
+    if rows > 3 and n > 1000:  # the near ties were live: some row's pick is the copy one step off
+        assert (picks[3] == (3 * 7919) % (n - 4)) or (picks[3] == (3 * 7919) % (n - 4) + 1)
+
+
+@amx_kernels
+def test_screened_argmax_refuses_what_it_cannot_do():
+    kernels = native.load()
+    weight = torch.randn(40, 96).bfloat16()
+    packed = pack_gemv_weight(weight)
+    empty = torch.empty(0, dtype=torch.bfloat16)
+    q, scale, q1, _ = torch.zeros(3, 24, 16, 4, dtype=torch.int8), torch.zeros(48), torch.zeros(48), 0
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        kernels.amx_linear_argmax_screened(
+            torch.empty(2, dtype=torch.int64),
+            torch.randn(2, 96).bfloat16(),
+            packed,
+            empty,
+            40,
+            q,
+            scale,
+            q1,
+            1.0,
+            weight,
+        )
+    weight = torch.randn(40, 64).bfloat16()
+    packed = pack_gemv_weight(weight)
+    screen = list(pack_screen_weight(packed, 40, empty))
+    screen[0] = screen[0][:2]
+    with pytest.raises(RuntimeError, match="qweight must be"):
+        kernels.amx_linear_argmax_screened(
+            torch.empty(2, dtype=torch.int64), torch.randn(2, 64).bfloat16(), packed, empty, 40, *screen
+        )
 
 
 def test_builds_without_amx_say_so():

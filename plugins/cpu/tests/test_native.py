@@ -37,7 +37,7 @@ def x86(monkeypatch):
         (V4, "avx512"),
         (V4 | {"avx512_bf16", "avx512_vnni"}, "avx512bf16"),
         (V4 | {"avx512_bf16"}, "avx512"),  # the bf16 builds use VNNI too (int8 activations)
-        (V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}, "amx"),
+        (V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}, "amx"),
         (V4 | {"avx512_bf16", "avx512_vnni", "amx_tile"}, "avx512bf16"),  # AMX tiles without their bf16 products
         (V4 | {"amx_tile", "amx_bf16"}, "avx512"),
         (V3 | {"avx512_bf16"}, "avx2"),
@@ -77,7 +77,18 @@ EXPECTED_ISA = {
     "avx2": {"avx2", "fma"},
     "avx512": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"},
     "avx512bf16": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"},
-    "amx": {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"},
+    "amx": {
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512_vnni",
+        "avx512_bf16",
+        "amx_tile",
+        "amx_bf16",
+        "amx_int8",
+    },
 }
 
 

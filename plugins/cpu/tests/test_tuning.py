@@ -53,7 +53,7 @@ def spy_on_kernels(method: OneDNNLinearMethod) -> list[tuple[str, int]]:
     kernels = method.kernels
 
     class Spy:
-        variant = kernels.variant
+        variant, __file__ = kernels.variant, kernels.__file__
 
         def __getattr__(self, name):
             def run(*args):
@@ -181,7 +181,7 @@ def test_the_linear_method_follows_the_measured_choice_and_frees_unused_copies(s
     kernels = method.kernels
 
     class Spy:
-        variant = kernels.variant
+        variant, __file__ = kernels.variant, kernels.__file__
 
         def gemv(self, *args):
             calls.append(args[1].shape[0])
@@ -330,3 +330,51 @@ def test_an_lm_head_picks_greedy_tokens_without_logits_where_amx_linear_runs(sto
             assert picks is None
     ran = [call for call in calls if call[0] == "amx_linear_argmax"]
     assert ran == [("amx_linear_argmax", 3), ("amx_linear_argmax", 40), ("amx_linear_argmax", 300)]
+
+
+def test_a_head_picks_on_its_int8_screen_in_the_bands_where_timing_found_it_faster(store, monkeypatch):
+    """At the head's first greedy pick the two pick kernels are timed per band (stored like the
+    linear kernels' choices); the bands where the screened one won run it, with the same picks
+    as the head's logits, and describe() reports the choice."""
+    from engine.layers.linear import ParallelLMHead, gather_argmax, gather_logits
+    from engine_cpu import native
+
+    kernels = native.load()
+    if not onednn_available() or kernels is None or not kernels.amx_supported():
+        pytest.skip("no AMX tiles here")
+    greedy = ("amx", "amx", "screened", "screened", "amx", "amx", "screened", "amx", "amx")
+    timed = []
+
+    def measure(layers, candidates, dtype):
+        timed.append(sorted(candidates))
+        picked = greedy if "screened" in candidates else AMX_PICKS
+        for kernel in candidates.values():  # every candidate runs
+            kernel(layers[0], torch.randn(5, 64).bfloat16())
+        return {(300, 64): tuning.Measured(picked, tuple(dict.fromkeys(candidates, 1.0) for _ in picked))}
+
+    monkeypatch.setattr(tuning, "measure", measure)
+    head = ParallelLMHead(64, 300, torch.bfloat16)
+    head.weight.data.normal_()
+    weight = head.weight.data.clone()
+    method = OneDNNLinearMethod(kernels)
+    apply_linear_method(torch.nn.ModuleList([head]), method)
+    calls = spy_on_kernels(method)
+    for rows in (3, 40, 300):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(gather_argmax(head, x), gather_logits(head, x).float().argmax(dim=-1))
+    assert timed == [["amx", "gemv", "onednn"], ["amx", "screened"]]
+    ran = [call for call in calls if call[0].startswith("amx_linear_argmax") and call[1] in (3, 40, 300)]
+    assert ran[-3:] == [
+        ("amx_linear_argmax_screened", 3),
+        ("amx_linear_argmax_screened", 40),
+        ("amx_linear_argmax", 300),
+    ]
+    assert method.describe().endswith("; greedy picks 300x64: amx 1-2, screened 3-8, amx 9-32, screened 33-64, amx 65+")
+    # a second start reads the choice from the store and times nothing
+    head2 = ParallelLMHead(64, 300, torch.bfloat16)
+    head2.weight.data.copy_(weight)
+    method2 = OneDNNLinearMethod(kernels)
+    apply_linear_method(torch.nn.ModuleList([head2]), method2)
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(gather_argmax(head2, x), gather_logits(head2, x).float().argmax(dim=-1))
+    assert len(timed) == 2

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <vector>
 
 // paged_attention.cpp
@@ -49,6 +50,10 @@ bool amx_supported();
 void amx_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
 void amx_gated_linear(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias);
 void amx_linear_argmax(torch::Tensor out, torch::Tensor x, torch::Tensor packed, torch::Tensor bias, int64_t N);
+std::tuple<int64_t, int64_t> amx_linear_argmax_screened(torch::Tensor out, torch::Tensor x, torch::Tensor packed,
+                                                        torch::Tensor bias, int64_t N, torch::Tensor qweight,
+                                                        torch::Tensor scale, torch::Tensor q1, double max_scale,
+                                                        torch::Tensor rowmajor);
 
 // dot_linear.cpp
 void dot_linear(torch::Tensor out, torch::Tensor x, torch::Tensor w, torch::Tensor bias);
@@ -114,6 +119,9 @@ std::vector<std::string> compiled_isa() {
 #if defined(__AMX_BF16__)
   isa.push_back("amx_bf16");
 #endif
+#if defined(__AMX_INT8__)
+  isa.push_back("amx_int8");
+#endif
   return isa;
 }
 
@@ -127,6 +135,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_linear", &amx_linear, "out = x @ W^T + bias on AMX tiles, W packed by pack_gemv_weight (bf16)");
   m.def("amx_linear_argmax", &amx_linear_argmax,
         "greedy picks: argmax of each row of x @ W^T + bias on AMX tiles, the outputs never stored");
+  m.def("amx_linear_argmax_screened", &amx_linear_argmax_screened,
+        "amx_linear_argmax's picks, most columns ruled out first on an int8 copy of the weight; returns "
+        "(columns computed exactly, rows unscreened)");
   m.def("amx_gated_linear", &amx_gated_linear,
         "out = silu(x @ Wg^T + bg) * (x @ Wu^T + bu) on AMX tiles, [Wg; Wu] packed by pack_gemv_weight (bf16)");
   m.def("dot_linear", &dot_linear, "out = x @ W^T + bias, each output summed in an order fixed by K (fp32 / bf16)");

@@ -184,11 +184,14 @@ class Session:
             f"{d['architecture']} on {d['platform']} ({d['dtype']}{quantized}), max_num_seqs {d['max_num_seqs']}, "
             f"max_num_batched_tokens {d['max_num_batched_tokens']}, {d['kv_cache_blocks']} KV blocks of {d['block_size']}"
         )
-        if d["linear_kernels"]:  # what the platform's linear method chose, by measuring or by rule
-            self.report.setup["engine linear kernels"] = "; ".join(d["linear_kernels"])
         key = "weights" if runner_name == ENGINE else f"weights, {runner_name}"
         self.report.setup[key] = d["weights"].split(": ", 1)[1]  # what the engine logged at load, less "weights: "
         runner.warm_up(self.warmup)
+        # what the platform's linear method chose, by measuring or by rule; after the warm-up, which
+        # makes the choices left to a first call (an LM head's greedy pick kernels)
+        kernels = runner.linear_kernels()
+        if kernels:
+            self.report.setup["engine linear kernels"] = "; ".join(kernels)
         return runner
 
     def hf(self) -> HFPeer | None:

@@ -232,7 +232,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
         from engine_cpu import tuning
 
         screen = None
-        size = layer.gemv_weight.numel() * 3 // 2  # int8 and bf16 copies: 3 bytes a weight
+        size = layer.gemv_weight.numel() * 3  # the int8 and row-major bf16 copies: 3 bytes a weight
         fits = self.copy_budget_bytes is None or size <= self.copy_budget_bytes
         if fits and tuning.mode() != "off":
             tensors = pack_screen_weight(layer.gemv_weight, layer.gemv_out, layer.gemv_bias)

@@ -460,7 +460,6 @@ ScreenRows round_rows(const at::BFloat16* x, int64_t x_stride, int64_t M, int64_
 // one thread range's candidates: per row a threshold (the largest widened lower bound seen; +inf
 // for rows left unscreened) and a list of (column, upper bound) that reached it when seen
 struct ScreenRange {
-  int64_t first_block;
   std::vector<float> threshold;
   std::vector<int32_t> count;
   std::unique_ptr<int32_t[]> cols;  // [M][kRowCandidates]
@@ -630,7 +629,6 @@ std::pair<int64_t, int64_t> run_screened(int64_t* picks, const at::BFloat16* xp,
   std::vector<ScreenRange> ranges;
   at::parallel_for(0, (blocks + 1) / 2, 8, [&](int64_t u0, int64_t u1) {
     ScreenRange r;
-    r.first_block = 2 * u0;
     r.threshold.resize(M);
     for (int64_t m = 0; m < M; ++m) r.threshold[m] = x.unscreened[m] ? -neg_inf : neg_inf;
     r.count.assign(M, 0), r.overflow.assign(M, 0);

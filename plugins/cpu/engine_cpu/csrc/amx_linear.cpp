@@ -182,12 +182,12 @@ inline void prefetch_tile(const T* w, int64_t elem, int64_t block_elems) {
 
 // C tile c += A tile a times B tile b: bf16 pairs summed in fp32, or int8 quads in int32 (a macro:
 // the tile intrinsics take their tile numbers as literals)
-#define ENGINE_CPU_TILE_DOT(T, c, a, b) \
-  do {                                   \
+#define ENGINE_CPU_TILE_DOT(T, c, a, b)      \
+  do {                                       \
     if constexpr (std::is_same_v<T, int8_t>) \
-      _tile_dpbssd(c, a, b);             \
-    else                                 \
-      _tile_dpbf16ps(c, a, b);           \
+      _tile_dpbssd(c, a, b);                 \
+    else                                     \
+      _tile_dpbf16ps(c, a, b);               \
   } while (0)
 
 // one pass: rows [m0, m0 + rows0 + rows1) of x (rows0 <= 16 in slice 0, rows1 <= 16 in slice 1)

@@ -39,6 +39,7 @@ def x86(monkeypatch):
         (V4 | {"avx512_bf16"}, "avx512"),  # the bf16 builds use VNNI too (int8 activations)
         (V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"}, "amx"),
         (V4 | {"avx512_bf16", "avx512_vnni", "amx_tile"}, "avx512bf16"),  # AMX tiles without their bf16 products
+        (V4 | {"avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}, "avx512bf16"),  # nor int8 ones
         (V4 | {"amx_tile", "amx_bf16"}, "avx512"),
         (V3 | {"avx512_bf16"}, "avx2"),
     ],

@@ -430,14 +430,12 @@ ScreenRows round_rows(const at::BFloat16* x, int64_t x_stride, int64_t M, int64_
   r.q.resize(M * K);
   r.inv_scale.assign(M, 0.0f), r.l1_term.assign(M, 0.0f), r.unscreened.assign(M, 0);
   const __m512 sign = _mm512_set1_ps(-0.0f);
-  auto load = [](const at::BFloat16* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-  };
+  using engine_cpu::load_bf16;
   for (int64_t m = 0; m < M; ++m) {
     const at::BFloat16* h = x + m * x_stride;
     __m512 largest = _mm512_setzero_ps(), l1 = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
-      const __m512 a = _mm512_andnot_ps(sign, load(h + k));
+      const __m512 a = _mm512_andnot_ps(sign, load_bf16(h + k));
       largest = _mm512_max_ps(largest, a);
       l1 = _mm512_add_ps(l1, a);
     }
@@ -452,7 +450,7 @@ ScreenRows round_rows(const at::BFloat16* x, int64_t x_stride, int64_t M, int64_
     const __m512 inv = _mm512_set1_ps(inverse);
     for (int64_t k = 0; k < K; k += 16)  // nearest (even), saturated to +-127 by the scale
       _mm_storeu_si128((__m128i*)(r.q.data() + m * K + k),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(load(h + k), inv))));
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(load_bf16(h + k), inv))));
   }
   return r;
 }

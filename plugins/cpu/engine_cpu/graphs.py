@@ -114,6 +114,14 @@ class _Recorder(TorchDispatchMode):
     ``(callable, args, kwargs, recorded output or None)``; ``refusal`` says why a replay could
     not repeat the forward (None: it can)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode wraps a subclass's __torch_dispatch__ in torch._dynamo.disable unless
+        # this says no, and that wrapper imports torch._dynamo (and triton, where installed) at
+        # the first op: about 0.7 s inside the first decode step a process captures. A capture
+        # never runs under torch.compile, so there is nothing for the wrapper to disable.
+        return False
+
     def __init__(self, tape: list) -> None:
         super().__init__()
         self.tape = tape

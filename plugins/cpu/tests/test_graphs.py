@@ -6,6 +6,9 @@ give the tokens of the same engine run eagerly."""
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 import threading
 import types
 
@@ -57,6 +60,32 @@ def test_a_replay_recomputes_kernels_and_ops_from_the_inputs_current_values(kern
         graph.replay()
         expected = torch.cat([reference_rms_norm(x[:, 4:12] * 2.0, weight, 1e-6) + x[:, :8], x[:, 20:]], dim=1)
         torch.testing.assert_close(captured, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_capture_leaves_torch_dynamo_unimported():
+    """A dispatch mode's __torch_dispatch__ is wrapped by torch._dynamo.disable unless the mode
+    opts out, and the wrapper imports torch._dynamo (and triton, where installed) at its first
+    op: most of a second inside the first decode step a server captures. In a fresh process, a
+    capture and a replay must leave it unimported."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import torch
+        from engine_cpu.graphs import CpuGraph
+
+        x = torch.randn(4, 8)
+        graph = CpuGraph()
+        with torch.inference_mode():
+            out = graph.capture(lambda: (x[:, 2:6] * 2.0).relu())
+            x.copy_(torch.randn(4, 8))
+            graph.replay()
+        assert torch.equal(out, (x[:, 2:6] * 2.0).relu()), "the replay did not recompute"
+        print("torch._dynamo" in sys.modules)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,7 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
             self.candidates(),
             torch.bfloat16,
             # the candidates' meaning is part of the key: gate/up layers are timed with their activation
-            f"{self.kernels.variant} {self.kernels.__file__} gate/up with silu",
+            f"{self.kernels.build} gate/up with silu",
         )
         self.choices = {shape: m.choice for shape, m in choices.items()}
         self.measured = True
@@ -241,9 +241,9 @@ class OneDNNLinearMethod(UnquantizedLinearMethod):
                     "amx": self._picks,
                     "screened": lambda lay, rows: self._picks(lay, rows, tensors),
                 }
-                measured = tuning.choose(
-                    [layer], candidates, torch.bfloat16, f"{self.kernels.variant} {self.kernels.__file__} greedy picks"
-                )[tuning.shape_of(layer)]
+                measured = tuning.choose([layer], candidates, torch.bfloat16, f"{self.kernels.build} greedy picks")[
+                    tuning.shape_of(layer)
+                ]
                 if "screened" in measured.choice:
                     screen = (tensors, measured.choice)
                     if self.copy_budget_bytes is not None:

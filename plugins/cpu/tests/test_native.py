@@ -195,6 +195,29 @@ def test_a_build_killed_midway_is_recovered_by_the_next_start(tmp_path):
     assert not any(path.exists() for path in abandoned)
 
 
+def test_the_process_that_builds_and_later_ones_name_the_build_alike(tmp_path):
+    """Measurements of a build are stored under its ``build`` name: the process that compiled it
+    (and imported it from its work directory) must give the same name as the next start, or
+    that start would time every kernel again."""
+    source = tmp_path / "src" / "tiny.cpp"
+    source.parent.mkdir()
+    source.write_text(TINY)
+    root = tmp_path / "cache"
+    script = (
+        "from pathlib import Path; from engine_cpu import native; "
+        f"m = native.build(native.Variant('nametest', (), frozenset()), Path({str(root)!r}), [Path({str(source)!r})]); "
+        "print(m.build, m.answer())"
+    )
+    names = []
+    for _ in range(2):  # the first compiles, the second loads the cached build
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        names.append(done.stdout.split())
+    key = native.build_key(tiny_variant("nametest"), [source])
+    assert names == [[f"nametest-{key}", "42"]] * 2
+    assert (root / f"nametest-{key}").is_dir()
+
+
 def test_waiting_for_another_build_says_so_and_goes_on_when_its_holder_dies(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(native, "PROGRESS_SECONDS", 0.2)
     lock = tmp_path / "x.lock"

@@ -37,6 +37,10 @@ ROW_BANDS = (1, 2, 4, 8, 16, 32, 64, 512, 2048)
 # the measurement stops adding repeats once it has taken this long
 BUDGET_SECONDS = 4.0
 MAX_REPEATS = 5
+# a candidate this many times slower than the fastest in a band, for every shape, in the first
+# counted repeat is not timed again there: the budget goes to repeats of the ones in contention
+# (a packed-weight gemv takes ten times oneDNN's time at 2048 rows, most of a repeat)
+OUT_OF_CONTENTION = 3.0
 
 Kernel = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
@@ -152,7 +156,9 @@ def measure(
     layers: Sequence[nn.Module], candidates: Mapping[str, Kernel], dtype: torch.dtype
 ) -> dict[tuple[int, int], Measured]:
     """Times each candidate over all ``layers`` in order, per band; per shape, the time of a
-    band is the sum over that shape's layers, and the best of the repeats counts."""
+    band is the sum over that shape's layers, and the best of the repeats counts. After the
+    first counted repeat, a band stops timing the candidates out of contention there
+    (:data:`OUT_OF_CONTENTION`); their first time stays their time."""
     inputs = {}
     gen = torch.Generator().manual_seed(0)
     for layer in layers:
@@ -161,10 +167,13 @@ def measure(
             inputs[k] = torch.randn(ROW_BANDS[-1], k, generator=gen).to(dtype)
     best: dict[tuple[int, int], list[dict[str, float]]] = {shape_of(layer): [{} for _ in ROW_BANDS] for layer in layers}
     spent = 0.0
+    dropped: set[tuple[int, str]] = set()  # (band, candidate) no longer timed
     for repeat in range(MAX_REPEATS + 1):  # the first pass warms up and is not counted
         start = time.perf_counter()
         for b, rows in enumerate(ROW_BANDS):
             for name, kernel in candidates.items():
+                if (b, name) in dropped:
+                    continue
                 totals: dict[tuple[int, int], float] = {}
                 for layer in layers:
                     x = inputs[int(layer.input_size)][:rows]
@@ -177,6 +186,11 @@ def measure(
                         band = best[shape][b]
                         band[name] = min(band.get(name, float("inf")), seconds)
         spent += time.perf_counter() - start
+        if repeat == 1:
+            for b in range(len(ROW_BANDS)):
+                for name in candidates:
+                    if all(bands[b][name] > OUT_OF_CONTENTION * min(bands[b].values()) for bands in best.values()):
+                        dropped.add((b, name))
         if repeat and spent >= BUDGET_SECONDS:
             break
     return {

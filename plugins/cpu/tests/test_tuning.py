@@ -53,7 +53,7 @@ def spy_on_kernels(method: OneDNNLinearMethod) -> list[tuple[str, int]]:
     kernels = method.kernels
 
     class Spy:
-        variant, __file__ = kernels.variant, kernels.__file__
+        variant, build = kernels.variant, kernels.build
 
         def __getattr__(self, name):
             def run(*args):
@@ -123,6 +123,40 @@ def test_the_fastest_candidate_of_each_band_is_chosen_stored_and_reused(store):
     assert calls["flat"] > before["flat"]
 
 
+def test_a_candidate_far_slower_everywhere_in_a_band_is_timed_once_there(store):
+    """After the first counted repeat, a band stops timing a candidate more than
+    OUT_OF_CONTENTION times slower than its fastest for every shape; the others go on."""
+    calls = {"fast": 0, "close": 0, "slow": 0, "slow_for_one": 0}
+
+    def timed(name, seconds):
+        def kernel(module, x):
+            calls[name] += 1
+            spin(seconds(module))
+            return x
+
+        return kernel
+
+    layers = [layer(16, 8), layer(32, 8)]
+    candidates = {
+        "fast": timed("fast", lambda m: 0.0004),
+        "close": timed("close", lambda m: 0.0006),  # 1.5x: in contention
+        "slow": timed("slow", lambda m: 0.004),  # 10x everywhere
+        "slow_for_one": timed("slow_for_one", lambda m: 0.004 if m.weight.shape[0] == 16 else 0.0005),
+    }
+    chosen = tuning.choose(layers, candidates, torch.bfloat16, "build-1", store)
+    bands, per_pass = len(tuning.ROW_BANDS), len(tuning.ROW_BANDS) * len(layers)
+    passes = 1 + tuning.MAX_REPEATS  # the warm-up and the counted repeats
+    assert calls == {
+        "fast": passes * per_pass,
+        "close": passes * per_pass,
+        "slow": 2 * per_pass,
+        "slow_for_one": passes * per_pass,
+    }
+    for shape in ((16, 8), (32, 8)):
+        assert chosen[shape].choice == ("fast",) * bands
+        assert all(band["slow"] > 5 * band["fast"] for band in chosen[shape].seconds)  # its one counted time
+
+
 def test_fresh_measures_again_and_a_damaged_store_is_measured_over(store, monkeypatch):
     count = []
 
@@ -181,7 +215,7 @@ def test_the_linear_method_follows_the_measured_choice_and_frees_unused_copies(s
     kernels = method.kernels
 
     class Spy:
-        variant, __file__ = kernels.variant, kernels.__file__
+        variant, build = kernels.variant, kernels.build
 
         def gemv(self, *args):
             calls.append(args[1].shape[0])

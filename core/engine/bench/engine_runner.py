@@ -129,7 +129,6 @@ class EngineRunner:
             "kv_cache_blocks": self.engine.kv_cache.num_blocks,
             "block_size": self.config.block_size,
             "timed_labels": self.timed_labels(),
-            "linear_kernels": self.linear_kernels(),
             "weights": self.weight_memory().describe(),
         }
 

@@ -298,18 +298,16 @@ def _import(variant: Variant, library: Path) -> ModuleType:
     directory's name, variant and key): what measurements of it are stored under, the same in
     the process that built it (which imported it from its work directory) as in every later one."""
     name = module_name(variant)
-    if name in sys.modules:
-        module = sys.modules[name]
-        module.build = library.parent.name
-        return module
-    import torch  # noqa: F401  (the extension links against libtorch, loaded by this import)
+    module = sys.modules.get(name)
+    if module is None:
+        import torch  # noqa: F401  (the extension links against libtorch, loaded by this import)
 
-    spec = importlib.util.spec_from_file_location(name, library)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+        spec = importlib.util.spec_from_file_location(name, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+        _stamp(library.parent)
     module.build = library.parent.name
-    sys.modules[name] = module
-    _stamp(library.parent)
     return module
 
 
